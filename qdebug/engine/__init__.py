@@ -1,0 +1,23 @@
+"""qdebug's embedded quantization engine: no files, no terminal, just modules.
+
+    from qdebug.engine import QuantSpec, QConfig, prepare, calibrate, set_mode, quant_points, convert, absorb_bn, FuseBN
+"""
+
+from qdebug.engine.convert import convert
+from qdebug.engine.fusebn import FuseBN
+from qdebug.engine.prepare import absorb_bn, calibrate, engine_state, is_prepared, prepare, quant_points, set_mode
+from qdebug.engine.spec import QConfig, QuantSpec
+
+__all__ = [
+    "QuantSpec",
+    "QConfig",
+    "prepare",
+    "calibrate",
+    "set_mode",
+    "quant_points",
+    "convert",
+    "absorb_bn",
+    "FuseBN",
+    "engine_state",
+    "is_prepared",
+]

@@ -1,0 +1,288 @@
+"""``ForwardContext``: names every layer call and inline op of one forward pass.
+
+While a model runs inside a context, two interceptors are active:
+
+- global module hooks see every ``nn.Module`` call.  A module the engine knows
+  (``ops.module_category``) is one *call*; a container only scopes the inline ops
+  written in its ``forward``;
+- a ``TorchFunctionMode`` sees every torch function and tensor method, so
+  ``x + y``, ``torch.cat``, ``F.relu`` and ``x.mean()`` written inline in a
+  container become calls too -- no model rewrite, and eager models that FX
+  cannot trace work the same.
+
+Call names follow the module tree: a module call is its path (``layer1.0.conv1``),
+an inline op is ``<container path>.<op>`` (``layer1.0.add``), a model input is
+``input``; the k-th call of the same name in one forward gets ``#k``
+(``layer1.0.relu#2``).  A ``Handler`` decides what happens at each call
+(record a graph, quantize, tap for statistics); the context itself only names.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from qdebug.engine.ops import (
+    canonical_op_name,
+    function_category,
+    map_tensors,
+    module_category,
+    tensors_in,
+)
+
+
+@dataclass
+class Call:
+    """One named call in a forward pass."""
+
+    name: str  # unique in the forward: "layer1.0.relu#2"
+    base: str  # without the call index: "layer1.0.relu"
+    index: int  # 1-based call index of ``base``
+    category: str  # see qdebug.engine.ops
+    op: str  # module class name, or function name for inline ops
+    owner: str  # module path of the module called, or of the container of an inline op
+    module: nn.Module | None = None
+
+
+class Handler:
+    """What to do at each call.  The default handler only computes (naming only)."""
+
+    def on_input(self, ctx: "ForwardContext", call: Call, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def before_module(self, ctx: "ForwardContext", call: Call, module: nn.Module, args: tuple) -> None:
+        pass
+
+    def on_module_output(self, ctx: "ForwardContext", call: Call, module: nn.Module, args: tuple, output: Any) -> Any:
+        return output
+
+    def on_op(self, ctx: "ForwardContext", call: Call, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+    def on_fallback(self, ctx: "ForwardContext", call: Call, func: Callable, args: tuple, output: Any) -> Any:
+        return output
+
+    def on_passthrough(self, ctx: "ForwardContext", func: Callable | None, args: tuple, output: Any) -> Any:
+        return output
+
+    def on_model_output(self, ctx: "ForwardContext", output: Any) -> Any:
+        return output
+
+
+# A listener sees every value call: (call, input tensors, output before the
+# handler's change, output after it).  Tools (compare, nan-trace) attach here.
+Listener = Callable[[Call, list, Any, Any], None]
+
+_local = threading.local()
+
+
+def active_context() -> "ForwardContext | None":
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+@dataclass
+class _Frame:
+    kind: str  # "container" | "leaf" | "skip"
+    name: str = ""
+    call: Call | None = None
+
+
+class ForwardContext(TorchFunctionMode):
+    """Names calls of ``root``'s forward and routes them to ``handler`` (see module docstring)."""
+
+    def __init__(self, root: nn.Module, handler: Handler | None = None, listeners: list[Listener] | None = None):
+        super().__init__()
+        self.root = root
+        self.handler = handler or Handler()
+        self.listeners = list(listeners or [])
+        self.module_names = {id(m): n for n, m in root.named_modules()}
+        self.counts: dict[str, int] = defaultdict(int)
+        self.frames: list[_Frame] = [_Frame("container", "")]
+        self.leaf_depth = 0
+        self.busy = 0  # >0 while engine code runs: its own torch calls are not the model's
+        self._handles: list[Any] = []
+
+    # -- entering / leaving --------------------------------------------------------
+    def __enter__(self):
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            torch.nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        _local.stack.pop()
+        return super().__exit__(exc_type, exc, tb)
+
+    # -- naming ---------------------------------------------------------------------
+    def new_call(self, base: str, category: str, op: str, owner: str, module: nn.Module | None = None) -> Call:
+        self.counts[base] += 1
+        index = self.counts[base]
+        name = base if index == 1 else f"{base}#{index}"
+        return Call(name=name, base=base, index=index, category=category, op=op, owner=owner, module=module)
+
+    def container(self) -> str:
+        for frame in reversed(self.frames):
+            if frame.kind == "container":
+                return frame.name
+        return ""
+
+    def emit(self, call: Call, inputs: list, raw: Any, out: Any) -> None:
+        if self.listeners:
+            self.busy += 1
+            try:
+                for listener in self.listeners:
+                    listener(call, inputs, raw, out)
+            finally:
+                self.busy -= 1
+
+    # -- model inputs and outputs -------------------------------------------------
+    def process_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def one(x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_floating_point(x):
+                return x
+            call = self.new_call("input", "input", "input", "")
+            self.busy += 1
+            try:
+                out = self.handler.on_input(self, call, x)
+            finally:
+                self.busy -= 1
+            self.emit(call, [], x, out)
+            return out
+
+        return map_tensors(args, one), map_tensors(kwargs, one)
+
+    def process_output(self, output: Any) -> Any:
+        self.busy += 1
+        try:
+            return self.handler.on_model_output(self, output)
+        finally:
+            self.busy -= 1
+
+    # -- module hooks -------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if self.busy or module is self.root or active_context() is not self:
+            return None
+        name = self.module_names.get(id(module))
+        if name is None or self.leaf_depth:
+            self.frames.append(_Frame("skip"))
+            return None
+        category = module_category(module)
+        if category is None:
+            self.frames.append(_Frame("container", name))
+            return None
+        call = self.new_call(name, category, type(module).__name__, name, module)
+        self.frames.append(_Frame("leaf", name, call))
+        self.leaf_depth += 1
+        self.busy += 1
+        try:
+            self.handler.before_module(self, call, module, args)
+        finally:
+            self.busy -= 1
+        return None
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.busy or module is self.root or active_context() is not self:
+            return None
+        frame = self.frames.pop()
+        if frame.kind != "leaf":
+            return None
+        self.leaf_depth -= 1
+        self.busy += 1
+        try:
+            if frame.call.category == "passthrough":
+                new = self.handler.on_passthrough(self, None, args, output)
+            else:
+                new = self.handler.on_module_output(self, frame.call, module, args, output)
+        finally:
+            self.busy -= 1
+        if frame.call.category != "passthrough":
+            self.emit(frame.call, tensors_in(args), output, new)
+        return new
+
+    # -- inline ops -----------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.busy or self.leaf_depth:
+            return func(*args, **kwargs)
+        category = function_category(func, args, kwargs)
+        if category == "passthrough":
+            out = func(*args, **kwargs)
+            self.busy += 1
+            try:
+                return self.handler.on_passthrough(self, func, args, out)
+            finally:
+                self.busy -= 1
+        if category == "fallback":
+            return self._fallback(func, args, kwargs)
+        owner = self.container()
+        op = canonical_op_name(func, category)
+        call = self.new_call(f"{owner}.{op}" if owner else op, category, op, owner)
+        self.busy += 1
+        try:
+            out = self.handler.on_op(self, call, func, args, kwargs)
+        finally:
+            self.busy -= 1
+        self.emit(call, tensors_in((args, kwargs)), None, out)
+        return out
+
+    def _fallback(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        inputs = [t for t in tensors_in((args, kwargs)) if torch.is_floating_point(t)]
+        produced = [t for t in tensors_in(out) if torch.is_floating_point(t)]
+        # Creation ops (no tensor input) and parameter-only ops are constants, and
+        # results with no float tensor (sizes, masks) are not activations.
+        if not produced or not any(not isinstance(t, nn.Parameter) for t in inputs):
+            return out
+        owner = self.container()
+        op = canonical_op_name(func, "fallback")
+        call = self.new_call(f"{owner}.{op}" if owner else op, "fallback", op, owner)
+        self.busy += 1
+        try:
+            new = self.handler.on_fallback(self, call, func, args, out)
+        finally:
+            self.busy -= 1
+        self.emit(call, inputs, out, new)
+        return new
+
+
+def run_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` on one batch of inputs: a tensor, a tuple/list of args, or a dict of kwargs."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+@dataclass
+class NamingRun:
+    """Helper to run a plain (unprepared) model inside a context, for tools that tap it."""
+
+    model: nn.Module
+    handler: Handler = field(default_factory=Handler)
+    listeners: list = field(default_factory=list)
+
+    def __call__(self, inputs: Any) -> Any:
+        with ForwardContext(self.model, self.handler, self.listeners) as ctx:
+            if isinstance(inputs, dict):
+                args, kwargs = ctx.process_inputs((), inputs)
+            elif isinstance(inputs, (tuple, list)):
+                args, kwargs = ctx.process_inputs(tuple(inputs), {})
+            else:
+                args, kwargs = ctx.process_inputs((inputs,), {})
+            return ctx.process_output(self.model(*args, **kwargs))

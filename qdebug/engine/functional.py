@@ -1,0 +1,179 @@
+"""Quant points at work during a forward: the handler of a prepared model.
+
+``QuantHandler`` is the ``ForwardContext`` handler installed by ``prepare``.  At
+each named call it applies the call's activation quant point (module outputs,
+inline ``x + y`` / ``torch.cat`` / ``F.relu`` / ``x.mean()`` ..., model inputs).
+Passthrough ops carry the grid tag of their input forward.  In the quantized
+stage, inline add/sub/mul/cat/mean/avg-pool run as integer kernels on the codes
+of their inputs and land directly on the output point's grid (TFLite-style
+rescaling, see docs/engine.md); everything else computes in float and is
+re-quantized by its point, which is what a lookup-table kernel does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine import integer
+from qdebug.engine.context import Call, ForwardContext, Handler
+from qdebug.engine.modules import _QWeighted
+from qdebug.engine.ops import map_tensors, tensors_in
+from qdebug.engine.point import QuantPoint, grid_of, tag
+
+
+class QuantHandler(Handler):
+    def __init__(self, state: "Any") -> None:
+        self.state = state  # qdebug.engine.prepare.EngineState
+
+    # -- helpers ----------------------------------------------------------------
+    def _point(self, call: Call) -> QuantPoint | None:
+        point = self.state.points.get(call.name)
+        if point is None and call.name not in self.state.plan.calls:
+            point = self.state.discover(call)
+        return point
+
+    def _apply(self, call: Call, output: Any) -> Any:
+        point = self._point(call)
+        if point is None or point.mode == "float":
+            return output
+        return map_tensors(output, lambda t: point.apply(t) if torch.is_floating_point(t) else t)
+
+    def _out_target(self, call: Call) -> tuple[QuantPoint | None, str | None]:
+        rec = self.state.plan.calls.get(call.name)
+        if rec is None or rec.output_point is None:
+            return None, None
+        return self.state.points.get(rec.output_point), rec.fused_activation
+
+    # -- events -------------------------------------------------------------------
+    def on_input(self, ctx: ForwardContext, call: Call, x: torch.Tensor) -> torch.Tensor:
+        return self._apply(call, x)
+
+    def before_module(self, ctx, call, module, args):
+        if isinstance(module, _QWeighted):
+            point, activation = self._out_target(call)
+            object.__setattr__(module, "_out_point", point if point is not None and point.mode == "fake" else None)
+            object.__setattr__(module, "_fused_activation", activation)
+
+    def on_module_output(self, ctx, call, module, args, output):
+        if self.state.stage == "quantized" and call.category == "avgpool" and isinstance(output, torch.Tensor):
+            out_point, activation = self._out_target(call)
+            result = _integer_rescale_average(args[0], output, module, out_point)
+            if result is not None:
+                return self._apply(call, result)
+        return self._apply(call, output)
+
+    def on_op(self, ctx, call, func, args, kwargs):
+        if self.state.stage == "quantized":
+            out_point, activation = self._out_target(call)
+            if out_point is not None and out_point.mode == "fake":
+                result = _integer_op(call.category, func, args, kwargs, out_point, activation)
+                if result is not None:
+                    return self._apply(call, result)
+        return self._apply(call, func(*args, **kwargs))
+
+    def on_fallback(self, ctx, call, func, args, output):
+        return self._apply(call, output)
+
+    def on_passthrough(self, ctx, func, args, output):
+        sources = [t for t in tensors_in(args) if isinstance(t, torch.Tensor)]
+        point = grid_of(sources[0]) if sources else None
+        if point is not None:
+            for t in tensors_in(output):
+                if torch.is_floating_point(t):
+                    tag(t, point)
+        return output
+
+
+# -- integer kernels for inline ops ---------------------------------------------------
+def _grid_inputs(tensors: list) -> list[QuantPoint] | None:
+    points = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return None
+        point = grid_of(t)
+        if point is None or point.spec.per_channel or point.mode != "fake":
+            return None
+        points.append(point)
+    return points
+
+
+def _left_shift_for(points: list[QuantPoint]) -> int:
+    # Headroom so (q << shift) * m0 stays below 2^62 for 8- and 16-bit codes (TFLite uses 20 for int8).
+    return 28 - max(p.spec.bits for p in points)
+
+
+def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_point: QuantPoint, activation: str | None):
+    if out_point.spec.per_channel:
+        return None
+    if category in ("add", "sub") and len(args) == 2 and not kwargs:
+        a, b = args
+        points = _grid_inputs([a, b])
+        if points is None:
+            return None
+        shift = _left_shift_for(points)
+        s_a, s_b = (p.scale.detach().double() for p in points)
+        s_out = out_point.scale.detach().double()
+        twice_max = 2 * torch.maximum(s_a, s_b)
+        qa = integer.fixed_point_multiply(integer.codes(a, points[0]).to(torch.int64) << shift, s_a / twice_max)
+        qb = integer.fixed_point_multiply(integer.codes(b, points[1]).to(torch.int64) << shift, s_b / twice_max)
+        total = qa + qb if category == "add" else qa - qb
+        y = integer.requantize(total, twice_max / (2**shift * s_out), out_point, activation)
+        return tag(y, out_point)
+    if category == "mul" and len(args) == 2 and not kwargs:
+        points = _grid_inputs(list(args))
+        if points is None:
+            return None
+        product = (integer.codes(args[0], points[0]) * integer.codes(args[1], points[1])).to(torch.int64)
+        multiplier = points[0].scale.detach().double() * points[1].scale.detach().double() / out_point.scale.detach().double()
+        return tag(integer.requantize(product, multiplier, out_point, activation), out_point)
+    if category == "cat":
+        seq = args[0] if args else kwargs.get("tensors")
+        points = _grid_inputs(list(seq)) if isinstance(seq, (list, tuple)) else None
+        if points is None:
+            return None
+        s_out = out_point.scale.detach().double()
+        parts = []
+        for t, p in zip(seq, points):
+            q = integer.fixed_point_multiply(integer.codes(t, p).to(torch.int64), p.scale.detach().double() / s_out)
+            parts.append(integer.requantize_codes(q, out_point, activation))
+        rest = {k: v for k, v in kwargs.items() if k != "tensors"}
+        return tag(func(parts, *args[1:], **rest), out_point)
+    if category in ("mean", "avgpool"):
+        x = args[0] if args else None
+        points = _grid_inputs([x])
+        if points is None:
+            return None
+        average = func(integer.codes(x, points[0]), *args[1:], **kwargs)  # float64: exact sum / count
+        return tag(_rescale_average(average, points[0], out_point, activation), out_point)
+    return None
+
+
+def _rescale_average(average: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint, activation: str | None):
+    """round_half_away(mean of codes * s_in / s_out) + z_out, clamped."""
+    scaled = average * (in_point.scale.detach().double() / out_point.scale.detach().double())
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return integer.requantize_codes(q.to(torch.int64), out_point, activation)
+
+
+def _integer_rescale_average(x: Any, output: torch.Tensor, module: nn.Module, out_point: QuantPoint | None):
+    if out_point is None or out_point.mode != "fake" or out_point.spec.per_channel:
+        return None
+    points = _grid_inputs([x])
+    if points is None:
+        return None
+    average = module.forward(integer.codes(x, points[0]))
+    return tag(_rescale_average(average, points[0], out_point, None), out_point)
+
+
+def warn_fallbacks(names: list[str]) -> None:
+    if names:
+        warnings.warn(
+            f"qdebug: {len(names)} op(s) have no integer/quantized kernel and run in float, re-quantized at "
+            f"their output: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+            stacklevel=3,
+        )
+

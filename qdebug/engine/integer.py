@@ -1,0 +1,107 @@
+"""Integer arithmetic of the quantized stage: codes, fixed-point requantization, kernels.
+
+Tensors still flow between layers as float32 values, but every value lies
+exactly on its quant point's grid, x = (q - z) s, so ``codes`` recovers the
+integer q - z exactly (|q| <= 2^16 is far inside float32's 24-bit mantissa).
+Kernels then compute in integers:
+
+- accumulation: sum of (q_x - z_x)(q_w - z_w) products, exact.  Computed with
+  float64 convolutions/matmuls, which are exact for integers below 2^53
+  (int8 x uint8 products over 10^6 terms stay below 2^37);
+- bias: q_b = round(b / (s_x s_w)), int64 (int32 suffices for 8-bit operands);
+- requantization: q_y = z_y + round(acc * M), M = s_x s_w / s_y held as a fixed-point
+  multiplier m0 * 2^-n with m0 an integer of p = 31 bits (fewer when a 16-bit
+  accumulator needs the headroom, so acc * m0 < 2^62), rounding half away from
+  zero: r = sign(v) ((|v| + 2^(n-1)) >> n) with v = acc * m0;
+- then clamp to [qmin, qmax] and, for a fused ReLU/ReLU6, to [z, z + round(6/s)].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qdebug.engine.point import QuantPoint
+
+MAX_MULTIPLIER_BITS = 31
+
+
+def _broadcast_point(v: torch.Tensor, point: QuantPoint, ndim: int) -> torch.Tensor:
+    if v.dim() == 0 or not point.spec.per_channel:
+        return v
+    axis = point.spec.ch_axis % ndim
+    shape = [1] * ndim
+    shape[axis] = -1
+    return v.reshape(shape)
+
+
+def codes(x: torch.Tensor, point: QuantPoint) -> torch.Tensor:
+    """q - z of an on-grid float tensor, as float64 (exact integers)."""
+    scale = _broadcast_point(point.scale.detach(), point, x.dim())
+    return torch.round(x.float() / scale).to(torch.float64)
+
+
+def values(q: torch.Tensor, point: QuantPoint) -> torch.Tensor:
+    """Float32 values of integer codes q (with zero point), computed as torch's kernel does."""
+    scale = _broadcast_point(point.scale.detach(), point, q.dim())
+    zp = _broadcast_point(point.zero_point, point, q.dim()).to(torch.int64)
+    return (q - zp).to(torch.float32) * scale
+
+
+def fixed_point_multiply(acc: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    """round_half_away(acc * M) with M as an integer multiplier and a right shift.
+
+    ``acc`` int64; ``multiplier`` float64 broadcastable to it, all > 0.
+    """
+    multiplier = multiplier.to(torch.float64)
+    max_acc = int(acc.abs().max().item()) if acc.numel() else 0
+    acc_bits = max(max_acc.bit_length(), 1)
+    bits = max(min(MAX_MULTIPLIER_BITS, 62 - acc_bits), 8)
+    mantissa, exponent = torch.frexp(multiplier)  # M = f 2^e, f in [0.5, 1)
+    m0 = torch.round(mantissa * float(2**bits)).to(torch.int64)
+    shift = bits - exponent.to(torch.int64)  # M = m0 2^-shift
+    # m0 may round up to 2^bits; harmless (still < 2^(bits+1) and exact).
+    product = acc * m0
+    left = torch.clamp(-shift, min=0)
+    right = torch.clamp(shift, min=0)
+    magnitude = product.abs()
+    rounding = torch.where(right > 0, torch.bitwise_left_shift(torch.ones_like(right), (right - 1).clamp(min=0)), 0)
+    too_far = right > 62
+    right = right.clamp(max=62)
+    shifted = torch.bitwise_right_shift(magnitude + rounding, right)
+    shifted = torch.where(too_far, torch.zeros_like(shifted), shifted)
+    shifted = torch.bitwise_left_shift(shifted, left)
+    return torch.sign(product) * shifted
+
+
+def activation_bounds(point: QuantPoint, activation: str | None) -> tuple[int, int]:
+    """Integer clamp [lo, hi] for the output codes, including a fused ReLU/ReLU6."""
+    spec = point.spec
+    lo, hi = spec.qmin, spec.qmax
+    zp = point.zero_point
+    if zp.dim() != 0 or activation is None:
+        return lo, hi
+    z = int(zp)
+    if activation in ("relu", "relu6"):
+        lo = max(lo, z)
+    if activation == "relu6":
+        six = int(torch.round(torch.tensor(6.0) / point.scale.detach().float()).item())
+        hi = min(hi, z + six)
+    return lo, hi
+
+
+def requantize_codes(q: torch.Tensor, out_point: QuantPoint, activation: str | None) -> torch.Tensor:
+    """Codes already on the output scale (without zero point) -> clamped float32 values."""
+    zp = _broadcast_point(out_point.zero_point, out_point, q.dim()).to(torch.int64)
+    lo, hi = activation_bounds(out_point, activation)
+    return values((q + zp).clamp(lo, hi), out_point)
+
+
+def requantize(acc: torch.Tensor, multiplier: torch.Tensor, out_point: QuantPoint, activation: str | None) -> torch.Tensor:
+    """Integer accumulator -> output codes (with zero point), clamped; returns float32 values."""
+    return requantize_codes(fixed_point_multiply(acc, multiplier), out_point, activation)
+
+
+def channel_shape(ndim: int, axis: int = 1) -> list[int]:
+    shape = [1] * ndim
+    shape[axis] = -1
+    return shape

@@ -1,0 +1,234 @@
+"""Quantized wrappers for weighted layers, and Conv-BN in the three QAT modes.
+
+``QConv`` / ``QLinear`` replace ``nn.Conv1d/2d`` / ``nn.Linear`` at prepare.  They
+keep the same parameter names (``weight``, ``bias``) and the same place in the
+module tree, so a float state dict loads into them and layer names never change.
+
+Conv-BN (seed 003), with f = gamma / sqrt(running_var + eps):
+
+- ``fused`` (qat mode ``fuse_bn``, and after ``absorb``): BN folded into the conv,
+  W' = W f, b' = (b - mu) f + beta; the conv fake-quantizes W'.  The BN's place in
+  the tree holds a ``FoldedBatchNorm`` (identity) that keeps its name.
+- ``with_bn``: y = conv(x, fq(W)) + b, then the real BN (batch statistics in
+  training).  Folding later re-quantizes W f with a new scale: a real change.
+- ``reverse_fold``: y = conv(x, fq(W f)) / f + b, then the real BN -- the scheme of
+  ``torch.ao.nn.intrinsic.qat.ConvBn2d``.  The weight scale already sees W f, so
+  folding (``absorb``) leaves the eval output unchanged.
+
+In the quantized stage (``stage = "quantized"``) the forward is integer: see
+``qdebug.engine.integer``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qdebug.engine import integer
+from qdebug.engine.fake_quant import quantize_to_int
+from qdebug.engine.ops import register_module_category
+from qdebug.engine.point import QuantPoint, grid_of, tag
+
+BN_MODES = ("none", "fused", "with_bn", "reverse_fold")
+
+
+def bn_scale_factor(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
+    """f = gamma / sqrt(running_var + eps) (gamma = 1 without affine)."""
+    std = torch.sqrt(bn.running_var + bn.eps)
+    gamma = bn.weight if bn.weight is not None else torch.ones_like(std)
+    return gamma / std
+
+
+def fold_bn(weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.modules.batchnorm._BatchNorm):
+    """W' = W f, b' = (b - mu) f + beta: the conv that equals conv -> BN(eval)."""
+    f = bn_scale_factor(bn)
+    shape = [-1] + [1] * (weight.dim() - 1)
+    bias = bias if bias is not None else torch.zeros_like(bn.running_mean)
+    beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
+    return weight * f.reshape(shape), (bias - bn.running_mean) * f + beta
+
+
+class FoldedBatchNorm(nn.Module):
+    """Identity holding the place (and name) of a BatchNorm folded into ``folded_into``."""
+
+    def __init__(self, num_features: int, folded_into: str):
+        super().__init__()
+        self.num_features = num_features
+        self.folded_into = folded_into
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, folded_into={self.folded_into!r}"
+
+
+class _QWeighted(nn.Module):
+    """Shared machinery of QConv and QLinear: weight point, stage, integer path."""
+
+    # Output channels lie on this axis of the layer's output.
+    out_channel_axis = 1
+
+    def _init_common(self, layer: nn.Module) -> None:
+        self.weight = layer.weight
+        self.bias = layer.bias
+        self.stage = "fake"  # "fake" (float/calibrated/qat) or "quantized" (integer)
+        self.bn_mode = "none"
+        object.__setattr__(self, "_bn", None)
+        object.__setattr__(self, "weight_point", None)
+        # Set per call by the engine's handler: the point the output lands on, fused activation.
+        object.__setattr__(self, "_out_point", None)
+        object.__setattr__(self, "_fused_activation", None)
+        self.integer_fallbacks = 0
+
+    def attach_weight_point(self, point: QuantPoint | None) -> None:
+        object.__setattr__(self, "weight_point", point)
+
+    def attach_bn(self, bn: nn.Module | None, mode: str) -> None:
+        object.__setattr__(self, "_bn", bn)
+        self.bn_mode = mode
+
+    @property
+    def bn(self) -> nn.Module | None:
+        return self._bn
+
+    def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _quantized_weight(self, weight: torch.Tensor, cache_key) -> torch.Tensor:
+        if self.weight_point is None:
+            return weight
+        return self.weight_point.apply(weight, cache_key=cache_key)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stage == "quantized":
+            return self._integer_forward(x)
+        if self.bn_mode == "reverse_fold" and self._bn is not None:
+            f = bn_scale_factor(self._bn)
+            shape = [-1] + [1] * (self.weight.dim() - 1)
+            key = None if self.training else (self.weight._version, self._bn.running_var._version, self._bn.weight._version if self._bn.weight is not None else 0)
+            w = self._quantized_weight(self.weight * f.reshape(shape), key)
+            out_shape = [1] * x.dim()
+            out_shape[self.out_channel_axis] = -1
+            y = self._op(x, w, None) / f.reshape(out_shape)
+            if self.bias is not None:
+                y = y + self.bias.reshape(out_shape)
+            return y
+        w = self._quantized_weight(self.weight, (id(self.weight), self.weight._version))
+        return self._op(x, w, self.bias)
+
+    # -- integer stage --------------------------------------------------------------
+    def weight_codes(self) -> torch.Tensor:
+        """Integer weight codes q_w - z_w (float64), cached in ``weight_int``."""
+        cached = getattr(self, "weight_int", None)
+        if cached is None:
+            point = self.weight_point
+            scale, zp = point.qparams()
+            q = quantize_to_int(self.weight.detach(), scale, zp, point.spec)
+            zp_b = integer._broadcast_point(zp, point, q.dim()).to(torch.int64)
+            dtype = torch.int8 if point.spec.bits <= 8 and point.spec.signed else (torch.int16 if point.spec.bits <= 16 and point.spec.signed else torch.int32)
+            self.register_buffer("weight_int", (q - zp_b).to(dtype))
+            cached = self.weight_int
+        return cached.to(torch.float64)
+
+    def _integer_forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_point = grid_of(x)
+        out_point = self._out_point
+        w_point = self.weight_point
+        if (
+            in_point is None
+            or out_point is None
+            or w_point is None
+            or in_point.spec.per_channel
+            or out_point.spec.per_channel
+            or (w_point.spec.per_channel and w_point.spec.ch_axis % self.weight.dim() != 0)
+        ):
+            # No integer grid in or out: compute as the fake-quant stage does.
+            self.integer_fallbacks += 1
+            w = self._quantized_weight(self.weight, (id(self.weight), self.weight._version))
+            return self._op(x, w, self.bias)
+        s_in = in_point.scale.detach().to(torch.float64)
+        s_w = w_point.scale.detach().to(torch.float64)
+        s_out = out_point.scale.detach().to(torch.float64)
+        acc = self._op(integer.codes(x, in_point), self.weight_codes(), None)
+        shape = [1] * acc.dim()
+        shape[self.out_channel_axis] = -1
+        if self.bias is not None:
+            q_bias = torch.round(self.bias.detach().to(torch.float64) / (s_in * s_w))
+            acc = acc + q_bias.reshape(shape)
+        multiplier = (s_in * s_w / s_out)
+        if multiplier.dim():
+            multiplier = multiplier.reshape(shape)
+        y = integer.requantize(torch.round(acc).to(torch.int64), multiplier, out_point, self._fused_activation)
+        return tag(y, out_point)
+
+    def absorb(self) -> None:
+        """Fold the attached BN into weight and bias now (the caller swaps the BN out of the tree)."""
+        if self._bn is None:
+            return
+        with torch.no_grad():
+            weight, bias = fold_bn(self.weight, self.bias, self._bn)
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=self.weight.requires_grad)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=self.weight.requires_grad)
+        previous = self.bn_mode
+        self.attach_bn(None, "fused")
+        point = self.weight_point
+        if point is not None and previous == "with_bn" and point.spec.learnable_scale:
+            # A learned scale was fit to W, not W f: restart it from the folded weight.
+            point.compute_from(self.weight)
+        if point is not None:
+            point._cache_key = None
+
+
+class QConv(_QWeighted):
+    """Conv1d/Conv2d with a fake-quantized (or integer) weight; see module docstring."""
+
+    def __init__(self, conv: nn.Conv1d | nn.Conv2d):
+        super().__init__()
+        for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "padding_mode"):
+            setattr(self, attr, getattr(conv, attr))
+        self.dims = 1 if isinstance(conv, nn.Conv1d) else 2
+        self._reversed_padding_repeated_twice = getattr(conv, "_reversed_padding_repeated_twice", None)
+        self._init_common(conv)
+
+    def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        fn = F.conv1d if self.dims == 1 else F.conv2d
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = 0
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return fn(x, weight.to(x.dtype), bias, self.stride, padding, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, groups={self.groups}, bn_mode={self.bn_mode}, stage={self.stage}"
+        )
+
+
+class QLinear(_QWeighted):
+    """Linear with a fake-quantized (or integer) weight."""
+
+    out_channel_axis = -1
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self._init_common(linear)
+
+    def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return F.linear(x, weight.to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stage={self.stage}"
+
+
+register_module_category(QConv, "conv")
+register_module_category(QLinear, "linear")
+register_module_category(FoldedBatchNorm, "bn")

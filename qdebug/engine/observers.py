@@ -1,0 +1,684 @@
+"""Range estimation: the observers that turn the tensors they see into a clip range.
+
+This module owns *how* a quant point's range is estimated from data.  Each
+observer is an ``nn.Module`` fed batches through ``forward`` (which returns its
+input unchanged); ``clip_range()`` gives the chosen ``(lo, hi)`` and
+``calculate_qparams()`` hands that range to ``spec.qparams_from_range`` -- the
+single place where a range becomes a scale and zero point (0 inside the range,
+the symmetric divisor, the eps floor).  Nothing here decides those rules.
+
+Shared behaviour (all observers):
+
+* All state lives in registered buffers, so ``state_dict()`` is a complete
+  checkpoint of the observer.  Buffers whose shape is only known after the
+  first batch (per-channel size ``C``, histograms) start empty and are resized
+  by ``_load_from_state_dict`` when a state dict is loaded into a fresh observer.
+* Non-finite values (NaN, +Inf, -Inf) never enter a range; they are counted in
+  the int64 buffer ``nonfinite``.
+* ``spec.per_channel``: statistics are kept per slice along ``spec.ch_axis``
+  (negative axes allowed); results have shape ``[C]``.  Per-tensor results are
+  0-dim.  Every observer supports both.
+* ``min_val`` / ``max_val`` buffers always hold the exact running min/max of the
+  finite values seen (for ``ema``: the moving averages).  ``+inf`` / ``-inf``
+  there means "no finite value yet" (``qparams_from_range`` then gives s=1, z=0).
+
+Observers (``spec.observer``):
+
+* ``minmax``      -- running min and max over all batches.
+* ``ema``         -- exponential moving average of the per-batch min and max.
+* ``percentile``  -- a percentile of the histogram of all values seen.
+* ``mse``         -- the clip range minimising the expected quantization MSE.
+* ``kl``          -- TensorRT-style entropy (KL divergence) calibration.
+
+The three histogram observers share ``HistogramObserver``'s fixed-size,
+exactly-mergeable histogram (memory does not grow with the number of batches);
+its scheme is documented there.  Each class docstring carries its exact math.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from qdebug.engine.spec import QuantSpec, qparams_from_range
+from qdebug.errors import QDebugError
+
+__all__ = [
+    "Observer",
+    "MinMaxObserver",
+    "EMAObserver",
+    "HistogramObserver",
+    "PercentileObserver",
+    "MSEObserver",
+    "KLObserver",
+    "make_observer",
+]
+
+_INF = float("inf")
+
+
+class Observer(torch.nn.Module):
+    """Base class: batch reduction, non-finite handling, per-channel layout, buffers.
+
+    Subclasses implement ``_update(rows, bmin, bmax, mask)`` (fold one batch in)
+    and ``clip_range()``.  ``rows`` is the batch as float32 ``[C, M]`` (``C = 1``
+    per-tensor), ``bmin``/``bmax`` its per-row min/max over finite values
+    (``+inf``/``-inf`` for a row without any), ``mask`` the finite mask or None
+    when every value is finite.
+    """
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        if not isinstance(spec, QuantSpec):
+            raise QDebugError(f"an observer needs a QuantSpec, got {type(spec).__name__}")
+        self.spec = spec
+        # Names of buffers whose shape depends on the data (resized on load / first batch).
+        self._lazy_buffers: list[str] = []
+        self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64))
+        if spec.per_channel:
+            self.register_buffer("min_val", torch.empty(0, dtype=torch.float32))
+            self.register_buffer("max_val", torch.empty(0, dtype=torch.float32))
+            self._lazy_buffers += ["min_val", "max_val"]
+        else:
+            self.register_buffer("min_val", torch.tensor(_INF, dtype=torch.float32))
+            self.register_buffer("max_val", torch.tensor(-_INF, dtype=torch.float32))
+
+    # -- public API ----------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Fold ``x`` into the statistics and return ``x`` unchanged."""
+        with torch.no_grad():
+            rows = self._rows(x.detach())
+            if rows.numel() == 0:
+                return x  # nothing to learn from an empty batch
+            self._ensure_channels(rows.shape[0], rows.device)
+            bmin, bmax, mask = self._batch_minmax(rows)
+            self._update(rows, bmin, bmax, mask)
+        return x
+
+    def reset(self) -> None:
+        """Forget everything seen (lazy buffers go back to empty)."""
+        with torch.no_grad():
+            self.nonfinite.zero_()
+            if self.spec.per_channel:
+                dev = self.min_val.device
+                self.min_val = torch.empty(0, dtype=torch.float32, device=dev)
+                self.max_val = torch.empty(0, dtype=torch.float32, device=dev)
+            else:
+                self.min_val.fill_(_INF)
+                self.max_val.fill_(-_INF)
+
+    @property
+    def initialized(self) -> bool:
+        """True once at least one finite value was seen (in any channel)."""
+        return bool(self.min_val.numel() > 0 and torch.isfinite(self.min_val).any())
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale float32, zero_point int32) of ``clip_range()`` via ``qparams_from_range``."""
+        lo, hi = self.clip_range()
+        return qparams_from_range(lo, hi, self.spec)
+
+    def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen (lo, hi): 0-dim per-tensor, ``[C]`` per-channel (float32)."""
+        return self.min_val.clone(), self.max_val.clone()
+
+    def extra_repr(self) -> str:
+        return self.spec.describe()
+
+    # -- batch layout ------------------------------------------------------------------
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as float32 ``[C, M]``: one row per channel (per-tensor: one row)."""
+        if self.spec.per_channel:
+            axis = self.spec.ch_axis
+            if not -x.dim() <= axis < x.dim():
+                raise QDebugError(
+                    f"per-channel axis ch_axis={axis} does not exist for a tensor of shape "
+                    f"{tuple(x.shape)} ({x.dim()} dims)",
+                    f"use an axis in [{-x.dim()}, {x.dim() - 1}] or per_channel=false",
+                )
+            axis %= x.dim()
+            rows = x.movedim(axis, 0).reshape(x.shape[axis], -1)
+        else:
+            rows = x.reshape(1, -1)
+        # Buffers are float32; wider inputs are reduced in float32 like torch's observers.
+        return rows if rows.dtype == torch.float32 else rows.to(torch.float32)
+
+    def _ensure_channels(self, channels: int, device: torch.device) -> None:
+        """Size the lazy buffers on the first batch; later batches must agree on C."""
+        if not self.spec.per_channel:
+            return
+        if self.min_val.numel() == 0:
+            self.min_val = torch.full((channels,), _INF, dtype=torch.float32, device=device)
+            self.max_val = torch.full((channels,), -_INF, dtype=torch.float32, device=device)
+        elif self.min_val.numel() != channels:
+            raise QDebugError(
+                f"observer has {self.min_val.numel()} channels but a batch has {channels} along "
+                f"ch_axis={self.spec.ch_axis}",
+                "reset() the observer before feeding a tensor with a different channel count",
+            )
+
+    def _batch_minmax(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-row min/max over finite values; counts non-finite values.
+
+        Fast path: one ``torch.aminmax``.  NaN propagates through it and an Inf
+        shows up as a bound, so a finite result proves every value is finite and
+        the masked (slower, extra-memory) path runs only on dirty batches.
+        """
+        bmin, bmax = torch.aminmax(rows, dim=1)
+        if bool(torch.isfinite(bmin).all() & torch.isfinite(bmax).all()):
+            return bmin, bmax, None
+        mask = torch.isfinite(rows)
+        self.nonfinite += (~mask).sum()
+        bmin = torch.where(mask, rows, _INF).amin(dim=1)
+        bmax = torch.where(mask, rows, -_INF).amax(dim=1)
+        return bmin, bmax, mask
+
+    def _update(self, rows, bmin, bmax, mask) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _store_minmax(self, new_min: torch.Tensor, new_max: torch.Tensor) -> None:
+        self.min_val.copy_(new_min.reshape(self.min_val.shape))
+        self.max_val.copy_(new_max.reshape(self.max_val.shape))
+
+    def _flat(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.reshape(-1)
+
+    def _shape_out(self, t: torch.Tensor) -> torch.Tensor:
+        """``[C]`` -> 0-dim per-tensor, unchanged per-channel."""
+        return t.reshape(()) if not self.spec.per_channel else t
+
+    # -- checkpoints ---------------------------------------------------------------
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # Lazy buffers may still be empty here (fresh observer) or sized for another
+        # channel count: adopt the saved shape so the copy below restores it exactly.
+        for name in self._lazy_buffers:
+            saved = state_dict.get(prefix + name)
+            current = self._buffers.get(name)
+            if saved is None or current is None or saved.shape == current.shape:
+                continue
+            self._check_loaded_shape(name, saved)
+            self._buffers[name] = torch.empty(saved.shape, dtype=current.dtype, device=current.device)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _check_loaded_shape(self, name: str, saved: torch.Tensor) -> None:
+        """Hook for subclasses to reject a saved buffer that cannot match the spec."""
+
+
+class MinMaxObserver(Observer):
+    """Running min/max over all batches.
+
+    After batches ``x_1..x_n`` (finite values only, per channel ``c`` when
+    per-channel)::
+
+        min_val = min_t min(x_t),   max_val = max_t max(x_t)
+        clip_range = (min_val, max_val)
+
+    Matches ``torch.ao.quantization.MinMaxObserver`` / ``PerChannelMinMaxObserver``.
+    """
+
+    def _update(self, rows, bmin, bmax, mask) -> None:
+        self._store_minmax(
+            torch.minimum(self._flat(self.min_val), bmin), torch.maximum(self._flat(self.max_val), bmax)
+        )
+
+
+class EMAObserver(Observer):
+    """Exponential moving average of the per-batch min and max.
+
+    With ``c = spec.averaging_constant`` and ``b_t = min(x_t)`` (resp. max)::
+
+        m_1 = b_1                                   (the first batch sets the range)
+        m_t = m_{t-1} + c * (b_t - m_{t-1})  =  (1 - c) * m_{t-1} + c * b_t
+
+    per channel when per-channel; a batch (channel) without finite values leaves
+    ``m`` unchanged.  Starting from the first batch rather than from 0 matters:
+    a zero-initialised EMA without bias correction is ``(1 - (1-c)^t)`` times too
+    small (about 10x after 10 steps with c = 0.01), which collapsed QAT ranges.
+    Same update (and operation order) as
+    ``torch.ao.quantization.MovingAverageMinMaxObserver``.
+    """
+
+    def _update(self, rows, bmin, bmax, mask) -> None:
+        c = float(self.spec.averaging_constant)
+        old_min, old_max = self._flat(self.min_val), self._flat(self.max_val)
+        have = torch.isfinite(bmin)  # this batch has finite data in the channel
+        fresh = ~torch.isfinite(old_min)  # channel never saw data: take the batch as is
+        # The EMA branch is NaN for fresh channels (inf - inf); torch.where discards it.
+        new_min = torch.where(have, torch.where(fresh, bmin, old_min + c * (bmin - old_min)), old_min)
+        new_max = torch.where(have, torch.where(fresh, bmax, old_max + c * (bmax - old_max)), old_max)
+        self._store_minmax(new_min, new_max)
+
+
+class HistogramObserver(Observer):
+    """Base of ``percentile``/``mse``/``kl``: a fixed-size, exactly mergeable histogram.
+
+    Per channel ``c`` (one row per-tensor) the state is ``hist[c]`` (``bins =
+    spec.bins`` int64 counts), a width ``w_c`` (float64) and an integer anchor
+    ``a_c``.  Bin ``j`` counts the finite values ``x`` with::
+
+        floor(x / w_c) - a_c == j,    i.e.  x in [(a_c + j) w_c, (a_c + j + 1) w_c)
+
+    so the histogram covers ``[a_c w_c, (a_c + bins) w_c)`` and its edges sit on
+    integer multiples of ``w_c`` (0 is always an edge, which makes folding onto
+    ``|x|`` exact).  Memory is ``C * bins`` counts whatever the number of batches.
+
+    First batch with data: ``w = max((hi - lo) / (bins - 2), max(|lo|, |hi|) * 2^-30,
+    2^-126)`` -- the first term makes the range fit, the second keeps anchors
+    within int64 for narrow ranges far from 0, the third handles all-zero data.
+
+    Every batch: with ``[m, M]`` the running min/max including the batch, find the
+    smallest ``k >= 0`` with ``floor(M / (w 2^k)) - floor(m / (w 2^k)) + 1 <= bins``;
+    set ``w <- w 2^k`` and re-anchor ``a <- floor(m / w)``.  Old absolute bin ``i``
+    moves to ``floor(i / 2^k)``: each new bin is the exact union of ``2^k`` old
+    bins, so merging loses nothing and the histogram equals the one built from
+    all data at once with the final ``(w, a)``.  (Division by a power of two is
+    exact in floating point, so ``floor(x / (w 2^k)) == floor(floor(x / w) / 2^k)``
+    holds bit-for-bit, not only mathematically.)
+
+    Buffers ``hist [C, bins]``, ``width [C]``, ``anchor [C]`` start empty (``C = 1``
+    per-tensor); ``width == 0`` marks a channel that has not seen data yet.
+    ``min_val``/``max_val`` keep the exact running min/max; every histogram-derived
+    bound is clamped into them.
+    """
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__(spec)
+        self.bins = int(spec.bins)
+        self.register_buffer("hist", torch.zeros(0, self.bins, dtype=torch.int64))
+        self.register_buffer("width", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("anchor", torch.zeros(0, dtype=torch.int64))
+        self._lazy_buffers += ["hist", "width", "anchor"]
+
+    def reset(self) -> None:
+        super().reset()
+        dev = self.hist.device
+        self.hist = torch.zeros(0, self.bins, dtype=torch.int64, device=dev)
+        self.width = torch.zeros(0, dtype=torch.float64, device=dev)
+        self.anchor = torch.zeros(0, dtype=torch.int64, device=dev)
+
+    def _ensure_channels(self, channels: int, device: torch.device) -> None:
+        super()._ensure_channels(channels, device)
+        if self.hist.shape[0] == 0:
+            self.hist = torch.zeros(channels, self.bins, dtype=torch.int64, device=device)
+            self.width = torch.zeros(channels, dtype=torch.float64, device=device)
+            self.anchor = torch.zeros(channels, dtype=torch.int64, device=device)
+
+    def _check_loaded_shape(self, name: str, saved: torch.Tensor) -> None:
+        if name == "hist" and saved.dim() == 2 and saved.shape[1] != self.bins:
+            raise QDebugError(
+                f"saved observer histogram has {saved.shape[1]} bins but the spec says bins={self.bins}",
+                "load it with the spec it was saved with",
+            )
+
+    # -- histogram maintenance ---------------------------------------------------------
+    def _update(self, rows, bmin, bmax, mask) -> None:
+        old_min, old_max = self._flat(self.min_val), self._flat(self.max_val)
+        new_min, new_max = torch.minimum(old_min, bmin), torch.maximum(old_max, bmax)
+        self._store_minmax(new_min, new_max)
+        have = torch.isfinite(bmin)
+        if not bool(have.any()):
+            return
+        bins = self.bins
+        lo, hi = new_min.double(), new_max.double()
+        w, a = self.width, self.anchor
+        fresh = have & (w == 0)
+        if bool(fresh.any()):
+            b_lo, b_hi = bmin.double(), bmax.double()
+            amax = torch.maximum(b_lo.abs(), b_hi.abs())
+            w0 = torch.maximum((b_hi - b_lo) / (bins - 2), amax * 2.0**-30).clamp(min=2.0**-126)
+            w = torch.where(fresh, w0, w)
+        k = self._doublings(lo, hi, w, have)
+        w_new = torch.ldexp(w, k)
+        safe_w = torch.where(have, w_new, torch.ones_like(w_new))  # no 0-division on idle channels
+        a_new = torch.where(have, torch.floor(torch.where(have, lo, 0.0) / safe_w).long(), a)
+
+        hist = self.hist
+        if bool(((k != 0) | (a_new != a)).any()):
+            hist = self._remap(hist, a, k, a_new)
+
+        # Bin the batch: local index floor(x / w) - a, offset by row so a single
+        # bincount fills all channels at once.
+        row_off = torch.arange(rows.shape[0], device=rows.device) * bins
+        vals = rows.double() if mask is None else torch.where(mask, rows, 0.0).double()
+        idx = torch.floor(vals / safe_w[:, None]).long() - a_new[:, None] + row_off[:, None]
+        idx = idx.reshape(-1) if mask is None else idx[mask]
+        hist = hist + torch.bincount(idx, minlength=hist.numel()).view_as(hist)
+
+        self.hist = hist
+        self.width = w_new
+        self.anchor = a_new
+
+    def _doublings(self, lo, hi, w, have) -> torch.Tensor:
+        """Smallest k >= 0 per channel with the whole [lo, hi] inside ``bins`` bins of width w 2^k."""
+        bins = self.bins
+        lo = torch.where(have, lo, 0.0)
+        hi = torch.where(have, hi, 0.0)
+        w = torch.where(have, w, 1.0)
+        span = hi - lo
+        # w 2^k >= span / (bins - 2) always fits (floor difference <= span / w + 1), so
+        # start one below that bound and step up: at most a couple of iterations.
+        need = torch.log2(torch.clamp(span / (w * (bins - 2)), min=1.0))
+        k = torch.clamp(torch.ceil(need) - 1, min=0).long()
+
+        def fits(k):
+            wk = torch.ldexp(w, k)
+            return torch.floor(hi / wk) - torch.floor(lo / wk) + 1 <= bins
+
+        ok = fits(k)
+        while not bool(ok.all()):
+            k = torch.where(ok, k, k + 1)
+            ok = fits(k)
+        return k
+
+    def _remap(self, hist, a_old, k, a_new) -> torch.Tensor:
+        """Move counts to width w 2^k and anchor a_new: old absolute bin i -> floor(i / 2^k)."""
+        bins = self.bins
+        j = torch.arange(bins, device=hist.device)
+        absolute = a_old[:, None] + j[None, :]
+        # |absolute| stays far below 2^62, so shifting by more than 62 gives the same 0/-1.
+        factor = torch.pow(torch.full_like(k, 2), torch.clamp(k, max=62))
+        local = torch.div(absolute, factor[:, None], rounding_mode="floor") - a_new[:, None]
+        # Only empty bins can fall outside the new window (occupied ones lie inside
+        # [floor(min/w'), floor(max/w')] by construction); clamping them adds zeros.
+        local = local.clamp(0, bins - 1)
+        return torch.zeros_like(hist).scatter_add_(1, local, hist)
+
+    # -- helpers for subclasses ----------------------------------------------------------
+    def _bin_lower_edges(self) -> torch.Tensor:
+        """float64 [C, bins]: lower edge of each bin, ``(a + j) w``."""
+        j = torch.arange(self.bins, device=self.hist.device, dtype=torch.float64)
+        return (self.anchor.double()[:, None] + j[None, :]) * self.width[:, None]
+
+    def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Histogram of |x| on the same grid: (counts [C, bins], first folded index f0 [C]).
+
+        Absolute bin ``i`` (``x in [i w, (i+1) w)``) maps to ``|x|`` bin ``i`` for
+        ``i >= 0`` and ``-i-1`` for ``i < 0`` (``|x| in ((-i-1) w, -i w]``): exact up to
+        which side of an edge a value lying exactly on it is counted.  Local folded
+        bin ``j`` covers ``|x| in [(f0 + j) w, (f0 + j + 1) w)``; the occupied folded
+        indices always fit in ``bins`` slots starting at ``f0``.
+        """
+        bins = self.bins
+        a = self.anchor
+        j = torch.arange(bins, device=a.device)
+        absolute = a[:, None] + j[None, :]
+        folded = torch.where(absolute >= 0, absolute, -absolute - 1)
+        f0 = torch.where(a >= 0, a, torch.where(a + bins <= 0, -a - bins, torch.zeros_like(a)))
+        local = folded - f0[:, None]
+        return torch.zeros_like(self.hist).scatter_add_(1, local, self.hist), f0
+
+    def _finish(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clamp into the observed range, keep uninitialised channels at +-inf, shape for output."""
+        mn, mx = self._flat(self.min_val).double(), self._flat(self.max_val).double()
+        data = torch.isfinite(mn)
+        lo = torch.where(data, torch.maximum(torch.minimum(lo, mx), mn), mn)
+        hi = torch.where(data, torch.minimum(torch.maximum(hi, mn), mx), mx)
+        return self._shape_out(lo.float()), self._shape_out(hi.float())
+
+    def _symmetric_signed(self) -> bool:
+        return self.spec.symmetric and self.spec.signed
+
+    def _max_abs(self) -> torch.Tensor:
+        mn, mx = self._flat(self.min_val).double(), self._flat(self.max_val).double()
+        return torch.maximum(mn.abs(), mx.abs())
+
+    def _threshold_range(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Range of a threshold T on |x|: [-T, T] symmetric signed, else [max(min,-T), min(max,T)]."""
+        mn, mx = self._flat(self.min_val).double(), self._flat(self.max_val).double()
+        data = torch.isfinite(mn)
+        if self._symmetric_signed():
+            lo, hi = -t, t
+        else:
+            lo, hi = torch.maximum(mn, -t), torch.minimum(mx, t)
+        lo = torch.where(data, lo, mn)
+        hi = torch.where(data, hi, mx)
+        return self._shape_out(lo.float()), self._shape_out(hi.float())
+
+
+def _hist_quantile(counts: torch.Tensor, edge0: torch.Tensor, width: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-row value of the sample at 0-based rank ``q (N - 1)`` of a histogram.
+
+    The ``n_b`` samples of bin ``b`` are placed at ``edge_b + (s + 1/2) w / n_b``,
+    ``s = 0..n_b-1`` (uniform inside the bin); the rank's fractional part is
+    interpolated between neighbours in the same way.  So the estimate is within
+    one bin width of the exact order statistic.
+    """
+    counts = counts.double()
+    total = counts.sum(dim=1)
+    rank = q * torch.clamp(total - 1, min=0)
+    cum = counts.cumsum(dim=1)
+    b = torch.searchsorted(cum, rank[:, None], right=True).squeeze(1).clamp(max=counts.shape[1] - 1)
+    n_b = counts.gather(1, b[:, None]).squeeze(1)
+    before = cum.gather(1, b[:, None]).squeeze(1) - n_b
+    frac = ((rank - before + 0.5) / n_b.clamp(min=1)).clamp(0.0, 1.0)
+    return edge0 + (b.double() + frac) * width
+
+
+class PercentileObserver(HistogramObserver):
+    """Clip range from a percentile ``p = spec.percentile`` of the histogram.
+
+    Quantile ``Q(q)`` = value of 0-based rank ``q (N - 1)`` (torch.quantile's
+    convention), read from the histogram with samples spread uniformly inside
+    their bin (see ``_hist_quantile``), hence within one bin width of the exact
+    ``torch.quantile`` of all data seen.
+
+    * symmetric signed: ``T = Q_|x|(p / 100)`` on the ``|x|`` histogram, range
+      ``[-T, T]`` (T clamped to ``max|x|``);
+    * otherwise: ``lo = Q(1 - p/100)``, ``hi = Q(p/100)``, clamped into ``[min, max]``.
+
+    ``p = 100`` gives exactly the observed min/max (or max|x|).
+    """
+
+    def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hist.shape[0] == 0:
+            return self._shape_out(self.min_val.clone()), self._shape_out(self.max_val.clone())
+        p = float(self.spec.percentile) / 100.0
+        if self._symmetric_signed():
+            amax = self._max_abs()
+            if p >= 1.0:
+                return self._threshold_range(amax)
+            folded, f0 = self._folded()
+            t = _hist_quantile(folded, f0.double() * self.width, self.width, p)
+            return self._threshold_range(torch.minimum(t, amax))
+        if p >= 1.0:
+            return super().clip_range()
+        edge0 = self.anchor.double() * self.width
+        lo = _hist_quantile(self.hist, edge0, self.width, 1.0 - p)
+        hi = _hist_quantile(self.hist, edge0, self.width, p)
+        return self._finish(lo, hi)
+
+
+class MSEObserver(HistogramObserver):
+    """Clip range minimising the expected quantization MSE, estimated on the histogram.
+
+    Candidates (``G = num_candidates = 256``, ``g = 1..G``):
+
+    * symmetric: threshold ``T_g = (g / G) * A`` with ``A = max|x|`` (signed) or
+      ``A = max(max, 0)`` (unsigned); candidate range ``[max(min, -T), min(max, T)]``
+      and the returned range is ``[-T, T]`` for signed specs.
+    * affine: both ends scaled by ``alpha_g = g / G``: ``[alpha min, alpha max]``.
+
+    Each candidate range goes through ``qparams_from_range`` (so 0-widening and
+    zero-point rounding are those really used), giving ``s`` and ``z`` and the
+    representable interval ``[r_lo, r_hi] = [(qmin - z) s, (qmax - z) s]``.  With
+    ``h_k`` the count of bin ``k`` and ``c_k`` its centre (clamped into the
+    observed [min, max]), the expected error is::
+
+        E = sum_{c_k < r_lo} h_k (c_k - r_lo)^2  +  sum_{c_k > r_hi} h_k (c_k - r_hi)^2
+            + (s^2 / 12) * sum_{r_lo <= c_k <= r_hi} h_k
+
+    Approximations: each bin's mass sits at its centre for the clipping term, and
+    rounding noise inside the range is uniform with variance ``s^2 / 12`` (exact
+    for values spread smoothly over many quantization steps).  The sums are
+    prefix sums, so all candidates of all channels cost ``O(C (bins + G log bins))``.
+    Ties go to the widest candidate (least clipping).
+    """
+
+    num_candidates = 256
+
+    def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hist.shape[0] == 0:
+            return self._shape_out(self.min_val.clone()), self._shape_out(self.max_val.clone())
+        spec = self.spec
+        mn, mx = self._flat(self.min_val).double(), self._flat(self.max_val).double()
+        data = torch.isfinite(mn)
+        mn0, mx0 = torch.where(data, mn, 0.0), torch.where(data, mx, 0.0)
+        G = self.num_candidates
+        frac = torch.arange(1, G + 1, device=mn.device, dtype=torch.float64) / G  # [G]
+        if spec.symmetric:
+            top = torch.maximum(mn0.abs(), mx0.abs()) if spec.signed else mx0.clamp(min=0.0)
+            t = top[:, None] * frac[None, :]  # [C, G]
+            c_lo, c_hi = torch.maximum(mn0[:, None], -t), torch.minimum(mx0[:, None], t)
+        else:
+            c_lo, c_hi = mn0[:, None] * frac[None, :], mx0[:, None] * frac[None, :]
+
+        scale, zp = qparams_from_range(c_lo.float(), c_hi.float(), spec)
+        s, z = scale.double(), zp.double()
+        r_lo, r_hi = (spec.qmin - z) * s, (spec.qmax - z) * s
+
+        h = self.hist.double()
+        centres = (self._bin_lower_edges() + 0.5 * self.width[:, None]).clamp(mn0[:, None], mx0[:, None])
+        zero = torch.zeros(h.shape[0], 1, dtype=torch.float64, device=h.device)
+        H = torch.cat([zero, h.cumsum(1)], dim=1)
+        S1 = torch.cat([zero, (h * centres).cumsum(1)], dim=1)
+        S2 = torch.cat([zero, (h * centres * centres).cumsum(1)], dim=1)
+        # Clamped centres are non-decreasing per row, as searchsorted needs.
+        i_lo = torch.searchsorted(centres.contiguous(), r_lo.contiguous(), right=False)  # bins < r_lo
+        i_hi = torch.searchsorted(centres.contiguous(), r_hi.contiguous(), right=True)  # bins <= r_hi
+
+        def take(P, i):
+            return P.gather(1, i)
+
+        below = take(S2, i_lo) - 2 * r_lo * take(S1, i_lo) + r_lo * r_lo * take(H, i_lo)
+        n = H[:, -1:]
+        above = (
+            (S2[:, -1:] - take(S2, i_hi))
+            - 2 * r_hi * (S1[:, -1:] - take(S1, i_hi))
+            + r_hi * r_hi * (n - take(H, i_hi))
+        )
+        inside = (take(H, i_hi) - take(H, i_lo)) * s * s / 12.0
+        err = below.clamp(min=0) + above.clamp(min=0) + inside  # clamp: cancellation noise
+        # Widest among the minima: flip, take the first argmin, flip the index back.
+        best = G - 1 - torch.argmin(err.flip(1), dim=1)
+        lo = c_lo.gather(1, best[:, None]).squeeze(1)
+        hi = c_hi.gather(1, best[:, None]).squeeze(1)
+        if spec.symmetric and spec.signed:
+            return self._threshold_range(t.gather(1, best[:, None]).squeeze(1))
+        return self._finish(lo, hi)
+
+
+def _kl_best_bin(h: np.ndarray, levels: int) -> int:
+    """Index ``i`` (threshold at the upper edge of bin ``i-1``) minimising KL(P_i || Q_i).
+
+    ``h``: counts of the |x| histogram from 0, last entry non-zero.  Closed form
+    per candidate with prefix sums (see ``KLObserver``), vectorised over all
+    candidates and groups.
+    """
+    n = h.shape[0]
+    total = h.sum()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hlogh = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
+    cum = np.concatenate([[0.0], np.cumsum(h)])
+    nz = np.concatenate([[0.0], np.cumsum(h > 0)])
+    cum_hlogh = np.concatenate([[0.0], np.cumsum(hlogh)])
+
+    i = np.arange(levels, n + 1)  # candidate counts of bins kept
+    tail = total - cum[i]  # mass at or beyond bin i, added to bin i-1
+    last = h[i - 1] + tail
+    plogp = cum_hlogh[i - 1] + np.where(last > 0, last * np.log(np.where(last > 0, last, 1.0)), 0.0)
+
+    m = i // levels  # bins per group; the last group also takes the remainder
+    g = np.arange(levels)
+    start = g[None, :] * m[:, None]  # [K, L]
+    stop = np.where(g[None, :] == levels - 1, i[:, None], start + m[:, None])
+    s_g = cum[stop] - cum[start]
+    n_g = nz[stop] - nz[start]
+    # The tail lands in bin i-1, inside the last group; it may make that bin non-empty.
+    s_g[:, -1] += tail
+    n_g[:, -1] += (h[i - 1] == 0) & (tail > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q_term = np.where(s_g > 0, s_g * np.log(np.where(s_g > 0, s_g, 1.0) / np.maximum(n_g, 1.0)), 0.0)
+    kl = (plogp - q_term.sum(axis=1)) / total
+    # Ties (within rounding of the closed form) go to the widest threshold: data
+    # sitting in one narrow band far from 0 gives KL = 0 for every i, and the
+    # first i would clip it to a fraction of its value.
+    best = np.nonzero(kl <= kl.min() + 1e-9)[0][-1]
+    return int(i[best])
+
+
+class KLObserver(HistogramObserver):
+    """TensorRT-style entropy calibration on the histogram of ``|x|``.
+
+    The signed histogram is folded onto ``|x|`` (exact on the 0-anchored grid)
+    and, if its first occupied bin is far from 0, coarsened by exact bin-pair
+    merges until it starts at 0 and has at most ``bins`` bins: ``h_0..h_{n-1}``
+    of width ``w``, ``h_{n-1} > 0``.  ``L`` = quantized levels on the |x| axis:
+    ``2^(bits-1)`` signed, ``2^bits`` unsigned.  For each ``i = L..n``:
+
+    * ``P = (h_0, .., h_{i-2}, h_{i-1} + sum_{k>=i} h_k)`` (tail folded into the last bin);
+    * split ``0..i-1`` into ``L`` groups of ``m = i // L`` bins (the last group
+      takes the remainder); ``Q`` gives each non-empty bin of ``P`` in group ``g``
+      the value ``S_g / n_g`` (``S_g`` the group's mass in P, ``n_g`` its number of
+      non-empty bins of P), empty bins 0;
+    * ``KL(P || Q) = (1/N) [ sum_k P_k ln P_k - sum_g S_g ln(S_g / n_g) ]`` with
+      ``N = sum h`` (both normalised by N; Q > 0 wherever P > 0, so no smoothing).
+
+    ``T = i* w`` for the ``i*`` of minimal KL (the largest such i on ties, within 1e-9), clamped to ``max|x|``.
+    If ``n <= L`` (e.g. 16-bit: as many levels as occupied bins) nothing can be
+    lost and ``T = max|x|``.  Range ``[-T, T]`` for symmetric signed specs, else
+    ``[max(min, -T), min(max, T)]``.  Cost: ``O(L (n - L))`` per channel with
+    numpy, a few ms for 2048 bins.
+    """
+
+    def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hist.shape[0] == 0:
+            return self._shape_out(self.min_val.clone()), self._shape_out(self.max_val.clone())
+        spec = self.spec
+        levels = 2 ** (spec.bits - 1) if spec.signed else 2**spec.bits
+        amax = self._max_abs()
+        folded, f0 = self._folded()
+        folded_np = folded.cpu().numpy()
+        f0_np = f0.cpu().numpy()
+        width_np = self.width.double().cpu().numpy()
+        thresholds = amax.clone().cpu()
+        for c in range(folded_np.shape[0]):
+            row = folded_np[c]
+            occupied = np.nonzero(row)[0]
+            if occupied.size == 0:
+                continue
+            first_abs = int(f0_np[c])
+            n_abs = first_abs + int(occupied[-1]) + 1  # bins from 0 up to the last occupied one
+            k = 0
+            while (n_abs - 1) >> k >= self.bins:  # coarsen until the 0-based grid fits
+                k += 1
+            idx = (first_abs + occupied) >> k
+            h = np.bincount(idx, weights=row[occupied].astype(np.float64), minlength=int(idx[-1]) + 1)
+            if h.shape[0] <= levels:
+                continue  # no more bins than levels: nothing to clip, T = max|x|
+            best = _kl_best_bin(h, levels)
+            thresholds[c] = best * width_np[c] * 2.0**k
+        t = torch.minimum(thresholds.to(amax.device), amax)
+        return self._threshold_range(t)
+
+
+_OBSERVER_CLASSES: dict[str, type[Observer]] = {
+    "minmax": MinMaxObserver,
+    "ema": EMAObserver,
+    "percentile": PercentileObserver,
+    "mse": MSEObserver,
+    "kl": KLObserver,
+}
+
+
+def make_observer(spec: QuantSpec) -> Observer:
+    """The observer named by ``spec.observer`` (minmax, ema, percentile, mse, kl)."""
+    try:
+        cls = _OBSERVER_CLASSES[spec.observer]
+    except KeyError:
+        raise QDebugError(
+            f"unknown observer {spec.observer!r}", f"choose one of {', '.join(_OBSERVER_CLASSES)}"
+        ) from None
+    return cls(spec)

@@ -1,0 +1,194 @@
+"""Which modules and torch functions the engine understands, and as what.
+
+Every call the engine sees during a forward falls in one *category*:
+
+- ``conv``, ``linear``: weighted layers (wrapped at prepare, integer in the quantized stage).
+- ``bn``: a BatchNorm (folded into the preceding conv when paired).
+- ``relu``, ``relu6``: activations a deployed kernel fuses into the op before it.
+- ``add``, ``sub``, ``mul``, ``cat``, ``avgpool``, ``mean``: value ops with integer kernels.
+- ``activation``: other element-wise value ops (sigmoid, tanh, softmax, hardswish,
+  leaky_relu, ...): quantized at their output, computed in float (a table lookup on
+  an integer target).
+- ``passthrough``: ops that only move or select values (view, flatten, maxpool,
+  dropout, identity, nearest upsampling, ...): the output stays on the input's grid,
+  so no new quant point.
+- ``fallback``: any other op producing a float tensor from an activation.  It runs
+  in float and its output is re-quantized; ``quant_points`` and a warning report it.
+- ``ignore``: calls whose result holds no floating tensor (``x.size()``, ``x.shape``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+# Categories whose output gets an activation quant point (unless fused into the next op).
+VALUE_CATEGORIES = frozenset(
+    {"conv", "linear", "bn", "relu", "relu6", "add", "sub", "mul", "cat", "avgpool", "mean", "activation", "fallback"}
+)
+# A value op whose sole consumer is a relu/relu6 shares that activation's quant point,
+# as deployed kernels fuse Conv+ReLU, Add+ReLU, ...
+FUSABLE_INTO_ACTIVATION = frozenset({"conv", "linear", "bn", "add", "sub"})
+FUSED_ACTIVATIONS = frozenset({"relu", "relu6"})
+
+_MODULE_CATEGORIES: list[tuple[type, str]] = [
+    (nn.Conv1d, "conv"),
+    (nn.Conv2d, "conv"),
+    (nn.Linear, "linear"),
+    (nn.BatchNorm1d, "bn"),
+    (nn.BatchNorm2d, "bn"),
+    (nn.ReLU, "relu"),
+    (nn.ReLU6, "relu6"),
+    (nn.LeakyReLU, "activation"),
+    (nn.Hardswish, "activation"),
+    (nn.Hardsigmoid, "activation"),
+    (nn.Sigmoid, "activation"),
+    (nn.Tanh, "activation"),
+    (nn.Softmax, "activation"),
+    (nn.LogSoftmax, "activation"),
+    (nn.GELU, "activation"),
+    (nn.SiLU, "activation"),
+    (nn.ELU, "activation"),
+    (nn.MaxPool1d, "passthrough"),
+    (nn.MaxPool2d, "passthrough"),
+    (nn.AdaptiveMaxPool1d, "passthrough"),
+    (nn.AdaptiveMaxPool2d, "passthrough"),
+    (nn.AvgPool1d, "avgpool"),
+    (nn.AvgPool2d, "avgpool"),
+    (nn.AdaptiveAvgPool1d, "avgpool"),
+    (nn.AdaptiveAvgPool2d, "avgpool"),
+    (nn.Flatten, "passthrough"),
+    (nn.Unflatten, "passthrough"),
+    (nn.Dropout, "passthrough"),
+    (nn.Dropout2d, "passthrough"),
+    (nn.Identity, "passthrough"),
+    (nn.ChannelShuffle, "passthrough"),
+    (nn.PixelShuffle, "passthrough"),
+    (nn.Upsample, "upsample"),
+]
+
+# Engine-owned module classes register themselves here (wrappers, placeholders).
+_EXTRA_MODULE_CATEGORIES: dict[type, str] = {}
+
+
+def register_module_category(cls: type, category: str) -> None:
+    _EXTRA_MODULE_CATEGORIES[cls] = category
+
+
+def module_category(module: nn.Module) -> str | None:
+    """The category of a module the engine treats as one op, or None for a container."""
+    cls = type(module)
+    if cls in _EXTRA_MODULE_CATEGORIES:
+        category = _EXTRA_MODULE_CATEGORIES[cls]
+    else:
+        category = None
+        for base, cat in _MODULE_CATEGORIES:
+            if isinstance(module, base):
+                category = cat
+                break
+    if category == "upsample":
+        return "passthrough" if getattr(module, "mode", "nearest") == "nearest" else "activation"
+    return category
+
+
+_FUNCTION_NAMES: dict[str, str] = {}
+
+
+def _names(category: str, *names: str) -> None:
+    for name in names:
+        _FUNCTION_NAMES[name] = category
+
+
+_names("add", "add", "__add__", "__radd__", "__iadd__", "add_")
+_names("sub", "sub", "__sub__", "__rsub__", "__isub__", "sub_", "subtract", "rsub")
+_names("mul", "mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply")
+_names("cat", "cat", "concat", "concatenate", "stack")
+_names("relu", "relu", "relu_")
+_names("relu6", "relu6")
+_names("mean", "mean")
+_names("avgpool", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d")
+_names(
+    "activation",
+    "sigmoid", "sigmoid_", "tanh", "tanh_", "softmax", "log_softmax", "hardswish", "hardsigmoid",
+    "leaky_relu", "leaky_relu_", "gelu", "silu", "elu",
+)
+_names(
+    "passthrough",
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t",
+    "contiguous", "squeeze", "unsqueeze", "chunk", "split", "tensor_split", "unbind", "__getitem__",
+    "expand", "expand_as", "to", "float", "type", "clone", "detach", "narrow", "select", "movedim",
+    "max_pool1d", "max_pool2d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+    "adaptive_max_pool1d", "adaptive_max_pool2d", "dropout", "dropout2d", "feature_dropout", "flip",
+    "repeat", "channel_shuffle", "native_channel_shuffle", "pixel_shuffle", "pixel_unshuffle", "roll",
+    "__get__", "identity", "cpu", "cuda", "requires_grad_",
+)
+
+
+def function_category(func: Callable, args: tuple, kwargs: dict[str, Any]) -> str:
+    """The category of a torch function/method call (``fallback`` when unknown)."""
+    name = getattr(func, "__name__", "")
+    category = _FUNCTION_NAMES.get(name, "fallback")
+    if name in ("hardtanh", "hardtanh_", "clamp", "clamp_", "clip"):
+        lo, hi = _bounds(name, args, kwargs)
+        if lo == 0 and hi == 6:
+            return "relu6"
+        if lo == 0 and hi is None:
+            return "relu"
+        return "activation"
+    if name == "interpolate":
+        mode = kwargs.get("mode", args[3] if len(args) > 3 else "nearest")
+        return "passthrough" if mode == "nearest" else "activation"
+    return category
+
+
+def _bounds(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    if name.startswith("hardtanh"):
+        lo = kwargs.get("min_val", args[1] if len(args) > 1 else -1.0)
+        hi = kwargs.get("max_val", args[2] if len(args) > 2 else 1.0)
+    else:
+        lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+        hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+    return lo, hi
+
+
+def canonical_op_name(func: Callable, category: str) -> str:
+    """Short name used in quant point names: ``add`` for ``x + y``, ``torch.add``, ``x.add_``."""
+    if category in ("add", "sub", "mul", "cat", "relu", "relu6", "mean"):
+        return category
+    name = getattr(func, "__name__", "op").strip("_")
+    if name.endswith("_"):
+        name = name[:-1]
+    return name or "op"
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """All tensors in a (possibly nested) structure of args, in order."""
+    found: list[torch.Tensor] = []
+    _collect(obj, found)
+    return found
+
+
+def _collect(obj: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _collect(item, found)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _collect(item, found)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in a nested structure, keeping its shape."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    return obj

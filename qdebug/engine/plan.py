@@ -1,0 +1,211 @@
+"""The quantization plan: one traced forward turned into decisions.
+
+``trace_plan(model, example_inputs)`` runs the float model once inside a
+``ForwardContext`` that records, for every call, which calls produced its inputs
+and which consumed its output.  From that dataflow graph it decides:
+
+- Conv->BN pairs: the BN's input is exactly the conv's output and nothing else
+  uses it (both modules called once).  Conv->ReLU->BN is not a pair.
+- fused activations: a conv/linear/bn/add/sub whose only consumer is a
+  relu/relu6 has no quant point of its own; the activation's point quantizes
+  both (as deployed kernels fuse them).  Conv->BN->ReLU fuses all three.
+- which calls get an activation quant point, and for every call the point
+  that quantizes its output (its own, or the fused activation's).
+
+The plan is plain data (``to_dict``/``from_dict``) so checkpoints carry it and a
+reload needs no example inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.context import Call, ForwardContext, Handler
+from qdebug.engine.ops import (
+    FUSABLE_INTO_ACTIVATION,
+    FUSED_ACTIVATIONS,
+    VALUE_CATEGORIES,
+    module_category,
+    tensors_in,
+)
+
+
+@dataclass
+class CallRecord:
+    name: str
+    category: str
+    op: str
+    owner: str
+    is_module: bool
+    inputs: list[str] = field(default_factory=list)  # producer call names ("" = not produced by a call)
+    consumers: list[str] = field(default_factory=list)
+    point: str | None = None  # activation point quantizing this call's own output
+    output_point: str | None = None  # point whose grid the output lands on (own or fused)
+    fused_into: str | None = None  # the relu/relu6 (or BN) call that takes over the output
+    fused_activation: str | None = None  # "relu"/"relu6" clamp to apply in integer kernels
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Plan:
+    calls: dict[str, CallRecord]
+    pairs: list[tuple[str, str]]  # (conv module path, bn module path)
+    call_counts: dict[str, int]  # module path -> calls in one forward (0 = dead)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "calls": [c.to_dict() for c in self.calls.values()],
+            "pairs": [list(p) for p in self.pairs],
+            "call_counts": dict(self.call_counts),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        calls = {}
+        for c in data["calls"]:
+            rec = CallRecord(**c)
+            calls[rec.name] = rec
+        return cls(calls=calls, pairs=[tuple(p) for p in data["pairs"]], call_counts=dict(data["call_counts"]))
+
+    def point_calls(self) -> list[CallRecord]:
+        return [c for c in self.calls.values() if c.point]
+
+
+class _TraceHandler(Handler):
+    """Records producers/consumers of every tensor by object identity."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, CallRecord] = {}
+        self.producer: dict[int, str] = {}
+        self.alive: list[torch.Tensor] = []  # keep tensors alive so ids are not reused
+
+    def _inputs(self, args: Any) -> list[str]:
+        return [self.producer.get(id(t), "") for t in tensors_in(args)]
+
+    def _produce(self, name: str, output: Any) -> None:
+        for t in tensors_in(output):
+            self.producer[id(t)] = name
+            self.alive.append(t)
+
+    def _record(self, call: Call, args: Any, output: Any, is_module: bool) -> None:
+        rec = CallRecord(call.name, call.category, call.op, call.owner, is_module, self._inputs(args))
+        self.records[call.name] = rec
+        for producer in rec.inputs:
+            if producer:
+                self.records[producer].consumers.append(call.name)
+        self._produce(call.name, output)
+
+    def on_input(self, ctx, call, x):
+        self.records[call.name] = CallRecord(call.name, "input", "input", "", False)
+        self._produce(call.name, x)
+        return x
+
+    def on_module_output(self, ctx, call, module, args, output):
+        self._record(call, args, output, True)
+        return output
+
+    def on_op(self, ctx, call, func, args, kwargs):
+        out = func(*args, **kwargs)
+        self._record(call, (args, kwargs), out, False)
+        return out
+
+    def on_fallback(self, ctx, call, func, args, output):
+        self._record(call, args, output, False)
+        return output
+
+    def on_passthrough(self, ctx, func, args, output):
+        # A passthrough is a consumer that blocks fusion; its output is "produced"
+        # by a synthetic node so consumers of the view are counted too.
+        producers = [p for p in self._inputs(args) if p]
+        name = f"~view{len(self.records)}"
+        rec = CallRecord(name, "passthrough", getattr(func, "__name__", "module"), "", func is None, producers)
+        self.records[name] = rec
+        for p in producers:
+            self.records[p].consumers.append(name)
+        self._produce(name, output)
+        return output
+
+    def on_model_output(self, ctx, output):
+        for t in tensors_in(output):
+            producer = self.producer.get(id(t))
+            if producer:
+                self.records[producer].consumers.append("<output>")
+        return output
+
+
+def trace_plan(model: nn.Module, example_inputs: Any) -> Plan:
+    """Trace ``model`` (float, eval, no grad) on ``example_inputs`` and derive the plan."""
+    handler = _TraceHandler()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), ForwardContext(model, handler) as ctx:
+            if isinstance(example_inputs, dict):
+                args, kwargs = ctx.process_inputs((), example_inputs)
+            elif isinstance(example_inputs, (tuple, list)):
+                args, kwargs = ctx.process_inputs(tuple(example_inputs), {})
+            else:
+                args, kwargs = ctx.process_inputs((example_inputs,), {})
+            ctx.process_output(model(*args, **kwargs))
+        counts = dict(ctx.counts)
+    finally:
+        model.train(was_training)
+    return _decide(model, handler.records, counts)
+
+
+def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, int]) -> Plan:
+    calls = {n: r for n, r in records.items() if not n.startswith("~")}
+    # A consumer that is a view (passthrough) counts as "another use": it blocks fusion.
+    modules = dict(model.named_modules())
+    call_counts = {}
+    for path, module in modules.items():
+        if path and module_category(module) is not None:
+            call_counts[path] = counts.get(path, 0)
+
+    pairs: list[tuple[str, str]] = []
+    for rec in calls.values():
+        if rec.category != "conv" or not rec.is_module or call_counts.get(rec.name) != 1:
+            continue
+        if len(rec.consumers) != 1:
+            continue
+        bn = calls.get(rec.consumers[0])
+        if bn is None or bn.category != "bn" or not bn.is_module or call_counts.get(bn.name) != 1:
+            continue
+        bn_module = modules[bn.name]
+        conv_module = modules[rec.name]
+        if not getattr(bn_module, "track_running_stats", False) or bn_module.running_var is None:
+            continue
+        if bn_module.num_features != conv_module.out_channels or len(bn.inputs) != 1:
+            continue
+        pairs.append((rec.name, bn.name))
+        rec.fused_into = bn.name
+
+    for rec in calls.values():
+        if rec.category not in VALUE_CATEGORIES and rec.category != "input":
+            continue
+        if rec.fused_into is None and rec.category in FUSABLE_INTO_ACTIVATION and len(rec.consumers) == 1:
+            follower = calls.get(rec.consumers[0])
+            if follower is not None and follower.category in FUSED_ACTIVATIONS and len(follower.inputs) == 1:
+                rec.fused_into = follower.name
+        if rec.fused_into is None:
+            rec.point = rec.name
+
+    # Where each value call's output lands: follow the fused chain to its point.
+    for rec in calls.values():
+        target, activation = rec, None
+        seen = 0
+        while target.fused_into is not None and seen < 8:
+            target = calls[target.fused_into]
+            if target.category in FUSED_ACTIVATIONS:
+                activation = target.category
+            seen += 1
+        rec.output_point = target.point
+        rec.fused_activation = activation
+    return Plan(calls=calls, pairs=pairs, call_counts=call_counts)
+

@@ -1,0 +1,154 @@
+"""``QuantPoint``: one place where a tensor is quantized.
+
+A point is a layer's weight, a layer's output, an inline op's output or a model
+input.  It owns its spec, its observer, its scale and zero point, and a mode:
+
+- ``float``: pass the tensor through untouched;
+- ``observe``: pass through, but feed the observer (calibration);
+- ``fake``: fake-quantize with the current scale/zero point.  With
+  ``observe_in_fake`` (QAT with running observers, as torch's FakeQuantize) the
+  observer keeps updating and the qparams follow it.
+
+Weight points are *dynamic* unless frozen: their qparams are recomputed from
+the current weight whenever it changed (training steps bump ``_version``), so a
+weight's scale always matches the weight it quantizes.  Activation points are
+frozen by ``calibrate``.  Learnable-scale estimators (lsq, qte) hold the scale as
+an ``nn.Parameter`` initialised from the observer once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.fake_quant import fake_quantize
+from qdebug.engine.observers import make_observer
+from qdebug.engine.spec import QuantSpec
+from qdebug.errors import QDebugError
+
+MODES = ("float", "observe", "fake")
+
+
+class QuantPoint(nn.Module):
+    """A quantization point (see module docstring)."""
+
+    def __init__(self, name: str, kind: str, spec: QuantSpec, *, op: str = "", owner: str = "", fallback: bool = False):
+        super().__init__()
+        if kind not in ("weight", "activation"):
+            raise ValueError(kind)
+        self.name = name
+        self.kind = kind
+        self.spec = spec
+        self.op = op  # what produced the tensor: "Conv2d", "add", "input", ...
+        self.owner = owner  # module path owning the op
+        self.fallback = fallback  # op computed in float, output re-quantized
+        self.mode = "float"
+        self.observe_in_fake = False
+        self.frozen = kind == "activation"
+        self.alpha = 1.0  # alpha_blend: weight of the fake-quantized branch
+        self.observer = make_observer(spec)
+        self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32))
+        if spec.learnable_scale:
+            self.scale = nn.Parameter(torch.ones((), dtype=torch.float32))
+        else:
+            self.register_buffer("scale", torch.ones((), dtype=torch.float32))
+        # True once scale/zero_point hold real values (calibrated, computed or loaded).
+        self.register_buffer("qparams_set", torch.zeros((), dtype=torch.bool))
+        self._cache_key: Any = None
+
+    # -- qparams ---------------------------------------------------------------
+    def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+        scale = scale.detach().to(torch.float32)
+        zero_point = zero_point.detach().to(torch.int32)
+        with torch.no_grad():
+            if isinstance(self.scale, nn.Parameter):
+                if self.scale.shape != scale.shape:
+                    self.scale = nn.Parameter(scale.clone())
+                else:
+                    self.scale.copy_(scale)
+            else:
+                self.scale = scale.clone()
+            self.zero_point = zero_point.clone()
+            self.qparams_set.fill_(True)
+
+    def update_from_observer(self) -> None:
+        """Take scale/zero point from the observer's current range."""
+        scale, zero_point = self.observer.calculate_qparams()
+        self.set_qparams(scale, zero_point)
+
+    def compute_from(self, tensor: torch.Tensor) -> None:
+        """Reset the observer, observe ``tensor`` alone and take its qparams (weights)."""
+        self.observer.reset()
+        self.observer(tensor.detach())
+        self.update_from_observer()
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.qparams_set)
+
+    def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scale.detach(), self.zero_point
+
+    # -- forward -----------------------------------------------------------------
+    def apply(self, x: torch.Tensor, cache_key: Any = None) -> torch.Tensor:
+        """Quantize ``x`` according to the mode (the point's forward)."""
+        if self.mode == "float" or not torch.is_floating_point(x):
+            return x
+        if self.mode == "observe":
+            self.observer(x)
+            return x
+        if self.kind == "weight" and not self.frozen:
+            if self.training or cache_key is None or cache_key != self._cache_key or not self.initialized:
+                self.compute_from(x)
+                self._cache_key = cache_key
+        elif self.observe_in_fake and self.training:
+            self.observer(x)
+            if self.spec.learnable_scale and self.initialized:
+                pass  # a learned scale is the optimizer's, not the observer's
+            else:
+                self.update_from_observer()
+        if not self.initialized:
+            raise QDebugError(
+                f"quant point {self.name!r} has no scale yet",
+                "calibrate the model (qdebug.engine.calibrate) before fake quantization",
+            )
+        out = fake_quantize(
+            x, self.scale, self.zero_point, self.spec, alpha=self.alpha, training=self.training, kind=self.kind
+        )
+        out._qdebug_point = self  # lets integer kernels find the grid a tensor lies on
+        return out
+
+    forward = apply
+
+    def freeze(self, frozen: bool = True) -> None:
+        self.frozen = frozen
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, {self.kind}, {self.spec.describe()}, mode={self.mode}"
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # Per-channel qparams have a shape only known after observing: adopt the saved one.
+        for key in ("scale", "zero_point"):
+            saved = state_dict.get(prefix + key)
+            current = getattr(self, key)
+            if saved is not None and saved.shape != current.shape:
+                if isinstance(current, nn.Parameter):
+                    setattr(self, key, nn.Parameter(torch.empty_like(saved, dtype=current.dtype)))
+                else:
+                    setattr(self, key, torch.empty_like(saved, dtype=current.dtype))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+def grid_of(x: torch.Tensor) -> QuantPoint | None:
+    """The point whose grid ``x`` lies on (set by ``QuantPoint.apply`` and passthrough ops)."""
+    return getattr(x, "_qdebug_point", None)
+
+
+def tag(x: torch.Tensor, point: QuantPoint | None) -> torch.Tensor:
+    if point is not None and isinstance(x, torch.Tensor):
+        x._qdebug_point = point
+    return x

@@ -1,0 +1,357 @@
+"""Float model -> prepared model, and the knobs on a prepared model.
+
+``prepare`` deep-copies the user's model (the original is never touched), traces
+it once to build the ``Plan``, swaps Conv/Linear for ``QConv``/``QLinear`` in
+place (same names, same parameters), handles Conv-BN pairs in the chosen QAT
+mode, creates every quant point, and installs root hooks so each forward runs
+inside a ``ForwardContext`` with the ``QuantHandler``.  The prepared model is
+still an instance of the user's class with the user's layer names.
+
+``set_mode``, ``quant_points``, ``calibrate`` and ``absorb_bn`` operate on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.context import Call, ForwardContext, active_context, run_model
+from qdebug.engine.functional import QuantHandler
+from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
+from qdebug.engine.ops import VALUE_CATEGORIES
+from qdebug.engine.plan import CallRecord, Plan, trace_plan
+from qdebug.engine.point import MODES, QuantPoint
+from qdebug.engine.spec import QConfig
+from qdebug.errors import QDebugError
+
+QAT_MODES = {"fuse_bn": "fused", "with_bn": "with_bn", "with_bn_reverse_fold": "reverse_fold"}
+STATE_ATTR = "_qdebug_state"
+POINTS_ATTR = "qdebug_points"
+
+
+class PointTable(nn.Module):
+    """Holds every quant point as a submodule (so state_dict carries them)."""
+
+    @staticmethod
+    def key(name: str) -> str:
+        return name.replace(".", "/") or "<root>"
+
+
+class EngineState:
+    """Engine bookkeeping attached to a prepared model (plain attributes, deep-copied with it)."""
+
+    def __init__(self, plan: Plan, qconfig: QConfig, qat_mode: str, table: PointTable):
+        self.plan = plan
+        self.qconfig = qconfig
+        self.qat_mode = qat_mode
+        self.stage = "fake"  # "fake" (float/calibrated/qat) or "quantized" (integer simulation)
+        self.table = table
+        self.points: "OrderedDict[str, QuantPoint]" = OrderedDict()
+        self.listeners: list = []
+        self.discovered: list[str] = []
+        self.contexts: list[ForwardContext] = []
+
+    def add_point(self, point: QuantPoint) -> None:
+        self.table.add_module(PointTable.key(point.name), point)
+        self.points[point.name] = point
+
+    def discover(self, call: Call) -> QuantPoint | None:
+        """A value call the trace never saw (data-dependent path): give it a point now."""
+        if call.category not in VALUE_CATEGORIES:
+            return None
+        self.plan.calls[call.name] = CallRecord(
+            call.name, call.category, call.op, call.owner, call.module is not None, point=call.name, output_point=call.name
+        )
+        spec = self.qconfig.spec_for("activation", (call.owner, call.base, call.name))
+        if spec is None:
+            return None
+        point = QuantPoint(call.name, "activation", spec, op=call.op, owner=call.owner, fallback=call.category == "fallback")
+        reference = next(iter(self.points.values()), None)
+        if reference is not None:
+            point.mode = reference.mode
+            point.train(reference.training)
+        self.add_point(point)
+        self.discovered.append(call.name)
+        warnings.warn(
+            f"qdebug: call {call.name!r} was not seen when the model was traced at prepare; it got a new, "
+            "uncalibrated quant point (trace with inputs that take every path)",
+            stacklevel=2,
+        )
+        return point
+
+
+def engine_state(model: nn.Module) -> EngineState:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise QDebugError("this model is not prepared by qdebug", "call qdebug.engine.prepare(model, ...) first")
+    return state
+
+
+def is_prepared(model: nn.Module) -> bool:
+    return getattr(model, STATE_ATTR, None) is not None
+
+
+# -- root hooks: module-level functions so deep copies keep working ----------------------
+def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    state: EngineState = getattr(module, STATE_ATTR)
+    ctx = ForwardContext(module, QuantHandler(state), state.listeners)
+    ctx.__enter__()
+    state.contexts.append(ctx)
+    return ctx.process_inputs(args, kwargs)
+
+
+def _root_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    state: EngineState = getattr(module, STATE_ATTR)
+    ctx = state.contexts.pop()
+    try:
+        if active_context() is ctx and output is not None:
+            output = ctx.process_output(output)
+    finally:
+        ctx.__exit__(None, None, None)
+    return output
+
+
+def _replace_modules(root: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> dict[int, nn.Module]:
+    """Swap modules in the tree (every path an instance appears at); returns old id -> new."""
+    replaced: dict[int, nn.Module] = {}
+    for path, module in list(root.named_modules(remove_duplicate=False)):
+        if not path:
+            continue
+        new = replaced.get(id(module))
+        if new is None:
+            new = make(path, module)
+            if new is None:
+                continue
+            replaced[id(module)] = new
+        parent_path, _, attr = path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        parent._modules[attr] = new
+    return replaced
+
+
+def prepare(
+    model: nn.Module,
+    qconfig: QConfig | dict | None = None,
+    mode: str = "fuse_bn",
+    example_inputs: Any = None,
+    *,
+    plan: Plan | dict | None = None,
+) -> nn.Module:
+    """A prepared deep copy of ``model`` (see module docstring).  ``model`` is not modified.
+
+    ``mode``: "fuse_bn" | "with_bn" | "with_bn_reverse_fold".  ``example_inputs``: one
+    batch (tensor, tuple of args or dict of kwargs) used to trace the model; a saved
+    ``plan`` can replace it.  All points start in mode "float".
+    """
+    if mode not in QAT_MODES:
+        raise QDebugError(f"unknown QAT mode {mode!r}", f"choose one of {', '.join(QAT_MODES)}")
+    if isinstance(qconfig, dict):
+        qconfig = QConfig.from_dict(qconfig)
+    qconfig = qconfig or QConfig()
+    if is_prepared(model):
+        raise QDebugError("the model is already prepared", "prepare the float model")
+    qm = copy.deepcopy(model)
+    if plan is None:
+        if example_inputs is None:
+            raise QDebugError("prepare needs example_inputs to trace the model", "pass one batch of inputs")
+        plan = trace_plan(qm, example_inputs)
+    elif isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    else:
+        plan = copy.deepcopy(plan)
+
+    def wrap(path: str, module: nn.Module) -> nn.Module | None:
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not isinstance(module, _QWeighted):
+            return QConv(module)
+        if isinstance(module, nn.Linear):
+            return QLinear(module)
+        return None
+
+    _replace_modules(qm, wrap)
+
+    bn_mode = QAT_MODES[mode]
+    for conv_path, bn_path in plan.pairs:
+        conv = qm.get_submodule(conv_path)
+        bn = qm.get_submodule(bn_path)
+        conv.attach_bn(bn, "with_bn" if bn_mode == "fused" else bn_mode)
+        if bn_mode == "fused":
+            _absorb_pair(qm, conv_path, bn_path)
+
+    table = PointTable()
+    state = EngineState(plan, qconfig, mode, table)
+    used_names: list[tuple[str, ...]] = []
+    fallbacks: list[str] = []
+    weighted = {path: m for path, m in qm.named_modules() if isinstance(m, _QWeighted)}
+    for rec in plan.calls.values():
+        if rec.is_module and rec.name in weighted and weighted[rec.name].weight_point is None:
+            layer = weighted[rec.name]
+            names = (rec.name, f"{rec.name}.weight")
+            used_names.append(names)
+            spec = qconfig.spec_for("weight", names)
+            if spec is not None:
+                point = QuantPoint(f"{rec.name}.weight", "weight", spec, op=rec.op, owner=rec.name)
+                state.add_point(point)
+                layer.attach_weight_point(point)
+        if rec.point is None:
+            continue
+        base = rec.name.split("#")[0]
+        names = (rec.owner, base, rec.name) if rec.category != "input" else ("input", rec.name)
+        used_names.append(names)
+        spec = qconfig.spec_for("activation", names)
+        if spec is None:
+            continue
+        state.add_point(
+            QuantPoint(rec.name, "activation", spec, op=rec.op, owner=rec.owner, fallback=rec.category == "fallback")
+        )
+        if rec.category == "fallback":
+            fallbacks.append(f"{rec.name} ({rec.op})")
+    for layer in weighted.values():  # weighted layers the trace never called (dead): still quantizable
+        if layer.weight_point is None:
+            path = next(p for p, m in weighted.items() if m is layer)
+            spec = qconfig.spec_for("weight", (path, f"{path}.weight"))
+            used_names.append((path, f"{path}.weight"))
+            if spec is not None:
+                point = QuantPoint(f"{path}.weight", "weight", spec, op=type(layer).__name__, owner=path)
+                state.add_point(point)
+                layer.attach_weight_point(point)
+
+    matched = {g for names in used_names for g in qconfig.matching_globs(names)}
+    unmatched = [g for g in qconfig.overrides if g not in matched]
+    if unmatched:
+        raise QDebugError(
+            f"qconfig override(s) match no layer: {', '.join(repr(g) for g in unmatched)}",
+            "globs match module paths such as 'backbone.*' or quant point names; see qdebug inspect for the names",
+        )
+    if fallbacks:
+        warnings.warn(
+            "qdebug: no quantized kernel for these ops; they run in float and are re-quantized at their output: "
+            + ", ".join(fallbacks[:10])
+            + (" ..." if len(fallbacks) > 10 else ""),
+            stacklevel=2,
+        )
+    qm.add_module(POINTS_ATTR, table)
+    object.__setattr__(qm, STATE_ATTR, state)
+    qm.register_forward_pre_hook(_root_pre_hook, with_kwargs=True)
+    qm.register_forward_hook(_root_post_hook, with_kwargs=True, always_call=True)
+    return qm
+
+
+def _absorb_pair(qm: nn.Module, conv_path: str, bn_path: str) -> None:
+    conv = qm.get_submodule(conv_path)
+    bn = conv.bn
+    conv.absorb()
+    placeholder = FoldedBatchNorm(bn.num_features, conv_path)
+    placeholder.train(bn.training)
+    _replace_modules(qm, lambda path, m: placeholder if m is bn else None)
+
+
+def _glob_matches(pattern: str, name: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.startswith(pattern + ".")
+
+
+def set_mode(
+    model: nn.Module, mode: str, pattern: str = "*", *, kind: str | None = None, observe: bool | None = None
+) -> list[str]:
+    """Set the mode of the quant points whose name matches ``pattern`` (glob or module prefix).
+
+    ``mode``: "float" | "observe" | "fake".  ``kind``: "weight" | "activation" | None (both).
+    ``observe=True`` with "fake" keeps activation observers updating in training (QAT
+    with running ranges, as torch's FakeQuantize).  Returns the names changed.
+    """
+    if mode not in MODES:
+        raise QDebugError(f"unknown mode {mode!r}", f"choose one of {', '.join(MODES)}")
+    state = engine_state(model)
+    changed = []
+    for name, point in state.points.items():
+        if kind is not None and point.kind != kind:
+            continue
+        if _glob_matches(pattern, name) or (point.owner and _glob_matches(pattern, point.owner)):
+            point.mode = mode
+            if observe is not None:
+                point.observe_in_fake = bool(observe)
+            changed.append(name)
+    if not changed:
+        raise QDebugError(f"no quant point matches {pattern!r}", "list the names with qdebug.engine.quant_points")
+    return changed
+
+
+def quant_points(model: nn.Module) -> "OrderedDict[str, QuantPoint]":
+    """All quant points in execution order: name -> point (.spec, .scale, .zero_point, .mode, .kind)."""
+    return OrderedDict(engine_state(model).points)
+
+
+def calibrate(
+    model: nn.Module, batches: Iterable[Any], *, progress: Callable[[int], None] | None = None
+) -> nn.Module:
+    """Run ``batches`` through the model with every observer on, then freeze the scales.
+
+    Each batch is the model's input: a tensor, a tuple of args or a dict of kwargs.
+    Afterwards every point is in mode "fake".  Points never reached keep no scale
+    and are reported by ``quant_points`` as uninitialised.
+    """
+    state = engine_state(model)
+    was_training = model.training
+    model.eval()
+    for point in state.points.values():
+        if point.kind == "activation":
+            point.observer.reset()
+            point.mode = "observe"
+        else:
+            point.mode = "float"
+    count = 0
+    with torch.no_grad():
+        for batch in batches:
+            run_model(model, batch)
+            count += 1
+            if progress is not None:
+                progress(count)
+    if count == 0:
+        raise QDebugError("calibration got no batches", "pass at least one batch of inputs")
+    for name, point in state.points.items():
+        if point.kind == "activation":
+            if point.observer.initialized:
+                point.update_from_observer()
+            point.freeze(True)
+        point.mode = "fake"
+    _refresh_weight_points(model)
+    model.train(was_training)
+    return model
+
+
+def _refresh_weight_points(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, _QWeighted) and module.weight_point is not None:
+            point = module.weight_point
+            point._cache_key = None
+            if point.spec.learnable_scale and not point.initialized:
+                if module.bn_mode == "reverse_fold" and module.bn is not None:
+                    from qdebug.engine.modules import bn_scale_factor
+
+                    shape = [-1] + [1] * (module.weight.dim() - 1)
+                    point.compute_from(module.weight * bn_scale_factor(module.bn).reshape(shape))
+                else:
+                    point.compute_from(module.weight)
+
+
+def absorb_bn(model: nn.Module, pattern: str = "*") -> list[str]:
+    """Fold the BN of every Conv-BN pair whose conv (or BN) path matches ``pattern`` now.
+
+    Under with_bn_reverse_fold the eval output is unchanged; under with_bn the
+    folded weight is re-quantized with a new scale.  Returns the convs folded.
+    """
+    state = engine_state(model)
+    done = []
+    for conv_path, bn_path in state.plan.pairs:
+        conv = model.get_submodule(conv_path)
+        if conv.bn is None:
+            continue
+        if _glob_matches(pattern, conv_path) or _glob_matches(pattern, bn_path):
+            _absorb_pair(model, conv_path, bn_path)
+            done.append(conv_path)
+    return done

@@ -1,0 +1,226 @@
+"""What to quantize and how: ``QuantSpec`` (one tensor) and ``QConfig`` (a model).
+
+Both are plain, immutable values that round-trip through a dict of JSON/TOML
+types, so a checkpoint or a ``qdebug.toml`` can carry them.  ``qparams_from_range``
+turns an observed range into a scale and zero point; every observer ends there,
+so the range rules (0 always inside the range, the symmetric divisor) live in one
+place and are documented in docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import torch
+
+from qdebug.errors import QDebugError
+
+OBSERVERS = ("minmax", "ema", "percentile", "mse", "kl")
+ESTIMATORS = ("ste", "clipped_ste", "qte", "alpha_blend", "lsq")
+# Estimators whose scale is an ``nn.Parameter`` trained by the optimizer.
+LEARNABLE_SCALE_ESTIMATORS = ("qte", "lsq")
+MIN_BITS, MAX_BITS = 2, 16
+# The smallest scale we hand out: torch's observers use the same floor, so a
+# constant-zero tensor gets a tiny but valid scale instead of 0 (division by 0).
+SCALE_EPS = float(torch.finfo(torch.float32).eps)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor is quantized.
+
+    bits: 2..16.  signed: integer range [-2^(b-1), 2^(b-1)-1], else [0, 2^b-1].
+    symmetric: zero point 0 and scale = max|x| / qmax; else affine with a zero point.
+    per_channel: one scale per slice along ``ch_axis``.
+    observer: how the range is estimated (minmax, ema, percentile, mse, kl).
+    estimator: the gradient used in training (ste, clipped_ste, qte, alpha_blend, lsq).
+    averaging_constant: EMA weight of a new batch.  percentile: for ``percentile``.
+    bins: histogram size of the histogram observers (percentile, mse, kl).
+    """
+
+    bits: int = 8
+    signed: bool = True
+    symmetric: bool = True
+    per_channel: bool = False
+    ch_axis: int = 0
+    observer: str = "minmax"
+    estimator: str = "clipped_ste"
+    averaging_constant: float = 0.01
+    percentile: float = 99.99
+    bins: int = 2048
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not MIN_BITS <= self.bits <= MAX_BITS:
+            raise QDebugError(f"bits={self.bits!r} is not supported", f"use an integer from {MIN_BITS} to {MAX_BITS}")
+        if self.observer not in OBSERVERS:
+            raise QDebugError(f"unknown observer {self.observer!r}", f"choose one of {', '.join(OBSERVERS)}")
+        if self.estimator not in ESTIMATORS:
+            raise QDebugError(f"unknown estimator {self.estimator!r}", f"choose one of {', '.join(ESTIMATORS)}")
+        if isinstance(self.ch_axis, bool) or not isinstance(self.ch_axis, int):
+            raise QDebugError(f"ch_axis={self.ch_axis!r} must be an integer axis")
+        if not 0.0 < float(self.averaging_constant) <= 1.0:
+            raise QDebugError(f"averaging_constant={self.averaging_constant} must be in (0, 1]")
+        if not 50.0 < float(self.percentile) <= 100.0:
+            raise QDebugError(f"percentile={self.percentile} must be in (50, 100]")
+        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 16:
+            raise QDebugError(f"bins={self.bins!r} must be an integer >= 16")
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1)) if self.signed else 0
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
+
+    @property
+    def learnable_scale(self) -> bool:
+        return self.estimator in LEARNABLE_SCALE_ESTIMATORS
+
+    @property
+    def dtype_name(self) -> str:
+        """Short human name, e.g. ``int8``, ``uint16``."""
+        return f"{'int' if self.signed else 'uint'}{self.bits}"
+
+    def describe(self) -> str:
+        """e.g. ``int8 sym per-channel(0) minmax``."""
+        gran = f"per-channel({self.ch_axis})" if self.per_channel else "per-tensor"
+        return f"{self.dtype_name} {'sym' if self.symmetric else 'affine'} {gran} {self.observer}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "QuantSpec":
+        return cls().replace(**dict(data or {}))
+
+    def replace(self, **changes: Any) -> "QuantSpec":
+        valid = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - valid)
+        if unknown:
+            raise QDebugError(
+                f"unknown quant spec key(s): {', '.join(unknown)}", f"valid keys: {', '.join(sorted(valid))}"
+            )
+        return dataclasses.replace(self, **changes)
+
+
+def default_weight_spec() -> QuantSpec:
+    """int8 symmetric per-channel (output channels), min/max of the weight."""
+    return QuantSpec(per_channel=True, ch_axis=0)
+
+
+def default_activation_spec() -> QuantSpec:
+    """int8 affine per-tensor with a zero point, min/max: the TFLite int8 scheme."""
+    return QuantSpec(signed=True, symmetric=False)
+
+
+_OVERRIDE_KINDS = ("weight", "activation")
+
+
+@dataclass(frozen=True)
+class QConfig:
+    """Specs for a whole model: defaults plus overrides by module-name glob.
+
+    ``overrides`` maps a glob (matched against the owning module's path, e.g.
+    ``backbone.*``, and against the quant point's own name) to
+    ``{"weight": {...}, "activation": {...}}``; each value is a partial
+    ``QuantSpec`` dict applied over the default, or ``None`` to keep that kind
+    in float.  Later globs win over earlier ones.
+    """
+
+    weight: QuantSpec = field(default_factory=default_weight_spec)
+    activation: QuantSpec = field(default_factory=default_activation_spec)
+    overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, QuantSpec) or not isinstance(self.activation, QuantSpec):
+            raise QDebugError("QConfig weight/activation must be QuantSpec objects")
+        for glob, entry in self.overrides.items():
+            if not isinstance(entry, Mapping):
+                raise QDebugError(f"override {glob!r} must be a table of weight/activation settings")
+            unknown = sorted(set(entry) - set(_OVERRIDE_KINDS))
+            if unknown:
+                raise QDebugError(
+                    f"override {glob!r} has unknown key(s) {', '.join(unknown)}", "use 'weight' and/or 'activation'"
+                )
+            for kind in _OVERRIDE_KINDS:
+                if entry.get(kind) is not None:
+                    # Validate eagerly: a typo must fail at load, not mid-run.
+                    getattr(self, kind).replace(**dict(entry[kind]))
+
+    def spec_for(self, kind: str, names: tuple[str, ...]) -> QuantSpec | None:
+        """The spec of a ``kind`` quant point known by ``names``; None means float."""
+        spec: QuantSpec | None = getattr(self, kind)
+        for glob in self.matching_globs(names):
+            entry = self.overrides[glob]
+            if kind not in entry:
+                continue
+            if entry[kind] is None:
+                spec = None
+            else:
+                spec = getattr(self, kind).replace(**dict(entry[kind]))
+        return spec
+
+    def matching_globs(self, names: tuple[str, ...]) -> list[str]:
+        return [g for g in self.overrides if any(fnmatch.fnmatchcase(n, g) for n in names if n is not None)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "weight": self.weight.to_dict(),
+            "activation": self.activation.to_dict(),
+            "overrides": {
+                g: {k: (None if v is None else dict(v)) for k, v in e.items()} for g, e in self.overrides.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "QConfig":
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"weight", "activation", "overrides"})
+        if unknown:
+            raise QDebugError(
+                f"unknown qconfig key(s): {', '.join(unknown)}", "valid keys: weight, activation, overrides"
+            )
+        return cls(
+            weight=default_weight_spec().replace(**dict(data.get("weight") or {})),
+            activation=default_activation_spec().replace(**dict(data.get("activation") or {})),
+            overrides={g: dict(e) for g, e in dict(data.get("overrides") or {}).items()},
+        )
+
+
+def qparams_from_range(
+    min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float32) and zero point (int32) covering [min_val, max_val].
+
+    The range is first widened to contain 0 (so 0 is exactly representable,
+    which padding and ReLU rely on).  Symmetric: z = 0, s = max|x| / qmax
+    (unsigned symmetric: s = max / qmax, negatives saturate at 0).  Affine:
+    s = (max - min) / (qmax - qmin), z = qmin - round_half_even(min / s), clamped
+    into [qmin, qmax].  s is floored at float32 eps so a constant tensor still
+    quantizes.  Non-finite bounds (an observer that saw no finite value) give
+    s = 1, z = 0 -- callers report such points as uninitialised.
+    """
+    min_val = torch.as_tensor(min_val, dtype=torch.float32)
+    max_val = torch.as_tensor(max_val, dtype=torch.float32)
+    finite = torch.isfinite(min_val) & torch.isfinite(max_val)
+    min_val = torch.where(finite, min_val, torch.zeros_like(min_val))
+    max_val = torch.where(finite, max_val, torch.zeros_like(max_val))
+    lo = torch.clamp(min_val, max=0.0)
+    hi = torch.clamp(max_val, min=0.0)
+    qmin, qmax = spec.qmin, spec.qmax
+    if spec.symmetric:
+        amax = torch.maximum(-lo, hi) if spec.signed else hi
+        scale = amax / float(qmax)
+        zero_point = torch.zeros_like(scale, dtype=torch.int32)
+    else:
+        scale = (hi - lo) / float(qmax - qmin)
+        scale = torch.clamp(scale, min=SCALE_EPS)
+        zero_point = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
+    scale = torch.clamp(scale, min=SCALE_EPS)
+    scale = torch.where(finite, scale, torch.ones_like(scale))
+    zero_point = torch.where(finite, zero_point, torch.zeros_like(zero_point))
+    return scale.to(torch.float32), zero_point.to(torch.int32)
