@@ -38,11 +38,31 @@ from qdebug.engine.spec import QuantSpec
 def _kernel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int) -> torch.Tensor:
     """torch's fake-quant kernel for per-tensor or per-channel qparams (no NaN handling)."""
     if spec.per_channel:
+        x = _clamp_for_per_channel(x, scale, zero_point, spec, axis)
         return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, spec.qmin, spec.qmax)
     return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, spec.qmin, spec.qmax)
 
 
+def _clamp_for_per_channel(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int
+) -> torch.Tensor:
+    """Clamp ``x`` to two codes beyond each end of the range before torch's per-channel kernels.
+
+    Those kernels cast ``x / s`` to int64 *before* clamping, so +Inf and any
+    ``|x / s|`` past 2^63 come out as ``qmin`` instead of saturating.  Two codes
+    past the ends are still outside the range, so the output and the
+    inside/outside masks of the backward are unchanged.  NaN stays NaN.
+    """
+    s = _broadcast(scale.detach(), x, axis, True)
+    z = _broadcast(zero_point.detach(), x, axis, True).to(s.dtype)
+    return torch.clamp(x, (spec.qmin - 2 - z) * s, (spec.qmax + 2 - z) * s)
+
+
 def _keep_nan(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # A max-reduction propagates NaN: one cheap read decides whether the exact
+    # (allocating) select is needed at all; most tensors have no NaN.
+    if x.numel() == 0 or not torch.isnan(x.detach().amax()):
+        return out
     return torch.where(torch.isnan(x), x, out)
 
 
@@ -158,7 +178,7 @@ def fake_quantize(
         zp = zero_point.to(torch.float32)
         if spec.per_channel:
             out = torch._fake_quantize_learnable_per_channel_affine(
-                x, scale, zp, axis, spec.qmin, spec.qmax, factor
+                _clamp_for_per_channel(x, scale, zp, spec, axis), scale, zp, axis, spec.qmin, spec.qmax, factor
             )
         else:
             out = torch._fake_quantize_learnable_per_tensor_affine(

@@ -508,11 +508,14 @@ class MSEObserver(HistogramObserver):
     observed [min, max]), the expected error is::
 
         E = sum_{c_k < r_lo} h_k (c_k - r_lo)^2  +  sum_{c_k > r_hi} h_k (c_k - r_hi)^2
-            + (s^2 / 12) * sum_{r_lo <= c_k <= r_hi} h_k
+            + sum_{c_k in Z} h_k c_k^2  +  (s^2 / 12) * sum_{c_k in [r_lo, r_hi] \ Z} h_k
 
-    Approximations: each bin's mass sits at its centre for the clipping term, and
-    rounding noise inside the range is uniform with variance ``s^2 / 12`` (exact
-    for values spread smoothly over many quantization steps).  The sums are
+    where ``Z = [-s/2, s/2) ∩ [r_lo, r_hi]`` is the rounding cell of the grid point
+    0 (always representable), whose values round to 0.  Approximations: each
+    bin's mass sits at its centre, and rounding noise elsewhere inside the range
+    is uniform with variance ``s^2 / 12`` (exact for values spread smoothly over
+    many quantization steps; the ``Z`` term fixes the case where the step dwarfs
+    the bulk of the data, e.g. 4-bit with outliers, where that model is far off).  The sums are
     prefix sums, so all candidates of all channels cost ``O(C (bins + G log bins))``.
     Ties go to the widest candidate (least clipping).
     """
@@ -559,7 +562,15 @@ class MSEObserver(HistogramObserver):
             - 2 * r_hi * (S1[:, -1:] - take(S1, i_hi))
             + r_hi * r_hi * (n - take(H, i_hi))
         )
-        inside = (take(H, i_hi) - take(H, i_lo)) * s * s / 12.0
+        # The cell of grid point 0 (0 is always representable): values there round
+        # to 0 with error x^2, which is far below s^2/12 when the step dwarfs the
+        # bulk (coarse candidates, low bits) -- the uniform model would overcharge them.
+        i_z0 = torch.maximum(i_lo, torch.searchsorted(centres.contiguous(), (-0.5 * s).contiguous(), right=False))
+        i_z1 = torch.minimum(i_hi, torch.searchsorted(centres.contiguous(), (0.5 * s).contiguous(), right=False))
+        i_z1 = torch.maximum(i_z1, i_z0)
+        zero_cell = take(S2, i_z1) - take(S2, i_z0)
+        rest = (take(H, i_hi) - take(H, i_lo)) - (take(H, i_z1) - take(H, i_z0))
+        inside = zero_cell + rest * s * s / 12.0
         err = below.clamp(min=0) + above.clamp(min=0) + inside  # clamp: cancellation noise
         # Widest among the minima: flip, take the first argmin, flip the index back.
         best = G - 1 - torch.argmin(err.flip(1), dim=1)
@@ -570,42 +581,56 @@ class MSEObserver(HistogramObserver):
         return self._finish(lo, hi)
 
 
-def _kl_best_bin(h: np.ndarray, levels: int) -> int:
-    """Index ``i`` (threshold at the upper edge of bin ``i-1``) minimising KL(P_i || Q_i).
+# Normalised Q value given to the one bin that can have P > 0 but Q = 0 (see KLObserver);
+# the same constant the MXNet/TVM entropy calibrators smooth with.
+KL_EMPTY_Q = 1e-4
+# Divergences closer than this count as equal (the first candidate wins).
+KL_TIE_TOL = 1e-10
 
-    ``h``: counts of the |x| histogram from 0, last entry non-zero.  Closed form
-    per candidate with prefix sums (see ``KLObserver``), vectorised over all
-    candidates and groups.
+
+def _xlogx(v: np.ndarray) -> np.ndarray:
+    return np.where(v > 0, v * np.log(np.where(v > 0, v, 1.0)), 0.0)
+
+
+def _kl_best_bin(h: np.ndarray, levels: int) -> int:
+    """Number of bins ``i`` kept (threshold at the upper edge of bin ``i-1``) minimising KL(P_i || Q_i).
+
+    ``h``: float64 counts of the |x| histogram from 0, last entry non-zero,
+    ``len(h) > levels``.  Closed form per candidate from prefix sums (formula in
+    ``KLObserver``), vectorised over all candidates and groups: O(L (n - L)).
     """
     n = h.shape[0]
     total = h.sum()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        hlogh = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
     cum = np.concatenate([[0.0], np.cumsum(h)])
     nz = np.concatenate([[0.0], np.cumsum(h > 0)])
-    cum_hlogh = np.concatenate([[0.0], np.cumsum(hlogh)])
+    cum_hlogh = np.concatenate([[0.0], np.cumsum(_xlogx(h))])
 
-    i = np.arange(levels, n + 1)  # candidate counts of bins kept
-    tail = total - cum[i]  # mass at or beyond bin i, added to bin i-1
+    i = np.arange(levels, n + 1)  # candidate numbers of bins kept
+    inside = cum[i]  # M_i: mass of the kept bins, what Q is built from
+    tail = total - inside  # clipped mass, added to P's bin i-1
     last = h[i - 1] + tail
-    plogp = cum_hlogh[i - 1] + np.where(last > 0, last * np.log(np.where(last > 0, last, 1.0)), 0.0)
+    plogp = (cum_hlogh[i - 1] + _xlogx(last)) / total - np.log(total)
 
     m = i // levels  # bins per group; the last group also takes the remainder
     g = np.arange(levels)
     start = g[None, :] * m[:, None]  # [K, L]
     stop = np.where(g[None, :] == levels - 1, i[:, None], start + m[:, None])
-    s_g = cum[stop] - cum[start]
-    n_g = nz[stop] - nz[start]
-    # The tail lands in bin i-1, inside the last group; it may make that bin non-empty.
-    s_g[:, -1] += tail
-    n_g[:, -1] += (h[i - 1] == 0) & (tail > 0)
+    s_g = cum[stop] - cum[start]  # group mass without the tail (Q's source)
+    n_g = nz[stop] - nz[start]  # non-empty bins of P in the group
+    n_g[:, -1] += (h[i - 1] == 0) & (tail > 0)  # the tail can make bin i-1 non-empty
+    t_g = s_g.copy()  # group mass of P: the tail sits in the last group
+    t_g[:, -1] += tail
     with np.errstate(divide="ignore", invalid="ignore"):
-        q_term = np.where(s_g > 0, s_g * np.log(np.where(s_g > 0, s_g, 1.0) / np.maximum(n_g, 1.0)), 0.0)
-    kl = (plogp - q_term.sum(axis=1)) / total
-    # Ties (within rounding of the closed form) go to the widest threshold: data
-    # sitting in one narrow band far from 0 gives KL = 0 for every i, and the
-    # first i would clip it to a fraction of its value.
-    best = np.nonzero(kl <= kl.min() + 1e-9)[0][-1]
+        log_q = np.log(s_g / (np.maximum(n_g, 1.0) * inside[:, None]))
+    cross = np.where(s_g > 0, t_g * log_q, 0.0).sum(axis=1)
+    # Last group empty in Q but holding the clipped tail in P: q = KL_EMPTY_Q there.
+    orphan = (s_g[:, -1] == 0) & (tail > 0)
+    cross = cross + np.where(orphan, tail * np.log(KL_EMPTY_Q), 0.0)
+    kl = plogp - cross / total
+    # First minimum, as TensorRT/MXNet's argmin; the tolerance only absorbs rounding
+    # of the closed form, so mathematically tied candidates (e.g. extending a
+    # single-bin grouping over empty bins) resolve to the smallest, deterministically.
+    best = np.nonzero(kl <= kl.min() + KL_TIE_TOL)[0][0]
     return int(i[best])
 
 
@@ -615,22 +640,33 @@ class KLObserver(HistogramObserver):
     The signed histogram is folded onto ``|x|`` (exact on the 0-anchored grid)
     and, if its first occupied bin is far from 0, coarsened by exact bin-pair
     merges until it starts at 0 and has at most ``bins`` bins: ``h_0..h_{n-1}``
-    of width ``w``, ``h_{n-1} > 0``.  ``L`` = quantized levels on the |x| axis:
-    ``2^(bits-1)`` signed, ``2^bits`` unsigned.  For each ``i = L..n``:
+    of width ``w``, ``h_{n-1} > 0``, ``N = sum h``.  ``L`` = quantized levels on
+    the |x| axis: ``2^(bits-1)`` signed, ``2^bits`` unsigned.  For each ``i = L..n``:
 
-    * ``P = (h_0, .., h_{i-2}, h_{i-1} + sum_{k>=i} h_k)`` (tail folded into the last bin);
-    * split ``0..i-1`` into ``L`` groups of ``m = i // L`` bins (the last group
-      takes the remainder); ``Q`` gives each non-empty bin of ``P`` in group ``g``
-      the value ``S_g / n_g`` (``S_g`` the group's mass in P, ``n_g`` its number of
-      non-empty bins of P), empty bins 0;
-    * ``KL(P || Q) = (1/N) [ sum_k P_k ln P_k - sum_g S_g ln(S_g / n_g) ]`` with
-      ``N = sum h`` (both normalised by N; Q > 0 wherever P > 0, so no smoothing).
+    * ``P = (h_0, .., h_{i-2}, h_{i-1} + t)`` with the clipped tail
+      ``t = sum_{k>=i} h_k``, normalised by ``N``;
+    * split bins ``0..i-1`` into ``L`` groups of ``m = i // L`` bins (the last
+      group takes the remainder).  ``Q`` is the *kept* histogram ``h_0..h_{i-1}``
+      (without the tail, as in TensorRT's description) merged per group and
+      expanded back: each bin where ``P > 0`` in group ``g`` gets ``S_g / n_g``
+      (``S_g`` = the group's sum of ``h``, ``n_g`` = its number of bins with
+      ``P > 0``), other bins 0; normalised by ``M = sum_{k<i} h_k``.
+      (Building Q from P itself would make Q == P at ``i = L`` -- every group a
+      single bin -- so the divergence would always pick ``i = L``.)
+    * ``KL(P || Q) = sum_k p_k ln p_k - sum_g (T_g / N) ln(S_g / (n_g M))``,
+      ``T_g`` = the group's mass in P (``S_g``, plus ``t`` for the last group).
+      The one bin that can have ``p > 0 = q`` is bin ``i-1`` when the last group
+      is empty in ``h`` but receives the tail; it gets ``q = KL_EMPTY_Q = 1e-4``
+      (the smoothing constant of the MXNet/TVM calibrators) instead of an
+      infinite divergence, so a lone far outlier does not force ``T = max``.
 
-    ``T = i* w`` for the ``i*`` of minimal KL (the largest such i on ties, within 1e-9), clamped to ``max|x|``.
-    If ``n <= L`` (e.g. 16-bit: as many levels as occupied bins) nothing can be
-    lost and ``T = max|x|``.  Range ``[-T, T]`` for symmetric signed specs, else
-    ``[max(min, -T), min(max, T)]``.  Cost: ``O(L (n - L))`` per channel with
-    numpy, a few ms for 2048 bins.
+    ``T = i* w`` for the first ``i*`` of minimal KL (divergences within
+    ``KL_TIE_TOL`` count as ties), clamped to ``max|x|``; since ``i >= L``, T is at
+    least ``L`` bins (``max|x| / 16`` for int8 with 2048 bins on a grid from 0).  If ``n <= L`` (e.g. 16-bit: at least as
+    many levels as occupied bins) nothing is lost and ``T = max|x|``.  Range
+    ``[-T, T]`` for symmetric signed specs, else ``[max(min, -T), min(max, T)]``.
+    Cost ``O(L (n - L))`` per channel (numpy, vectorised over i): a few ms for
+    2048 bins; channels are processed one after another.
     """
 
     def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:

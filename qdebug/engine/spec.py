@@ -95,6 +95,8 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QuantSpec":
+        if data is not None and not isinstance(data, Mapping):
+            raise QDebugError(f"a quant spec must be a table of settings, got {data!r}")
         return cls().replace(**dict(data or {}))
 
     def replace(self, **changes: Any) -> "QuantSpec":
@@ -138,6 +140,8 @@ class QConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.weight, QuantSpec) or not isinstance(self.activation, QuantSpec):
             raise QDebugError("QConfig weight/activation must be QuantSpec objects")
+        if not isinstance(self.overrides, Mapping):
+            raise QDebugError("QConfig overrides must be a table mapping module globs to settings")
         for glob, entry in self.overrides.items():
             if not isinstance(entry, Mapping):
                 raise QDebugError(f"override {glob!r} must be a table of weight/activation settings")
@@ -147,6 +151,11 @@ class QConfig:
                     f"override {glob!r} has unknown key(s) {', '.join(unknown)}", "use 'weight' and/or 'activation'"
                 )
             for kind in _OVERRIDE_KINDS:
+                if entry.get(kind) is not None and not isinstance(entry[kind], Mapping):
+                    raise QDebugError(
+                        f"override {glob!r} {kind} must be a table of quant spec settings, got {entry[kind]!r}",
+                        "use a table such as {bits = 4}, or nothing to keep it in float",
+                    )
                 if entry.get(kind) is not None:
                     # Validate eagerly: a typo must fail at load, not mid-run.
                     getattr(self, kind).replace(**dict(entry[kind]))
@@ -178,7 +187,12 @@ class QConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QConfig":
+        if data is not None and not isinstance(data, Mapping):
+            raise QDebugError(f"a qconfig must be a table of settings, got {data!r}")
         data = dict(data or {})
+        for key in ("weight", "activation", "overrides"):
+            if data.get(key) is not None and not isinstance(data[key], Mapping):
+                raise QDebugError(f"qconfig {key} must be a table of settings, got {data[key]!r}")
         unknown = sorted(set(data) - {"weight", "activation", "overrides"})
         if unknown:
             raise QDebugError(
@@ -187,7 +201,9 @@ class QConfig:
         return cls(
             weight=default_weight_spec().replace(**dict(data.get("weight") or {})),
             activation=default_activation_spec().replace(**dict(data.get("activation") or {})),
-            overrides={g: dict(e) for g, e in dict(data.get("overrides") or {}).items()},
+            overrides={
+                g: (dict(e) if isinstance(e, Mapping) else e) for g, e in dict(data.get("overrides") or {}).items()
+            },
         )
 
 
