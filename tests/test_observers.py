@@ -48,6 +48,15 @@ def _fake_quant_mse(x: torch.Tensor, scale: float, zero_point: int, spec: QuantS
     return float(((x.double() - xq.double()) ** 2).mean())
 
 
+def _brute_force_mse(x: torch.Tensor, scales: list[float], zero_points: list[int], spec: QuantSpec) -> float:
+    """Smallest quantization MSE of ``x`` over candidate qparams (torch's fake quantizer, all at once)."""
+    rows = x[None, :].expand(len(scales), -1).contiguous()
+    s = torch.tensor(scales, dtype=torch.float32)
+    z = torch.tensor(zero_points, dtype=torch.int32)
+    xq = torch.fake_quantize_per_channel_affine(rows, s, z, 0, spec.qmin, spec.qmax)
+    return float(((rows.double() - xq.double()) ** 2).mean(dim=1).min())
+
+
 # -- factory / basics ------------------------------------------------------------------
 
 
@@ -235,7 +244,9 @@ def test_nonfinite_per_channel(name):
     scale, zp = obs.calculate_qparams()
     assert scale[0].item() == 1.0 and zp[0].item() == 0  # uninitialised channel
     obs(torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 4.0]]))
-    assert obs.min_val.tolist() == [2.0, -1.0, 4.0] if name != "ema" else obs.min_val[0].item() == 2.0
+    # channel 0's first data sets its range, also for ema; ema channel 1: -1 + 0.01 (0 - (-1))
+    expected = [2.0, -0.99, 4.0] if name == "ema" else [2.0, -1.0, 4.0]
+    assert obs.min_val.tolist() == pytest.approx(expected)
     lo, hi = obs.clip_range()
     assert torch.isfinite(lo).all() and torch.isfinite(hi).all()
 
@@ -339,6 +350,18 @@ def test_histogram_merge_is_exact():
     assert torch.equal(obs.hist[0], expected)
 
 
+def test_histogram_extreme_growth_from_zeros():
+    obs = MSEObserver(QuantSpec(observer="mse", bins=128))
+    batches = [torch.zeros(10), torch.tensor([1e-3, -2e-3]), torch.tensor([3e4, 5.0]), torch.tensor([-1e30])]
+    for b in batches:
+        obs(b)
+    assert float(obs.width) * 128 >= 1e30  # grew from the all-zero starting width
+    expected = _direct_hist(torch.cat(batches), float(obs.width), int(obs.anchor), 128)
+    assert torch.equal(obs.hist[0], expected)
+    lo, hi = obs.clip_range()
+    assert torch.isfinite(lo) and torch.isfinite(hi)
+
+
 def test_histogram_merge_is_exact_per_channel():
     spec = QuantSpec(observer="kl", bins=32, per_channel=True, ch_axis=1)
     obs = KLObserver(spec)
@@ -390,7 +413,8 @@ def test_percentile_matches_torch_quantile(symmetric):
 
 def test_percentile_per_channel_matches_torch_quantile():
     p = 99.0
-    obs = PercentileObserver(QuantSpec(observer="percentile", percentile=p, symmetric=False, per_channel=True, ch_axis=-1))
+    spec = QuantSpec(observer="percentile", percentile=p, symmetric=False, per_channel=True, ch_axis=-1)
+    obs = PercentileObserver(spec)
     g = _gen(10)
     scales = torch.tensor([0.01, 1.0, 100.0])
     batches = [torch.randn(3000, 3, generator=g) * scales + scales for _ in range(4)]
@@ -425,7 +449,7 @@ def test_mse_symmetric_vs_brute_force():
     assert float(hi) < 0.1 * amax  # far inside min/max
     ours = _fake_quant_mse(x, float(hi) / spec.qmax, 0, spec)
     G = MSEObserver.num_candidates
-    brute = min(_fake_quant_mse(x, amax * g / G / spec.qmax, 0, spec) for g in range(1, G + 1))
+    brute = _brute_force_mse(x, [amax * g / G / spec.qmax for g in range(1, G + 1)], [0] * G, spec)
     assert ours <= 1.03 * brute
     assert ours < _fake_quant_mse(x, amax / spec.qmax, 0, spec)  # better than min/max
 
@@ -441,16 +465,16 @@ def test_mse_affine_vs_brute_force():
     mn, mx = float(x.min()), float(x.max())
     assert float(hi) - float(lo) < 0.25 * (mx - mn)
 
-    def mse_of(lo_v, hi_v):
-        # affine qparams by hand: s = (hi - lo) / 15, z = qmin - round(lo / s), 0 inside the range
+    def affine_qparams(lo_v, hi_v):
+        # by hand: 0 inside the range, s = (hi - lo) / 15, z = qmin - round(lo / s)
         lo_v, hi_v = min(lo_v, 0.0), max(hi_v, 0.0)
         s = (hi_v - lo_v) / (spec.qmax - spec.qmin)
-        z = int(min(max(spec.qmin - round(lo_v / s), spec.qmin), spec.qmax))
-        return _fake_quant_mse(x, s, z, spec)
+        return s, int(min(max(spec.qmin - round(lo_v / s), spec.qmin), spec.qmax))
 
     G = MSEObserver.num_candidates
-    brute = min(mse_of(mn * g / G, mx * g / G) for g in range(1, G + 1))
-    assert mse_of(float(lo), float(hi)) <= 1.03 * brute
+    cands = [affine_qparams(mn * g / G, mx * g / G) for g in range(1, G + 1)]
+    brute = _brute_force_mse(x, [c[0] for c in cands], [c[1] for c in cands], spec)
+    assert _fake_quant_mse(x, *affine_qparams(float(lo), float(hi)), spec) <= 1.03 * brute
 
 
 def test_mse_per_channel_vs_brute_force():
@@ -463,7 +487,7 @@ def test_mse_per_channel_vs_brute_force():
     G = MSEObserver.num_candidates
     for c, row in enumerate(rows):
         amax = float(row.abs().max())
-        brute = min(_fake_quant_mse(row, amax * g / G / spec.qmax, 0, spec) for g in range(1, G + 1))
+        brute = _brute_force_mse(row, [amax * g / G / spec.qmax for g in range(1, G + 1)], [0] * G, spec)
         assert _fake_quant_mse(row, float(hi[c]) / spec.qmax, 0, spec) <= 1.03 * brute
     assert float(hi[0]) < 0.2 * 50.0
 
@@ -551,15 +575,17 @@ def test_kl_16bit_returns_max():
 
 def test_kl_unsigned_and_per_channel():
     g = _gen(19)
-    relu = torch.randn(2, 100000, generator=g).clamp(min=0) * torch.tensor([[1.0], [10.0]])
-    relu[0, 5] = 200.0
+    relu = torch.randn(100000, generator=g).clamp(min=0)
+    relu[5] = 200.0
+    uniform = torch.rand(100000, generator=g) * 10.0
     obs = KLObserver(QuantSpec(observer="kl", signed=False, symmetric=False, per_channel=True))
-    obs(relu)
+    obs(torch.stack([relu, uniform]))
     lo, hi = obs.clip_range()
-    assert lo.tolist() == [0.0, 0.0]
+    assert float(lo[0]) == 0.0 and float(lo[1]) == float(uniform.min())  # [max(min, -T), ...]
     # The 200 outlier is clipped: T is at least L = 256 bins (200 / 8 = 25 here).
     assert float(hi[0]) < 40.0
-    assert 20.0 < float(hi[1]) <= float(relu[1].max())
+    # The uniform channel keeps (nearly) all of its range.
+    assert abs(float(hi[1]) - float(uniform.max())) <= 4 * float(obs.width[1])
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -592,6 +618,14 @@ def test_state_dict_round_trip(name, per_channel):
     fresh(more)
     assert all(torch.equal(a, b) for a, b in zip(obs.state_dict().values(), fresh.state_dict().values()))
     assert torch.equal(obs.calculate_qparams()[0], fresh.calculate_qparams()[0])
+
+
+def test_state_dict_of_other_granularity_rejected():
+    per_tensor = MinMaxObserver(QuantSpec())
+    per_tensor(torch.randn(4, 3))
+    per_channel = MinMaxObserver(QuantSpec(per_channel=True))
+    with pytest.raises(QDebugError, match="min_val"):
+        per_channel.load_state_dict(per_tensor.state_dict())
 
 
 def test_state_dict_wrong_bins_rejected():

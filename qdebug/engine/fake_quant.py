@@ -16,7 +16,9 @@ Backward, selected by ``spec.estimator`` (seed 004):
 - ``ste``: identity, dL/dx = g.
 - ``clipped_ste``: dL/dx = g inside the clamp range, 0 outside (torch's own backward).
 - ``qte``: quantized-through estimation.  dL/dx = g (fq(x + s/2) - fq(x - s/2)) / s,
-  the one-step central difference of the quantizer; dL/ds = sum g (q - z), the
+  the one-step central difference of the quantizer: 1 inside, 0 outside, 1/2 at
+  an edge (a threshold exactly on the window's end counts half, so values already
+  on the grid get 1, not 0 or 2 by round-half-even parity); dL/ds = sum g (q - z), the
   dequantization x' = (q - z) s differentiated with the integer code held fixed.
 - ``alpha_blend``: y = (1 - a) x + a fq(x) in training, dL/dx = (1 - a) g (no
   gradient through the rounding); y = fq(x) in eval.  ``a`` is set by the training loop.
@@ -101,9 +103,17 @@ class _NoGradFakeQuant(torch.autograd.Function):
         s = _broadcast(scale.detach(), x, axis, spec.per_channel)
         z = _broadcast(zero_point, x, axis, spec.per_channel)
         with torch.no_grad():
-            up = _kernel(x + s / 2, scale.detach(), zero_point, spec, axis)
-            down = _kernel(x - s / 2, scale.detach(), zero_point, spec, axis)
-            grad_x = grad * (up - down) / s
+            # (fq(x + s/2) - fq(x - s/2)) / s in closed form: the one-step window
+            # [c - 1/2, c + 1/2] around the real-valued code c holds exactly one
+            # rounding threshold while qmin < c < qmax, none outside.  Evaluating
+            # fq numerically would let round-half-even decide the ties -- every x
+            # already on the grid (0, the output of an earlier quant point) -- and
+            # give 0 or 2 there; the tie takes the mean of both sides instead
+            # (1 inside, 1/2 at an edge).
+            c = x * (1.0 / s) + z.to(x.dtype)
+            inside = (c > spec.qmin) & (c < spec.qmax)
+            edge = (c == spec.qmin) | (c == spec.qmax)
+            grad_x = grad * (inside.to(grad.dtype) + 0.5 * edge.to(grad.dtype))
             grad_s = None
             if ctx.scale_requires_grad:
                 fq = _kernel(x, scale.detach(), zero_point, spec, axis)
@@ -114,7 +124,6 @@ class _NoGradFakeQuant(torch.autograd.Function):
                     grad_s = per_elem.sum(dim=dims).reshape(scale.shape)
                 else:
                     grad_s = per_elem.sum().reshape(scale.shape)
-            del z
         return grad_x, grad_s, None, None, None, None
 
 

@@ -127,7 +127,14 @@ class _QWeighted(nn.Module):
             scale, zp = point.qparams()
             q = quantize_to_int(self.weight.detach(), scale, zp, point.spec)
             zp_b = integer._broadcast_point(zp, point, q.dim()).to(torch.int64)
-            dtype = torch.int8 if point.spec.bits <= 8 and point.spec.signed else (torch.int16 if point.spec.bits <= 16 and point.spec.signed else torch.int32)
+            # q - z spans [qmin - max z, qmax - min z]: int8 for symmetric int8 (z = 0), but an
+            # affine int8 weight (z != 0) needs 9 bits and would wrap around in int8.
+            lo = point.spec.qmin - int(zp.max())
+            hi = point.spec.qmax - int(zp.min())
+            dtype = next(
+                (t for t in (torch.int8, torch.int16) if torch.iinfo(t).min <= lo and hi <= torch.iinfo(t).max),
+                torch.int32,
+            )
             self.register_buffer("weight_int", (q - zp_b).to(dtype))
             cached = self.weight_int
         return cached.to(torch.float64)

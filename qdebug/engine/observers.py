@@ -3,9 +3,9 @@
 This module owns *how* a quant point's range is estimated from data.  Each
 observer is an ``nn.Module`` fed batches through ``forward`` (which returns its
 input unchanged); ``clip_range()`` gives the chosen ``(lo, hi)`` and
-``calculate_qparams()`` hands that range to ``spec.qparams_from_range`` -- the
-single place where a range becomes a scale and zero point (0 inside the range,
-the symmetric divisor, the eps floor).  Nothing here decides those rules.
+``calculate_qparams()`` hands that range to ``qdebug.engine.spec.qparams_from_range``,
+the single place where a range becomes a scale and zero point (0 inside the
+range, the symmetric divisor, the eps floor).  Nothing here decides those rules.
 
 Shared behaviour (all observers):
 
@@ -197,6 +197,12 @@ class Observer(torch.nn.Module):
             current = self._buffers.get(name)
             if saved is None or current is None or saved.shape == current.shape:
                 continue
+            if saved.dim() != current.dim():
+                raise QDebugError(
+                    f"saved observer buffer {prefix + name} has shape {tuple(saved.shape)}, "
+                    f"which does not fit a {self.spec.describe()} observer",
+                    "load it with the spec it was saved with",
+                )
             self._check_loaded_shape(name, saved)
             self._buffers[name] = torch.empty(saved.shape, dtype=current.dtype, device=current.device)
         super()._load_from_state_dict(
@@ -508,7 +514,7 @@ class MSEObserver(HistogramObserver):
     observed [min, max]), the expected error is::
 
         E = sum_{c_k < r_lo} h_k (c_k - r_lo)^2  +  sum_{c_k > r_hi} h_k (c_k - r_hi)^2
-            + sum_{c_k in Z} h_k c_k^2  +  (s^2 / 12) * sum_{c_k in [r_lo, r_hi] \ Z} h_k
+            + sum_{c_k in Z} h_k c_k^2  +  (s^2 / 12) * sum_{c_k in [r_lo, r_hi], not in Z} h_k
 
     where ``Z = [-s/2, s/2) ∩ [r_lo, r_hi]`` is the rounding cell of the grid point
     0 (always representable), whose values round to 0.  Approximations: each
@@ -620,9 +626,10 @@ def _kl_best_bin(h: np.ndarray, levels: int) -> int:
     n_g[:, -1] += (h[i - 1] == 0) & (tail > 0)  # the tail can make bin i-1 non-empty
     t_g = s_g.copy()  # group mass of P: the tail sits in the last group
     t_g[:, -1] += tail
-    with np.errstate(divide="ignore", invalid="ignore"):
-        log_q = np.log(s_g / (np.maximum(n_g, 1.0) * inside[:, None]))
-    cross = np.where(s_g > 0, t_g * log_q, 0.0).sum(axis=1)
+    full = s_g > 0  # implies n_g >= 1 and inside > 0
+    denom = np.maximum(n_g, 1.0) * np.where(inside > 0, inside, 1.0)[:, None]
+    log_q = np.log(np.where(full, s_g, 1.0) / denom)
+    cross = np.where(full, t_g * log_q, 0.0).sum(axis=1)
     # Last group empty in Q but holding the clipped tail in P: q = KL_EMPTY_Q there.
     orphan = (s_g[:, -1] == 0) & (tail > 0)
     cross = cross + np.where(orphan, tail * np.log(KL_EMPTY_Q), 0.0)
@@ -662,8 +669,9 @@ class KLObserver(HistogramObserver):
 
     ``T = i* w`` for the first ``i*`` of minimal KL (divergences within
     ``KL_TIE_TOL`` count as ties), clamped to ``max|x|``; since ``i >= L``, T is at
-    least ``L`` bins (``max|x| / 16`` for int8 with 2048 bins on a grid from 0).  If ``n <= L`` (e.g. 16-bit: at least as
-    many levels as occupied bins) nothing is lost and ``T = max|x|``.  Range
+    least ``L`` bins (``max|x| / 16`` for int8 with 2048 bins on a grid from 0).
+    If ``n <= L`` (e.g. 16-bit: at least as many levels as occupied bins) nothing
+    is lost and ``T = max|x|``.  Range
     ``[-T, T]`` for symmetric signed specs, else ``[max(min, -T), min(max, T)]``.
     Cost ``O(L (n - L))`` per channel (numpy, vectorised over i): a few ms for
     2048 bins; channels are processed one after another.

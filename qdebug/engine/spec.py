@@ -55,6 +55,9 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not MIN_BITS <= self.bits <= MAX_BITS:
             raise QDebugError(f"bits={self.bits!r} is not supported", f"use an integer from {MIN_BITS} to {MAX_BITS}")
+        for name in ("signed", "symmetric", "per_channel"):
+            if not isinstance(getattr(self, name), bool):
+                raise QDebugError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.observer not in OBSERVERS:
             raise QDebugError(f"unknown observer {self.observer!r}", f"choose one of {', '.join(OBSERVERS)}")
         if self.estimator not in ESTIMATORS:
@@ -154,7 +157,7 @@ class QConfig:
                 if entry.get(kind) is not None and not isinstance(entry[kind], Mapping):
                     raise QDebugError(
                         f"override {glob!r} {kind} must be a table of quant spec settings, got {entry[kind]!r}",
-                        "use a table such as {bits = 4}, or nothing to keep it in float",
+                        "use a table of QuantSpec keys such as {bits = 4}",
                     )
                 if entry.get(kind) is not None:
                     # Validate eagerly: a typo must fail at load, not mid-run.

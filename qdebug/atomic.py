@@ -1,0 +1,37 @@
+"""Atomic file output: write to a temp file beside the target, then rename.
+
+An interrupted or failed run never leaves a half-written output: the target is
+either the old file, absent, or the complete new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path in the target's directory; rename it onto ``path`` on success."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[IO]:
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, **kwargs) as fh:
+            yield fh

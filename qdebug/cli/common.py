@@ -1,0 +1,153 @@
+"""What every command shares: global state, consoles, config, loading, data, progress."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from qdebug.checkpoint import CheckpointInfo, load
+from qdebug.config import Config, load_config
+from qdebug.data import Batch, batches_from_inputs, load_batches
+from qdebug.errors import QDebugError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+@dataclass
+class _State:
+    config_path: Optional[Path] = None
+    debug: bool = False
+    _config: Optional[Config] = None
+
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(self.config_path)
+        return self._config
+
+
+STATE = _State()
+
+
+def reset_state() -> None:
+    """Forget cached config (tests run many commands in one process)."""
+    STATE.config_path = None
+    STATE.debug = False
+    STATE._config = None
+
+
+def stage_path(given: Optional[str], *keys: str, what: str) -> str:
+    """The checkpoint path given on the command line, else the first config key set."""
+    if given:
+        return given
+    cfg = STATE.config()
+    for key in keys:
+        if cfg.get(key):
+            return cfg.get(key)
+    where = f" (config: {cfg.path})" if cfg.path else ""
+    raise QDebugError(
+        f"no {what} checkpoint given{where}",
+        f"pass a path, or set {' / '.join(keys)} in qdebug.toml",
+    )
+
+
+def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = False,
+                    expect: tuple[str, ...] | None = None, command: str = "") -> tuple[nn.Module, CheckpointInfo]:
+    cfg = STATE.config()
+    default = cfg.get("model")
+    trusted = tuple(s.split(":")[0] for s in (model, default) if s)
+    net, info = load(
+        path,
+        model=model,
+        model_kwargs=cfg.get("model_kwargs"),
+        default_model=default,
+        unsafe=unsafe or bool(cfg.get("unsafe_load")),
+        trusted_modules=trusted,
+    )
+    if expect and info.stage not in expect:
+        raise QDebugError(
+            f"{command} expects a {' or '.join(expect)} checkpoint, but {path} is {info.stage}",
+            f"pass the {expect[0]} checkpoint",
+        )
+    device = cfg.get("device")
+    if device and device != "cpu":
+        net = net.to(device)
+    return net, info
+
+
+def resolve_batches(data: Optional[str], batches: Optional[int], info: CheckpointInfo | None = None,
+                    *, batch_size: Optional[int] = None, required: bool = True) -> list[Batch] | None:
+    cfg = STATE.config()
+    spec = data or cfg.get("data")
+    limit = batches if batches is not None else cfg.get("batches")
+    size = batch_size or cfg.get("batch_size")
+    if spec:
+        return load_batches(spec, batch_size=size, batches=limit)
+    if info is not None and info.sample_inputs is not None:
+        found = batches_from_inputs(info.sample_inputs)
+        return found[:limit] if limit else found
+    if required:
+        raise QDebugError("no data given and the checkpoint has no sample inputs",
+                          "pass --data (a .pt file, package.module:function or random:8x3x224x224)")
+    return None
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
+    """A rich progress bar on stderr; yields an ``advance(n)`` callback."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=True, disable=not err_console.is_terminal,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n=1: progress.update(task, completed=n)
+
+
+@contextlib.contextmanager
+def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
+    """Turn the model failing on the data into one clear error."""
+    try:
+        yield
+    except QDebugError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        shape = ""
+        if batch is not None:
+            first = batch.inputs[0] if isinstance(batch.inputs, (tuple, list)) else batch.inputs
+            if isinstance(first, torch.Tensor):
+                shape = f" (input shape {list(first.shape)})"
+        raise QDebugError(
+            f"the model failed while {what}{shape}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            "check that --data matches the model's expected input",
+        ) from exc
+
+
+def print_json(payload: str) -> None:
+    sys.stdout.write(payload + "\n")
+    sys.stdout.flush()
+
+
+def load_qconfig_file(path: Optional[Path]) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise QDebugError(f"qconfig file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        return json.loads(text)
+    except Exception as exc:
+        raise QDebugError(f"cannot parse qconfig file {path}: {exc}", "write it as JSON or TOML") from None

@@ -1,0 +1,155 @@
+"""Metrics: ``metric(model, batches) -> number | {task: number}``.
+
+A metric receives the model (in eval mode) and the list of ``qdebug.data.Batch``
+objects; it returns one number or a dict task -> number (multi-task models, seed
+001).  A metric that declares a ``reference`` keyword also receives the float
+model (for agreement-style metrics).  ``direction`` ("higher" or "lower") on the
+function says which way is better; the default is higher.
+
+Ready-made (name them by short name or ``qdebug.metrics:NAME``):
+
+- ``top1`` / ``top5``: accuracy of the arg-max (top-k) class against the targets;
+  a model returning a dict of logits with dict targets gets one value per task.
+- ``agreement``: fraction of samples whose top-1 class equals the float model's.
+- ``mse``: mean squared error against the targets (lower is better).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from qdebug.errors import QDebugError
+
+Metric = Callable[..., Any]
+
+
+def _outputs(model, batches):
+    with torch.no_grad():
+        for batch in batches:
+            inputs = batch.inputs
+            if isinstance(inputs, dict):
+                out = model(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                out = model(*inputs)
+            else:
+                out = model(inputs)
+            yield batch, out
+
+
+def _need_target(batch) -> None:
+    if batch.target is None:
+        raise QDebugError("this metric needs targets, but the data has none", "use data with (inputs, targets)")
+
+
+def _topk_correct(logits: torch.Tensor, target: torch.Tensor, k: int) -> tuple[int, int]:
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+    return int((top == target.reshape(-1, 1)).any(dim=-1).sum()), int(target.numel())
+
+
+def topk_accuracy(model, batches, k: int = 1) -> float | dict[str, float]:
+    correct: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for batch, out in _outputs(model, batches):
+        _need_target(batch)
+        if isinstance(out, dict):
+            if not isinstance(batch.target, dict):
+                raise QDebugError("the model returns several outputs but the targets are a single tensor",
+                                  "give targets as a dict task -> tensor")
+            pairs = [(task, out[task], batch.target[task]) for task in batch.target]
+        else:
+            pairs = [("metric", out, batch.target)]
+        for task, logits, target in pairs:
+            c, n = _topk_correct(logits, target, k)
+            correct[task] = correct.get(task, 0) + c
+            total[task] = total.get(task, 0) + n
+    result = {t: correct[t] / total[t] for t in correct}
+    return result["metric"] if list(result) == ["metric"] else result
+
+
+def top1(model, batches):
+    return topk_accuracy(model, batches, 1)
+
+
+def top5(model, batches):
+    return topk_accuracy(model, batches, 5)
+
+
+def agreement(model, batches, reference=None) -> float:
+    if reference is None:
+        raise QDebugError("the agreement metric needs the float model as reference")
+    same = total = 0
+    ref_outputs = [out for _, out in _outputs(reference, batches)]
+    for (_, out), ref in zip(_outputs(model, batches), ref_outputs):
+        if isinstance(out, dict):
+            out, ref = torch.cat([v.flatten(1) for v in out.values()], 1), torch.cat([v.flatten(1) for v in ref.values()], 1)
+        same += int((out.argmax(-1) == ref.argmax(-1)).sum())
+        total += out.shape[0]
+    return same / max(total, 1)
+
+
+def mse(model, batches) -> float:
+    total, count = 0.0, 0
+    for batch, out in _outputs(model, batches):
+        _need_target(batch)
+        diff = (out.double() - batch.target.double()) ** 2
+        total += float(diff.sum())
+        count += diff.numel()
+    return total / max(count, 1)
+
+
+mse.direction = "lower"
+
+BUILTIN = {"top1": top1, "top5": top5, "agreement": agreement, "mse": mse}
+
+
+def resolve_metric(spec: str | Metric) -> Metric:
+    if callable(spec):
+        return spec
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    from qdebug.modelspec import resolve
+
+    fn = resolve(spec, from_user=True)
+    if not callable(fn):
+        raise QDebugError(f"metric {spec!r} is not callable")
+    return fn
+
+
+def metric_direction(metric: Metric) -> str:
+    return getattr(metric, "direction", "higher")
+
+
+def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "metric") -> dict[str, float]:
+    """Evaluate ``metric``; always a dict task -> float.  A raising metric becomes a QDebugError."""
+    kwargs = {}
+    try:
+        if "reference" in inspect.signature(metric).parameters:
+            kwargs["reference"] = reference
+    except (TypeError, ValueError):
+        pass
+    was_training = model.training
+    model.eval()
+    try:
+        value = metric(model, batches, **kwargs)
+    except QDebugError:
+        raise
+    except Exception as exc:
+        raise QDebugError(
+            f"metric {getattr(metric, '__name__', name)} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            "if the model failed on the data, check the data's shape; run with --debug for the traceback",
+        ) from exc
+    finally:
+        model.train(was_training)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {"metric": float(value)}
+    if isinstance(value, dict) and value and all(isinstance(v, (int, float, torch.Tensor)) for v in value.values()):
+        return {str(k): float(v) for k, v in value.items()}
+    raise QDebugError(
+        f"metric {getattr(metric, '__name__', name)} returned {type(value).__name__}",
+        "return a number or a dict task -> number",
+    )

@@ -1,0 +1,131 @@
+"""Naming and rebuilding model architectures: ``package.module:Class`` + kwargs.
+
+A checkpoint records its architecture as a spec string and JSON-typed kwargs.
+Rebuilding from a *file* is restricted, because a file is not the user: the
+named attribute must be an ``nn.Module`` subclass (never a function: ``os:system``
+or ``builtins:eval`` are refused before anything is called), and its module
+must be qdebug's own zoo, already imported, or trusted by the user (``--model``
+or the config's ``model``).  A spec the *user* names may also be a factory
+function, since the user chose to run it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from qdebug.errors import QDebugError
+
+SPEC_ATTR = "qdebug_model"  # set on models built here so save() can record them
+ALWAYS_TRUSTED_PREFIXES = ("qdebug.zoo",)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    target: str  # "package.module:Attr"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"class": self.target, "kwargs": dict(self.kwargs)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ModelSpec":
+        if isinstance(data, str):
+            return cls(data, {})
+        if not isinstance(data, dict) or not isinstance(data.get("class"), str):
+            raise QDebugError("the checkpoint's model spec is malformed", "expected {'class': 'pkg.module:Class', 'kwargs': {...}}")
+        kwargs = data.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise QDebugError("the checkpoint's model kwargs are not a table")
+        return cls(data["class"], dict(kwargs))
+
+    @property
+    def module_name(self) -> str:
+        return split_target(self.target)[0]
+
+
+def split_target(target: str) -> tuple[str, str]:
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise QDebugError(f"{target!r} is not of the form package.module:Name", "e.g. qdebug.zoo.resnet:ResNet")
+    return module, attr
+
+
+def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = ()) -> Any:
+    """The object named by ``target``, with the safety rules of the module docstring."""
+    module_name, attr = split_target(target)
+    allowed = (
+        from_user
+        or module_name in sys.modules
+        or module_name in trusted_modules
+        or any(module_name == p or module_name.startswith(p + ".") for p in ALWAYS_TRUSTED_PREFIXES)
+    )
+    if not allowed:
+        raise QDebugError(
+            f"the checkpoint asks to import module {module_name!r}; qdebug does not import modules named by a file",
+            f"if you trust it, pass --model {target} (or set model in qdebug.toml)",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise QDebugError(f"cannot import {module_name!r}: {exc}", "is the package installed / on PYTHONPATH?") from None
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise QDebugError(f"{module_name!r} has no attribute {attr!r}", "check the spelling of the model spec")
+    if not from_user and not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
+        raise QDebugError(
+            f"refusing to call {target!r} named by a file: it is not an nn.Module subclass",
+            "a checkpoint may only name model classes; pass --model to name a factory yourself",
+        )
+    return obj
+
+
+def build(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, ...] = ()) -> nn.Module:
+    """Construct the model of ``spec`` and remember the spec on it."""
+    factory = resolve(spec.target, from_user=from_user, trusted_modules=trusted_modules)
+    if not callable(factory):
+        raise QDebugError(f"{spec.target!r} is not callable")
+    try:
+        model = factory(**spec.kwargs)
+    except TypeError as exc:
+        raise QDebugError(f"cannot build {spec.target} with kwargs {spec.kwargs}: {exc}", "check the model kwargs") from None
+    if not isinstance(model, nn.Module):
+        raise QDebugError(f"{spec.target} returned {type(model).__name__}, not an nn.Module")
+    remember(model, spec)
+    return model
+
+
+def remember(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    object.__setattr__(model, SPEC_ATTR, spec)
+    return model
+
+
+def spec_of(model: nn.Module) -> ModelSpec:
+    """The spec recorded on ``model``, or its class path with no kwargs."""
+    spec = getattr(model, SPEC_ATTR, None)
+    if isinstance(spec, ModelSpec):
+        return spec
+    cls = type(model)  # a prepared model is still an instance of the user's class
+    if cls.__module__ == "__main__":
+        raise QDebugError(
+            f"model class {cls.__qualname__} is defined in __main__, so no other process can rebuild it",
+            "move it into an importable module, or pass model_spec='package.module:Class'",
+        )
+    return ModelSpec(f"{cls.__module__}:{cls.__qualname__}", {})
+
+
+def build_zoo(name: str, **kwargs: Any) -> nn.Module:
+    """Build a ``qdebug.zoo`` model by short name (resnet, mobilenetv2, ...), recording its spec."""
+    from qdebug import zoo
+
+    if name not in zoo.MODELS:
+        raise QDebugError(f"unknown zoo model {name!r}", f"choose one of {', '.join(zoo.MODELS)}")
+    cls = zoo.MODELS[name]
+    return build(ModelSpec(f"{cls.__module__}:{cls.__qualname__}", kwargs), from_user=True)

@@ -1,0 +1,1 @@
+"""Rendering of result tables: rich tables for terminals, JSON/CSV for machines."""

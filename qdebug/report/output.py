@@ -1,0 +1,55 @@
+"""Machine output: ``{"meta": ..., "rows": [...]}`` JSON and CSV, written atomically."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from qdebug.atomic import atomic_open
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/Infinity: write them as strings so they are never lost or mistaken.
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            return _clean(value.item())
+        except (ValueError, TypeError):
+            return str(value)
+    return value
+
+
+def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    rows = frame.astype(object).where(pd.notna(frame), None).to_dict(orient="records")
+    return [_clean(r) for r in rows]
+
+
+def to_json(frame: pd.DataFrame, meta: dict[str, Any], **extra: Any) -> str:
+    payload = {"meta": _clean(meta), "rows": records(frame)}
+    payload.update({k: _clean(v) for k, v in extra.items()})
+    return json.dumps(payload, indent=2)
+
+
+def write_json(path: str | Path, frame: pd.DataFrame, meta: dict[str, Any], **extra: Any) -> Path:
+    with atomic_open(path, "w") as fh:
+        fh.write(to_json(frame, meta, **extra) + "\n")
+    return Path(path)
+
+
+def write_csv(path: str | Path, frame: pd.DataFrame) -> Path:
+    with atomic_open(path, "w", newline="") as fh:
+        frame.to_csv(fh, index=False)
+    return Path(path)

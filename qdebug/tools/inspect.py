@@ -1,0 +1,173 @@
+"""``inspect``: what a checkpoint holds, layer by layer, and what looks wrong.
+
+Returns two DataFrames: ``layers`` (one row per call of the traced forward:
+weight/activation dtype and granularity, scale range, call count) and ``checks``
+(one row per finding, with a severity): unfused Conv-BN, shared module (called
+more than once), dead module (never called), zero/NaN/Inf scale, uninitialised
+observer, float-fallback op, non-finite weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from qdebug.engine import engine_state, is_prepared
+from qdebug.engine.modules import FoldedBatchNorm, _QWeighted
+from qdebug.engine.ops import module_category
+from qdebug.engine.plan import Plan, trace_plan
+from qdebug.engine.point import QuantPoint
+from qdebug.engine.spec import SCALE_EPS
+
+LAYER_COLUMNS = [
+    "layer", "type", "calls", "weight", "weight_scale_min", "weight_scale_max",
+    "activation", "act_scale_min", "act_scale_max", "mode",
+]
+CHECK_COLUMNS = ["severity", "layer", "check", "detail"]
+
+
+@dataclass
+class InspectResult:
+    layers: pd.DataFrame
+    checks: pd.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_errors(self) -> bool:
+        return bool((self.checks["severity"] == "error").any()) if len(self.checks) else False
+
+
+def _dtype(point: QuantPoint | None) -> str:
+    if point is None:
+        return "float"
+    spec = point.spec
+    gran = f"per-channel({spec.ch_axis})" if spec.per_channel else "per-tensor"
+    label = f"{spec.dtype_name} {'sym' if spec.symmetric else 'affine'} {gran}"
+    return label if point.mode == "fake" else f"{label} [{point.mode}]"
+
+
+def _scale_range(point: QuantPoint | None) -> tuple[float | None, float | None]:
+    if point is None or not point.initialized:
+        return None, None
+    scale = point.scale.detach().float()
+    return float(scale.min()), float(scale.max())
+
+
+def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any = None) -> InspectResult:
+    """Inspect a loaded model of any stage.  A float model needs ``example_inputs`` to see inline ops."""
+    checks: list[dict[str, Any]] = []
+    modules = dict(model.named_modules())
+    prepared = is_prepared(model)
+    points: dict[str, QuantPoint] = {}
+    plan: Plan | None = None
+    if prepared:
+        state = engine_state(model)
+        plan, points = state.plan, state.points
+    elif example_inputs is not None:
+        plan = trace_plan(model, example_inputs)
+
+    rows = []
+    if plan is not None:
+        for rec in plan.calls.values():
+            module = modules.get(rec.name.split("#")[0]) if rec.is_module else None
+            weight_point = points.get(f"{rec.name}.weight")
+            act_point = points.get(rec.output_point) if rec.output_point else None
+            w_lo, w_hi = _scale_range(weight_point)
+            a_lo, a_hi = _scale_range(act_point)
+            has_weight = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, _QWeighted))
+            rows.append({
+                "layer": rec.name,
+                "type": type(module).__name__ if module is not None else rec.op,
+                "calls": plan.call_counts.get(rec.name.split("#")[0], 1) if rec.is_module else 1,
+                "weight": _dtype(weight_point) if has_weight else "",
+                "weight_scale_min": w_lo, "weight_scale_max": w_hi,
+                "activation": (_dtype(act_point) + (f" (fused into {rec.output_point})" if rec.output_point != rec.name else ""))
+                if act_point is not None else ("float" if rec.category != "passthrough" else ""),
+                "act_scale_min": a_lo, "act_scale_max": a_hi,
+                "mode": act_point.mode if act_point is not None else "float",
+            })
+        _structure_checks(model, plan, prepared, modules, checks)
+    else:
+        for name, module in modules.items():
+            if name and module_category(module) is not None:
+                rows.append({"layer": name, "type": type(module).__name__, "calls": None, "weight": "",
+                             "weight_scale_min": None, "weight_scale_max": None, "activation": "float",
+                             "act_scale_min": None, "act_scale_max": None, "mode": "float"})
+        checks.append({"severity": "info", "layer": "", "check": "not traced",
+                       "detail": "no sample inputs: inline ops, shared and dead modules are not shown (pass --data)"})
+    _point_checks(points, checks)
+    _weight_checks(model, checks)
+    layers = pd.DataFrame(rows, columns=LAYER_COLUMNS)
+    check_frame = pd.DataFrame(checks, columns=CHECK_COLUMNS)
+    meta = {
+        "stage": stage,
+        "prepared": prepared,
+        "quant_points": len(points),
+        "qat_mode": engine_state(model).qat_mode if prepared else None,
+        "errors": int((check_frame["severity"] == "error").sum()),
+        "warnings": int((check_frame["severity"] == "warning").sum()),
+    }
+    return InspectResult(layers, check_frame, meta)
+
+
+def _structure_checks(model, plan: Plan, prepared: bool, modules: dict, checks: list) -> None:
+    paired_bns = {bn for _, bn in plan.pairs}
+    for conv, bn in plan.pairs:
+        module = modules.get(conv)
+        if not prepared:
+            checks.append({"severity": "info", "layer": conv, "check": "unfused Conv-BN",
+                           "detail": f"{conv} -> {bn} is a Conv-BN pair; prepare folds it (fuse_bn) or keeps BN for QAT"})
+        elif isinstance(module, _QWeighted) and module.bn is not None:
+            checks.append({"severity": "info", "layer": conv, "check": "unfused Conv-BN",
+                           "detail": f"BN {bn} kept ({module.bn_mode}); convert folds it"
+                           + (" and re-quantizes the weight: a real change" if module.bn_mode == "with_bn" else "")})
+    for rec in plan.calls.values():
+        if rec.category == "bn" and rec.is_module and rec.name not in paired_bns:
+            module = modules.get(rec.name)
+            if not isinstance(module, FoldedBatchNorm):
+                checks.append({"severity": "warning", "layer": rec.name, "check": "unfused Conv-BN",
+                               "detail": "BatchNorm not directly after a conv used only by it: it runs as a separate op"})
+    for path, count in plan.call_counts.items():
+        if count == 0:
+            checks.append({"severity": "warning", "layer": path, "check": "dead module",
+                           "detail": "never called in the traced forward: its quantization has no effect"})
+        elif count > 1:
+            checks.append({"severity": "info", "layer": path, "check": "shared module",
+                           "detail": f"called {count} times per forward: one quant point per call (#2 ...)"})
+
+
+def _point_checks(points: dict[str, QuantPoint], checks: list) -> None:
+    for name, point in points.items():
+        if point.fallback:
+            checks.append({"severity": "warning", "layer": name, "check": "float fallback",
+                           "detail": f"no quantized kernel for {point.op}: computed in float, re-quantized after"})
+        if point.mode == "float":
+            continue
+        if not point.initialized:
+            if point.kind == "activation":
+                checks.append({"severity": "error", "layer": name, "check": "uninitialised observer",
+                               "detail": "no scale yet: the point never saw data (calibrate it)"})
+            continue
+        scale = point.scale.detach().float()
+        if not torch.isfinite(scale).all():
+            checks.append({"severity": "error", "layer": name, "check": "non-finite scale",
+                           "detail": f"scale holds NaN/Inf ({int((~torch.isfinite(scale)).sum())} of {scale.numel()})"})
+        elif bool((scale <= SCALE_EPS * 1.0001).any()):
+            checks.append({"severity": "warning", "layer": name, "check": "zero scale",
+                           "detail": "scale at its floor (eps): the observed range was empty or constant zero"})
+        nonfinite = int(getattr(point.observer, "nonfinite", torch.zeros(())).sum()) if hasattr(point.observer, "nonfinite") else 0
+        if nonfinite:
+            checks.append({"severity": "warning", "layer": name, "check": "non-finite data",
+                           "detail": f"its observer saw {nonfinite} NaN/Inf values"})
+
+
+def _weight_checks(model: nn.Module, checks: list) -> None:
+    for name, param in model.named_parameters():
+        bad = int((~torch.isfinite(param.detach())).sum())
+        if bad:
+            checks.append({"severity": "error", "layer": name, "check": "non-finite weights",
+                           "detail": f"{bad} of {param.numel()} values are NaN/Inf"})
