@@ -140,6 +140,13 @@ def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        # Only a well-formed file that names Python objects is "pickled objects"; random
+        # or corrupt bytes fail the weights-only unpickler too, and are reported as such.
+        if not (zipfile.is_zipfile(p) or "Unsupported global" in str(exc)):
+            raise QDebugError(
+                f"{p} is not a readable torch file (not a torch.save archive, nor valid pickle data)",
+                "the file may be truncated or corrupt; re-save it",
+            ) from None
         if not unsafe:
             raise QDebugError(
                 f"{p} contains pickled Python objects (e.g. a whole nn.Module); loading it would execute code "
@@ -149,13 +156,19 @@ def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
         del exc
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         raise QDebugError(
-            f"{p} is not a readable torch file ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+            f"{p} is not a readable torch file ({type(exc).__name__}: {_first_line(exc)})",
             "the file may be truncated or corrupt; re-save it",
         ) from None
     try:
         return torch.load(p, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise QDebugError(f"{p} could not be unpickled: {exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (some, e.g. EOFError, have none)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:120] if lines else "empty or cut-off data"
 
 
 def _looks_like_state_dict(obj: Any) -> bool:

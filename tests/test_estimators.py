@@ -320,10 +320,37 @@ def test_lsq_input_gradient_equals_clipped_ste(per_channel):
     if per_channel:
         scale, zero = t([0.1, 0.25, 0.5]), zp([-2, 0, 3])
     else:
-        scale, zero = t(0.25), zp(1)
+        scale, zero = t(0.25), zp(-3)  # a negative zero point, as signed affine specs give
     _, gx, gs = _grads(x, torch.nn.Parameter(scale.clone()), zero, spec, g, estimator="lsq")
     assert torch.equal(gx, _torch_kernel_grad(x, scale, zero, spec, g, axis=0))
     assert gs is not None and torch.isfinite(gs).all()
+
+
+@pytest.mark.parametrize("z", [-100, -64, -3, 0, 5, 90])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_lsq_scale_gradient_matches_formula(z, per_channel):
+    """The documented LSQ formula evaluated directly, for zero points of both signs."""
+    gen = torch.Generator().manual_seed(abs(z) + per_channel)
+    spec = QuantSpec(symmetric=False, per_channel=per_channel, ch_axis=1)  # int8 [-128, 127]
+    x = torch.randn(2, 3, 50, generator=gen) * 4
+    g = torch.randn(2, 3, 50, generator=gen)
+    if per_channel:
+        scale, zero = t([0.02, 0.05, 0.1]), zp([z, -z, z // 2])
+        s, zz = scale.reshape(1, 3, 1), zero.reshape(1, 3, 1).float()
+    else:
+        scale, zero = t(0.05), zp(z)
+        s, zz = scale, zero.float()
+    p = torch.nn.Parameter(scale.clone())
+    _, gx, gs = _grads(x, p, zero, spec, g, estimator="lsq", kind="activation")
+    c = torch.round(x * (1.0 / s)) + zz  # rounded code before clamping
+    below, above = c < spec.qmin, c > spec.qmax
+    term = torch.where(below, spec.qmin - zz, torch.where(above, spec.qmax - zz, (c - zz) - x / s))
+    n = 3 * 50 // (3 if per_channel else 1)  # elements per sample, per channel
+    factor = 1.0 / math.sqrt(n * 127)
+    expected = (g * term * factor).sum(dim=(0, 2) if per_channel else None)
+    assert torch.allclose(gs, expected.reshape(gs.shape), rtol=1e-4, atol=1e-5)
+    assert torch.equal(gx, torch.where(below | above, torch.zeros_like(g), g))
+    assert (below | above).any() and not (below | above).all()
 
 
 # --------------------------------------------------------------------------- training end to end

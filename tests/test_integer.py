@@ -246,8 +246,8 @@ def test_zoo_quantized_stage_matches_fake_quant(name, mode):
     torch.manual_seed(0)
     model = _warm_bn(cls(**kwargs), (16, 1, 28, 28))
     gen = torch.Generator().manual_seed(1)
-    calib = [torch.randn(16, 1, 28, 28, generator=gen) for _ in range(8)]
-    held_out = [torch.randn(16, 1, 28, 28, generator=gen) for _ in range(2)]
+    calib = [torch.randn(8, 1, 28, 28, generator=gen) for _ in range(8)]
+    held_out = [torch.randn(8, 1, 28, 28, generator=gen) for _ in range(2)]
     qm = prepare(model, QConfig(), mode=mode, example_inputs=calib[0])
     calibrate(qm, calib)
     cq = convert(qm)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qdebug.engine import QConfig, calibrate, engine_state, prepare, quant_points, set_mode
+from qdebug.engine.point import grid_of
 from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
 
 QMIN, QMAX = -128, 127
@@ -348,6 +349,7 @@ def test_passthrough_ops_get_no_point_and_keep_the_grid():
     with torch.no_grad():
         qm(x)
     _assert_on_grid(fc_in[0], quant_points(qm)["conv"])
+    assert grid_of(fc_in[0]) is quant_points(qm)["conv"]  # integer kernels downstream find the grid
     # and it really is the quantized conv output, moved around: its values are a subset of them
     seen = _record_outputs(qm)
     with torch.no_grad():

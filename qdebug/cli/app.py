@@ -31,7 +31,7 @@ app = typer.Typer(
 
 @app.callback()
 def _global(
-    config: Optional[Path] = typer.Option(None, "--config", help="Config file (default: qdebug.toml or [tool.qdebug] found upward)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Config file (default: qdebug.toml or \\[tool.qdebug] found upward)."),
     debug: bool = typer.Option(False, "--debug", help="Show the Python traceback of errors."),
 ) -> None:
     """Precision debugging for quantized PyTorch models.

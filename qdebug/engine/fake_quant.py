@@ -35,6 +35,7 @@ import math
 import torch
 
 from qdebug.engine.spec import QuantSpec
+from qdebug.errors import QDebugError
 
 
 def _kernel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int) -> torch.Tensor:
@@ -70,8 +71,12 @@ def _keep_nan(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def channel_axis(spec: QuantSpec, ndim: int) -> int:
     """``spec.ch_axis`` as a non-negative axis of an ``ndim`` tensor (torch's kernels need one)."""
-    axis = spec.ch_axis + ndim if spec.ch_axis < 0 else spec.ch_axis
-    return axis
+    if not -ndim <= spec.ch_axis < ndim:
+        raise QDebugError(
+            f"per-channel axis {spec.ch_axis} does not exist in a {ndim}-d tensor",
+            "set ch_axis to an axis of the tensor (0 = output channels of a weight)",
+        )
+    return spec.ch_axis + ndim if spec.ch_axis < 0 else spec.ch_axis
 
 
 def _broadcast(v: torch.Tensor, x: torch.Tensor, axis: int, per_channel: bool) -> torch.Tensor:
@@ -190,9 +195,15 @@ def fake_quantize(
                 _clamp_for_per_channel(x, scale, zp, spec, axis), scale, zp, axis, spec.qmin, spec.qmax, factor
             )
         else:
-            out = torch._fake_quantize_learnable_per_tensor_affine(
-                x, scale.reshape(1), zp.reshape(1), spec.qmin, spec.qmax, factor
-            )
+            # Per-tensor runs as one channel: torch's per-tensor learnable backward
+            # truncates z + 0.5 toward zero, so a negative zero point is taken as
+            # z + 1 there (wrong scale gradient and in-range mask); the per-channel
+            # op rounds z in forward and backward alike.
+            flat = x.reshape(1, -1)
+            s1, z1 = scale.reshape(1), zp.reshape(1)
+            out = torch._fake_quantize_learnable_per_channel_affine(
+                _clamp_for_per_channel(flat, s1, z1, spec, 0), s1, z1, 0, spec.qmin, spec.qmax, factor
+            ).reshape(x.shape)
         return _keep_nan(x, out)
     raise ValueError(f"unknown estimator {estimator!r}")
 

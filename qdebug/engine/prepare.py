@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import itertools
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
@@ -33,6 +34,7 @@ from qdebug.errors import QDebugError
 QAT_MODES = {"fuse_bn": "fused", "with_bn": "with_bn", "with_bn_reverse_fold": "reverse_fold"}
 STATE_ATTR = "_qdebug_state"
 POINTS_ATTR = "qdebug_points"
+_NO_BATCH = object()
 
 
 class PointTable(nn.Module):
@@ -72,15 +74,21 @@ class EngineState:
         if spec is None:
             return None
         point = QuantPoint(call.name, "activation", spec, op=call.op, owner=call.owner, fallback=call.category == "fallback")
-        reference = next(iter(self.points.values()), None)
+        # Follow the other activation points (weight points sit in "float" during calibration).
+        reference = next((p for p in self.points.values() if p.kind == "activation"), None)
         if reference is not None:
             point.mode = reference.mode
+            point.observe_in_fake = reference.observe_in_fake
             point.train(reference.training)
+            if point.mode == "fake" and not (point.observe_in_fake and point.training):
+                # No scale to fake-quantize with (only running observers could set one): stay float.
+                point.mode = "float"
         self.add_point(point)
         self.discovered.append(call.name)
         warnings.warn(
             f"qdebug: call {call.name!r} was not seen when the model was traced at prepare; it got a new, "
-            "uncalibrated quant point (trace with inputs that take every path)",
+            f"uncalibrated quant point (mode {point.mode!r}; trace with inputs that take every path, "
+            "or calibrate again)",
             stacklevel=2,
         )
         return point
@@ -296,6 +304,11 @@ def calibrate(
     and are reported by ``quant_points`` as uninitialised.
     """
     state = engine_state(model)
+    batches = iter(batches)
+    first = next(batches, _NO_BATCH)
+    if first is _NO_BATCH:  # checked before any observer is reset or mode changed
+        raise QDebugError("calibration got no batches", "pass at least one batch of inputs")
+    batches = itertools.chain([first], batches)
     was_training = model.training
     model.eval()
     for point in state.points.values():

@@ -132,8 +132,9 @@ class QConfig:
     ``overrides`` maps a glob (matched against the owning module's path, e.g.
     ``backbone.*``, and against the quant point's own name) to
     ``{"weight": {...}, "activation": {...}}``; each value is a partial
-    ``QuantSpec`` dict applied over the default, or ``None`` to keep that kind
-    in float.  Later globs win over earlier ones.
+    ``QuantSpec`` dict, or ``None`` to keep that kind in float.  Matching globs
+    cascade in order: each refines the spec left by the ones before it (a later
+    dict after a ``None`` starts again from the default).
     """
 
     weight: QuantSpec = field(default_factory=default_weight_spec)
@@ -173,7 +174,8 @@ class QConfig:
             if entry[kind] is None:
                 spec = None
             else:
-                spec = getattr(self, kind).replace(**dict(entry[kind]))
+                # Cascade: a later glob refines what earlier ones set (from the default after a None).
+                spec = (spec or getattr(self, kind)).replace(**dict(entry[kind]))
         return spec
 
     def matching_globs(self, names: tuple[str, ...]) -> list[str]:
