@@ -366,8 +366,20 @@ def test_user_model_is_never_modified(mode):
     qm(x).sum().backward()
     opt.step()
     absorb_bn(qm, "block1")
+    # convert leaves the prepared model alone too (it works on a copy).
+    qm.eval()
+    with torch.no_grad():
+        prepared_out = qm(x)  # (brings the lazily recomputed weight scales up to date)
+    prepared_sd = {k: v.clone() for k, v in qm.state_dict().items()}
     converted = convert(qm)
-    converted(x)
+    with torch.no_grad():
+        converted(x)
+        assert torch.equal(qm(x), prepared_out)
+    assert qm.block1.conv.stage == "fake" and not hasattr(qm.block1.conv, "weight_int")
+    if mode != "fuse_bn":
+        assert isinstance(qm.block2.bn, nn.BatchNorm2d)  # convert folded its copy only
+    for k, v in prepared_sd.items():
+        assert torch.equal(qm.state_dict()[k], v), k
 
     assert model.training
     assert {n: type(m) for n, m in model.named_modules()} == types

@@ -19,7 +19,7 @@ from qdebug.engine import QConfig, calibrate, engine_state, prepare, quant_point
 from qdebug.engine.point import grid_of
 from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
 
-QMIN, QMAX = -128, 127
+QMIN = -128
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -248,6 +248,8 @@ class ForwardContext(TorchFunctionMode):
         # results with no float tensor (sizes, masks) are not activations.
         if not produced or not any(not isinstance(t, nn.Parameter) for t in inputs):
             return out
+        if all(t.dim() == 0 for t in produced):
+            return out  # a scalar (a branch condition, a norm) is not a feature map
         owner = self.container()
         op = canonical_op_name(func, "fallback")
         call = self.new_call(f"{owner}.{op}" if owner else op, "fallback", op, owner)

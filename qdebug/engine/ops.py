@@ -67,6 +67,21 @@ _MODULE_CATEGORIES: list[tuple[type, str]] = [
     (nn.ChannelShuffle, "passthrough"),
     (nn.PixelShuffle, "passthrough"),
     (nn.Upsample, "upsample"),
+    # Layers with no quantized kernel here: computed in float (weights too), output
+    # re-quantized, and reported -- never silently left out.
+    (nn.ConvTranspose1d, "fallback"),
+    (nn.ConvTranspose2d, "fallback"),
+    (nn.ConvTranspose3d, "fallback"),
+    (nn.Conv3d, "fallback"),
+    (nn.Embedding, "fallback"),
+    (nn.EmbeddingBag, "fallback"),
+    (nn.LayerNorm, "fallback"),
+    (nn.GroupNorm, "fallback"),
+    (nn.InstanceNorm1d, "fallback"),
+    (nn.InstanceNorm2d, "fallback"),
+    (nn.BatchNorm3d, "fallback"),
+    (nn.RNNBase, "fallback"),
+    (nn.MultiheadAttention, "fallback"),
 ]
 
 # Engine-owned module classes register themselves here (wrappers, placeholders).

@@ -238,7 +238,8 @@ def prepare(
         )
     if fallbacks:
         warnings.warn(
-            "qdebug: no quantized kernel for these ops; they run in float and are re-quantized at their output: "
+            "qdebug: no quantized kernel for these ops; they run in float (weights too) and are re-quantized at "
+            "their output: "
             + ", ".join(fallbacks[:10])
             + (" ..." if len(fallbacks) > 10 else ""),
             stacklevel=2,
