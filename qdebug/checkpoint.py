@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.nn as nn
 from qdebug.atomic import atomic_path
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.prepare import POINTS_ATTR
+from qdebug.engine.prepare import POINTS_ATTR, refresh_weight_qparams
 from qdebug.errors import QDebugError
 from qdebug.modelspec import ModelSpec, build, remember, spec_of
 
@@ -115,6 +116,9 @@ def save(
     }
     if stage != "float":
         state = engine_state(model)
+        if state.stage != "quantized":
+            refresh_weight_qparams(model)  # a weight changed by optimizer.step() gets its scale now
+            ckpt["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         ckpt["qconfig"] = state.qconfig.to_dict()
         ckpt["qat_mode"] = state.qat_mode
         ckpt["plan"] = state.plan.to_dict()
@@ -252,7 +256,9 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
         if not isinstance(obj.get("plan"), dict):
             raise QDebugError(f"{path} is a {stage} checkpoint without a plan", "re-save it with qdebug.save")
         try:
-            net = prepare(net, qconfig, mode=obj.get("qat_mode") or "fuse_bn", plan=obj["plan"])
+            with warnings.catch_warnings():  # told when the model was prepared; inspect reports fallbacks
+                warnings.filterwarnings("ignore", message="qdebug: no quantized kernel")
+                net = prepare(net, qconfig, mode=obj.get("qat_mode") or "fuse_bn", plan=obj["plan"])
         except (KeyError, AttributeError, TypeError) as exc:
             raise QDebugError(
                 f"{path}: the saved plan does not fit model {spec.target} ({type(exc).__name__}: {exc})",

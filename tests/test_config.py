@@ -129,7 +129,8 @@ def test_cli_unknown_config_key(cli, tmp_path, stages):
 
 def test_inspect_without_path_uses_the_config_from_a_subdirectory(cli, tmp_path, stages, monkeypatch):
     proj = tmp_path / "proj"
-    shutil.copy(stages.quantized, _write(proj / "ckpt" / "keep", "").parent / "q.pt")
+    (proj / "ckpt").mkdir(parents=True)
+    shutil.copy(stages.quantized, proj / "ckpt" / "q.pt")
     _write(proj / "pyproject.toml", '[tool.qdebug]\nquantized = "ckpt/q.pt"\n')
     sub = proj / "src" / "deep"
     sub.mkdir(parents=True)
@@ -142,7 +143,7 @@ def test_inspect_without_path_uses_the_config_from_a_subdirectory(cli, tmp_path,
 
 
 def test_inspect_without_path_or_config_is_an_error(cli):
-    cli("inspect").assert_error("no", "checkpoint given")
+    cli("inspect").assert_error("error: no checkpoint given", "qdebug.toml")
 
 
 def test_config_option_picks_a_file(cli, tmp_path, stages):

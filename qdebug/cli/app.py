@@ -46,6 +46,17 @@ def _register() -> None:
     from qdebug.cli import calibrate, convert, inspect  # noqa: F401  (commands register themselves)
 
 
+def _click_exceptions(name: str) -> tuple[type, ...]:
+    """click's exception class ``name``, from click and from the copy newer typer versions vendor."""
+    import click
+
+    found = [getattr(click.exceptions, name)]
+    vendored = sys.modules.get("typer._click.exceptions")
+    if vendored is not None and hasattr(vendored, name):
+        found.append(getattr(vendored, name))
+    return tuple(found)
+
+
 def main(argv: list[str] | None = None) -> None:
     _register()
     args = sys.argv[1:] if argv is None else argv
@@ -65,12 +76,12 @@ def main(argv: list[str] | None = None) -> None:
         err_console.print("error: interrupted", markup=False)
         sys.exit(130)
     except Exception as exc:  # click usage errors and genuine bugs
-        import click
-
-        if isinstance(exc, click.exceptions.UsageError):
-            exc.show(file=sys.stderr)
+        if isinstance(exc, _click_exceptions("UsageError")):
+            err_console.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
+            where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "qdebug"
+            err_console.print(f"hint: see {where} --help", markup=False, highlight=False, soft_wrap=True)
             sys.exit(2)
-        if isinstance(exc, click.exceptions.ClickException):
+        if isinstance(exc, _click_exceptions("ClickException")):
             exc.show(file=sys.stderr)
             sys.exit(exc.exit_code)
         if debug:

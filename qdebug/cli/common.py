@@ -55,7 +55,7 @@ def stage_path(given: Optional[str], *keys: str, what: str) -> str:
             return cfg.get(key)
     where = f" (config: {cfg.path})" if cfg.path else ""
     raise QDebugError(
-        f"no {what} checkpoint given{where}",
+        f"no {what + ' ' if what else ''}checkpoint given{where}",
         f"pass a path, or set {' / '.join(keys)} in qdebug.toml",
     )
 

@@ -101,21 +101,39 @@ class _QWeighted(nn.Module):
             return weight
         return self.weight_point.apply(weight, cache_key=cache_key)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stage == "quantized":
-            return self._integer_forward(x)
+    def quantized_input_weight(self) -> tuple[torch.Tensor, object]:
+        """The tensor the weight point quantizes (W, or W f under reverse fold) and its cache key."""
         if self.bn_mode == "reverse_fold" and self._bn is not None:
             f = bn_scale_factor(self._bn)
             shape = [-1] + [1] * (self.weight.dim() - 1)
-            key = None if self.training else (self.weight._version, self._bn.running_var._version, self._bn.weight._version if self._bn.weight is not None else 0)
-            w = self._quantized_weight(self.weight * f.reshape(shape), key)
+            bn_weight_version = self._bn.weight._version if self._bn.weight is not None else 0
+            key = None if self.training else (self.weight._version, self._bn.running_var._version, bn_weight_version)
+            return self.weight * f.reshape(shape), key
+        return self.weight, (id(self.weight), self.weight._version)
+
+    def refresh_weight_qparams(self) -> None:
+        """Recompute a dynamic weight point's qparams from the current weight now (e.g. before saving)."""
+        point = self.weight_point
+        if point is None or (point.initialized and (point.frozen or point.spec.learnable_scale)):
+            return  # frozen or learned scales are not derived from the weight
+        with torch.no_grad():
+            weight, _ = self.quantized_input_weight()
+            point.compute_from(weight)
+        point._cache_key = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stage == "quantized":
+            return self._integer_forward(x)
+        weight, key = self.quantized_input_weight()
+        w = self._quantized_weight(weight, key)
+        if self.bn_mode == "reverse_fold" and self._bn is not None:
+            f = bn_scale_factor(self._bn)
             out_shape = [1] * x.dim()
             out_shape[self.out_channel_axis] = -1
             y = self._op(x, w, None) / f.reshape(out_shape)
             if self.bias is not None:
                 y = y + self.bias.reshape(out_shape)
             return y
-        w = self._quantized_weight(self.weight, (id(self.weight), self.weight._version))
         return self._op(x, w, self.bias)
 
     # -- integer stage --------------------------------------------------------------

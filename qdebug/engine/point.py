@@ -99,7 +99,7 @@ class QuantPoint(nn.Module):
         if self.mode == "observe":
             self.observer(x)
             return x
-        if self.kind == "weight" and not self.frozen:
+        if self.kind == "weight" and not self.frozen and not (self.spec.learnable_scale and self.initialized):
             if self.training or cache_key is None or cache_key != self._cache_key or not self.initialized:
                 self.compute_from(x)
                 self._cache_key = cache_key

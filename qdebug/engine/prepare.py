@@ -245,10 +245,30 @@ def prepare(
             stacklevel=2,
         )
     qm.add_module(POINTS_ATTR, table)
+    if isinstance(qm, nn.Sequential):
+        qm.__class__ = _sequential_without_points(type(qm))
     object.__setattr__(qm, STATE_ATTR, state)
     qm.register_forward_pre_hook(_root_pre_hook, with_kwargs=True)
     qm.register_forward_hook(_root_post_hook, with_kwargs=True, always_call=True)
     return qm
+
+
+_SEQUENTIAL_CLASSES: dict[type, type] = {}
+
+
+def _sequential_without_points(cls: type) -> type:
+    """A subclass of a Sequential root whose forward skips the point table (a child it must not call)."""
+    if cls not in _SEQUENTIAL_CLASSES:
+
+        def forward(self, *args):
+            layers = [m for name, m in self._modules.items() if name != POINTS_ATTR]
+            x = args[0] if len(args) == 1 else args
+            for layer in layers:
+                x = layer(x)
+            return x
+
+        _SEQUENTIAL_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _SEQUENTIAL_CLASSES[cls]
 
 
 def _absorb_pair(qm: nn.Module, conv_path: str, bn_path: str) -> None:
@@ -343,14 +363,19 @@ def _refresh_weight_points(model: nn.Module) -> None:
         if isinstance(module, _QWeighted) and module.weight_point is not None:
             point = module.weight_point
             point._cache_key = None
-            if point.spec.learnable_scale and not point.initialized:
-                if module.bn_mode == "reverse_fold" and module.bn is not None:
-                    from qdebug.engine.modules import bn_scale_factor
+            if not point.spec.learnable_scale or not point.initialized:
+                # Learnable scales are initialised once here and then belong to the optimizer.
+                was_frozen = point.frozen
+                point.frozen = False
+                module.refresh_weight_qparams()
+                point.frozen = was_frozen
 
-                    shape = [-1] + [1] * (module.weight.dim() - 1)
-                    point.compute_from(module.weight * bn_scale_factor(module.bn).reshape(shape))
-                else:
-                    point.compute_from(module.weight)
+
+def refresh_weight_qparams(model: nn.Module) -> None:
+    """Bring every dynamic weight point's qparams up to date with its weight (done before saving)."""
+    for module in model.modules():
+        if isinstance(module, _QWeighted):
+            module.refresh_weight_qparams()
 
 
 def absorb_bn(model: nn.Module, pattern: str = "*") -> list[str]:
