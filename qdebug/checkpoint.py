@@ -245,7 +245,10 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     for key in ("model", "state"):
         if key not in obj:
             raise QDebugError(f"{path} lacks the {key!r} field", "the file is not a complete qdebug checkpoint")
-    spec = user_spec or ModelSpec.from_dict(obj["model"])
+    file_spec = ModelSpec.from_dict(obj["model"])
+    if user_spec is not None and user_spec.target == file_spec.target and not user_spec.kwargs:
+        user_spec = ModelSpec(user_spec.target, dict(file_spec.kwargs))  # same class: keep the file's kwargs
+    spec = user_spec or file_spec
     net = build(spec, from_user=user_spec is not None, trusted_modules=trusted)
     qconfig = None
     if stage != "float":

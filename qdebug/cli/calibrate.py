@@ -23,10 +23,20 @@ from qdebug.report.table import render_table
 SAMPLE_INPUTS = 8  # samples of the first batch stored in the checkpoint for later tools
 
 
+def merge_tables(base: dict, update: dict) -> dict:
+    """Deep merge: the --qconfig file refines the config's qconfig key by key."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_tables(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def build_qconfig(qconfig_file: Optional[Path], observer: Optional[str], per_channel: Optional[bool],
                   bits: Optional[int]) -> QConfig:
-    data = dict(STATE.config().get("qconfig") or {})
-    data.update(load_qconfig_file(qconfig_file))
+    data = merge_tables(STATE.config().get("qconfig") or {}, load_qconfig_file(qconfig_file))
     qcfg = QConfig.from_dict(data)
     if observer is not None:
         if observer not in OBSERVERS:

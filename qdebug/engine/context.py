@@ -75,9 +75,23 @@ class Handler:
         return output
 
 
-# A listener sees every value call: (call, input tensors, output before the
-# handler's change, output after it).  Tools (compare, nan-trace) attach here.
-Listener = Callable[[Call, list, Any, Any], None]
+@dataclass
+class Event:
+    """What a listener sees of one value call (tools such as compare attach here)."""
+
+    call: Call
+    args: tuple
+    kwargs: dict
+    func: Callable | None  # the torch function of an inline op; None for modules and inputs
+    raw: Any  # the output before the handler changed it (e.g. before the quant point)
+    out: Any  # the output that flows on
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        return tensors_in((self.args, self.kwargs))
+
+
+Listener = Callable[[Event], None]
 
 _local = threading.local()
 
@@ -141,14 +155,34 @@ class ForwardContext(TorchFunctionMode):
                 return frame.name
         return ""
 
-    def emit(self, call: Call, inputs: list, raw: Any, out: Any) -> None:
+    def emit(self, call: Call, args: tuple, kwargs: dict, func: Callable | None, raw: Any, out: Any) -> None:
         if self.listeners:
+            event = Event(call, args, kwargs, func, raw, out)
             self.busy += 1
             try:
                 for listener in self.listeners:
-                    listener(call, inputs, raw, out)
+                    listener(event)
             finally:
                 self.busy -= 1
+
+    def replay(self, event: Event, args: tuple, kwargs: dict | None = None) -> Any:
+        """Run the call of ``event`` again on other inputs, with the same handler treatment
+        (quant point, integer kernel).  Used for isolated errors; counts nothing."""
+        kwargs = kwargs or {}
+        call = event.call
+        self.busy += 1
+        try:
+            if call.category == "input":
+                return self.handler.on_input(self, call, args[0])
+            if event.func is None:
+                module = call.module
+                self.handler.before_module(self, call, module, args)
+                return self.handler.on_module_output(self, call, module, args, module(*args, **kwargs))
+            if call.category == "fallback":
+                return self.handler.on_fallback(self, call, event.func, args, event.func(*args, **kwargs))
+            return self.handler.on_op(self, call, event.func, args, kwargs)
+        finally:
+            self.busy -= 1
 
     # -- model inputs and outputs -------------------------------------------------
     def process_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -161,7 +195,7 @@ class ForwardContext(TorchFunctionMode):
                 out = self.handler.on_input(self, call, x)
             finally:
                 self.busy -= 1
-            self.emit(call, [], x, out)
+            self.emit(call, (x,), {}, None, x, out)
             return out
 
         return map_tensors(args, one), map_tensors(kwargs, one)
@@ -211,7 +245,7 @@ class ForwardContext(TorchFunctionMode):
         finally:
             self.busy -= 1
         if frame.call.category != "passthrough":
-            self.emit(frame.call, tensors_in(args), output, new)
+            self.emit(frame.call, args, {}, None, output, new)
         return new
 
     # -- inline ops -----------------------------------------------------------------
@@ -237,7 +271,7 @@ class ForwardContext(TorchFunctionMode):
             out = self.handler.on_op(self, call, func, args, kwargs)
         finally:
             self.busy -= 1
-        self.emit(call, tensors_in((args, kwargs)), None, out)
+        self.emit(call, args, kwargs, func, None, out)
         return out
 
     def _fallback(self, func, args, kwargs):
@@ -258,7 +292,7 @@ class ForwardContext(TorchFunctionMode):
             new = self.handler.on_fallback(self, call, func, args, out)
         finally:
             self.busy -= 1
-        self.emit(call, inputs, out, new)
+        self.emit(call, args, kwargs, func, out, new)
         return new
 
 
