@@ -12,7 +12,8 @@ e = y - x, sums over every element of every batch):
     max_abs         max |e|;  mean_abs = sum|e| / n
     max_abs_scales  max_abs / s_out (the layer's output scale: Horizon's "N out_qscale")
     kl              mean over positions of KL(softmax(x) || softmax(y)) along the channel axis (axis 1)
-    saturation      fraction of y values at the output point's qmin or qmax code
+    saturation      fraction of y values at the output point's qmax code, or its qmin code
+                    when that code is below 0 (qmin = 0 after a ReLU is not clipping)
     nonfinite       number of NaN/Inf values in y (never averaged away: metrics become NaN/inf)
     per channel (axis 1):  min_channel_sqnr_db, median_channel_sqnr_db, and
     channel_range_ratio = max over channels of (max - min of x) / median of it.
@@ -83,7 +84,10 @@ class ErrorStats:
             self.out_scale = scale
             lo, hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
             yf = y.detach().float()
-            self.saturated += int(((yf <= lo) | (yf >= hi)).sum())
+            at_end = yf >= hi
+            if lo < 0:  # when qmin encodes 0 (after a ReLU), sitting at qmin is not clipping
+                at_end |= yf <= lo
+            self.saturated += int(at_end.sum())
             self.saturation_n += y.numel()
         if self.want_channels and x.dim() >= 2 and x.shape[1] > 1:
             self._update_channels(x, err.reshape(x.shape))
@@ -127,7 +131,9 @@ class ErrorStats:
         if self.kl_n:
             out["kl"] = self.kl_sum / self.kl_n
         if self.ch_xx is not None:
-            channel_sqnr = [sqnr_db(float(a), float(b)) for a, b in zip(self.ch_xx, self.ch_ee)]
+            # Channels with (almost) no signal -- dead ReLU channels -- have no meaningful SQNR.
+            floor = 1e-6 * float(self.ch_xx.max()) if self.ch_xx.numel() else 0.0
+            channel_sqnr = [sqnr_db(float(a), float(b)) for a, b in zip(self.ch_xx, self.ch_ee) if float(a) > floor]
             live = [v for v in channel_sqnr if not math.isnan(v)]
             if live:
                 out["min_channel_sqnr_db"] = min(live)

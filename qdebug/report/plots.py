@@ -1,0 +1,72 @@
+"""PNG plots of comparison results (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from qdebug.atomic import atomic_path  # noqa: E402
+
+
+def _finite(values) -> list[float]:
+    out = []
+    for v in values:
+        v = float(v) if v is not None else math.nan
+        out.append(v if math.isfinite(v) else math.nan)
+    return out
+
+
+def plot_along_network(frame: pd.DataFrame, path: str | Path, *, reference: str) -> Path:
+    """SQNR (dB) and cosine per layer, in execution order, one line per compared model."""
+    measured = frame[frame["note"] == ""]
+    layers = list(dict.fromkeys(measured["layer"]))
+    position = {name: i for i, name in enumerate(layers)}
+    fig, (ax_sqnr, ax_cos) = plt.subplots(2, 1, figsize=(max(8, len(layers) * 0.18), 7), sharex=True)
+    for target, rows in measured.groupby("target", sort=False):
+        xs = [position[n] for n in rows["layer"]]
+        ax_sqnr.plot(xs, _finite(rows["sqnr_db"]), marker=".", label=f"{target} (propagated)")
+        if rows["isolated_sqnr_db"].notna().any():
+            ax_sqnr.plot(xs, _finite(rows["isolated_sqnr_db"]), linestyle="--", alpha=0.7, label=f"{target} (isolated)")
+        ax_cos.plot(xs, _finite(rows["cosine"]), marker=".", label=target)
+    ax_sqnr.set_ylabel("SQNR vs " + reference + " (dB)")
+    ax_sqnr.legend(fontsize=8)
+    ax_sqnr.grid(alpha=0.3)
+    ax_cos.set_ylabel("cosine")
+    ax_cos.grid(alpha=0.3)
+    ax_cos.set_xticks(range(len(layers)))
+    ax_cos.set_xticklabels(layers, rotation=90, fontsize=6)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_histograms(samples: dict, layers: list[tuple[str, str]], path: str | Path, *, reference: str) -> Path:
+    """Reference-vs-compared value histograms of the given (layer, target) pairs."""
+    n = max(len(layers), 1)
+    fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), squeeze=False)
+    for ax, key in zip(axes[:, 0], layers):
+        x, y = samples[key]
+        finite = torch.cat([x[torch.isfinite(x)], y[torch.isfinite(y)]])
+        if finite.numel() == 0:
+            ax.set_title(f"{key[0]} ({key[1]}): no finite values")
+            continue
+        bins = torch.linspace(float(finite.min()), float(finite.max()) + 1e-12, 81).numpy()
+        ax.hist(x[torch.isfinite(x)].numpy(), bins=bins, alpha=0.55, label=reference)
+        ax.hist(y[torch.isfinite(y)].numpy(), bins=bins, alpha=0.55, label=key[1])
+        ax.set_title(f"{key[0]} ({key[1]})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return Path(path)

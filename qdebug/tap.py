@@ -1,0 +1,106 @@
+"""Hook every layer of any model (float or prepared), name every call, stream what passes.
+
+``tap(model, listener)`` runs a listener on every value call of the model's
+forward passes -- module calls, inline ops, model inputs -- with the engine's
+names (``layer1.0.add#2``), whether the model is a plain float model or a
+prepared/quantized one.  Tools never hook modules themselves.
+
+``Capture`` records one forward's outputs (and inputs) by call name: the
+reference side of a comparison.  Only one batch is held at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine import engine_state, is_prepared
+from qdebug.engine.context import Event, ForwardContext, active_context
+from qdebug.engine.ops import map_tensors, tensors_in
+
+
+def _detach_clone(obj: Any) -> Any:
+    # Clone: a later in-place op (ReLU(inplace=True)) must not rewrite what we recorded.
+    return map_tensors(obj, lambda t: t.detach().clone())
+
+
+@contextlib.contextmanager
+def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
+    """While active, ``listener`` sees every value call of ``model``'s forward passes."""
+    if is_prepared(model):
+        state = engine_state(model)
+        state.listeners.append(listener)
+        try:
+            yield
+        finally:
+            state.listeners.remove(listener)
+        return
+    # A plain model: wrap its forward in a naming context for the duration.
+    handles = []
+
+    def pre_hook(module, args, kwargs):
+        if active_context() is not None and active_context().root is module:
+            return None
+        ctx = ForwardContext(module, listeners=[listener])
+        ctx.__enter__()
+        contexts.append(ctx)
+        return ctx.process_inputs(args, kwargs)
+
+    def post_hook(module, args, kwargs, output):
+        ctx = contexts.pop()
+        try:
+            if output is not None:
+                output = ctx.process_output(output)
+        finally:
+            ctx.__exit__(None, None, None)
+        return output
+
+    contexts: list[ForwardContext] = []
+    handles.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+    handles.append(model.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class Record:
+    name: str
+    op: str
+    category: str
+    inputs: tuple  # detached clones of the call's args (for isolated replays)
+    kwargs: dict
+    output: Any
+
+
+@dataclass
+class Capture:
+    """Outputs (and inputs) of one forward, by call name, in execution order."""
+
+    keep_inputs: bool = True
+    records: dict[str, Record] = field(default_factory=dict)
+
+    def __call__(self, event: Event) -> None:
+        call = event.call
+        self.records[call.name] = Record(
+            call.name,
+            call.op,
+            call.category,
+            _detach_clone(event.args) if self.keep_inputs else (),
+            _detach_clone(event.kwargs) if self.keep_inputs else {},
+            _detach_clone(event.out),
+        )
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    found = [t for t in tensors_in(obj) if torch.is_floating_point(t)]
+    return found[0] if found else None

@@ -1,0 +1,381 @@
+"""``compare``: per-layer feature-map similarity of models of one architecture, any stages.
+
+Every compared model runs on the same batches.  The reference (the first model,
+or ``ref``) is tapped and its per-call outputs and inputs for the current batch
+are kept; each other model is then tapped and, at every call with the same name:
+
+- propagated error: its own output (each model runs on its own inputs) vs the
+  reference output -- the accumulated error;
+- isolated error: the same call replayed on the reference's inputs (same quant
+  point, same integer kernel) vs the reference output -- the layer's own error.
+  A quantized (integer) model's kernels consume integer codes, so for it the
+  reference inputs are first projected onto its input grid.
+
+Statistics stream into float64 sums (``qdebug.stats``); nothing is stored across
+batches, so memory does not grow with the number of batches.  Flagged rows get a
+diagnosis: ``nonfinite``, ``clipping``, ``outlier_channels``, ``rounding``,
+``propagated`` (docs/compare.md has the rules and default thresholds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from qdebug.engine import engine_state, is_prepared
+from qdebug.engine.context import Event, active_context, run_model
+from qdebug.engine.modules import _QWeighted
+from qdebug.engine.ops import map_tensors, tensors_in
+from qdebug.engine.point import QuantPoint, grid_of
+from qdebug.errors import QDebugError
+from qdebug.stats import ErrorStats
+from qdebug.tap import Capture, first_tensor, tap
+
+# Metric columns, in display order.
+METRICS = [
+    "cosine", "sqnr_db", "mse", "rel_l2", "max_abs", "max_abs_scales", "mean_abs", "kl", "saturation", "nonfinite",
+    "min_channel_sqnr_db", "median_channel_sqnr_db", "channel_range_ratio",
+    "isolated_cosine", "isolated_sqnr_db", "isolated_mse", "isolated_max_abs",
+]
+DEFAULT_SHOW = ["cosine", "sqnr_db", "isolated_sqnr_db", "max_abs_scales", "saturation", "min_channel_sqnr_db"]
+# Defaults that flag real problems.  An int8 layer with a well-fitted range rounds at
+# ~30-40 dB SQNR; int4 at ~16 dB; a clipped range saturates far more than 1% of values.
+DEFAULT_THRESHOLDS = {
+    "sqnr_db": 20.0,  # propagated: below it the layer is flagged
+    "isolated_sqnr_db": 25.0,  # own error: below it the layer itself is at fault
+    "saturation": 0.01,  # fraction of values at the range ends: clipping above it
+    "min_channel_sqnr_db": 15.0,  # a channel this bad ...
+    "channel_range_ratio": 8.0,  # ... in a layer whose channel ranges differ this much: outlier channels
+}
+HISTOGRAM_SAMPLES = 4096
+
+
+@dataclass
+class CompareResult:
+    frame: pd.DataFrame  # one row per (layer, target), execution order
+    meta: dict[str, Any]
+    summary: str
+    samples: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def flagged(self) -> pd.DataFrame:
+        return self.frame[self.frame["diagnosis"] != ""]
+
+
+def _folded_convs(model: nn.Module) -> set[str]:
+    if not is_prepared(model):
+        return set()
+    out = set()
+    for conv, _ in engine_state(model).plan.pairs:
+        module = model.get_submodule(conv)
+        if isinstance(module, _QWeighted) and module.bn_mode == "fused":
+            out.add(conv)
+    return out
+
+
+def _pairs(model: nn.Module) -> dict[str, str]:
+    return dict(engine_state(model).plan.pairs) if is_prepared(model) else {}
+
+
+def _grid(model: nn.Module, name: str) -> tuple[float, int, int, int] | None:
+    """(scale, zero_point, qmin, qmax) of the point quantizing this call's own output."""
+    if not is_prepared(model):
+        return None
+    point = engine_state(model).points.get(name)
+    if point is None or point.mode != "fake" or not point.initialized or point.scale.numel() != 1:
+        return None
+    return float(point.scale), int(point.zero_point), point.spec.qmin, point.spec.qmax
+
+
+def _project(ref_args: Any, own_args: Any) -> Any:
+    """Reference inputs moved onto the grids the model's own inputs lie on (integer kernels)."""
+    own = iter(tensors_in(own_args))
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        mine = next(own, None)
+        point: QuantPoint | None = grid_of(mine) if isinstance(mine, torch.Tensor) else None
+        if point is None or not torch.is_floating_point(t):
+            return t
+        return point.apply(t)
+
+    return map_tensors(ref_args, one)
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1).float()
+    step = max(1, flat.numel() // HISTOGRAM_SAMPLES)
+    return flat[::step][:HISTOGRAM_SAMPLES].clone()
+
+
+class _Listener:
+    """Accumulates one compared model's statistics against the current reference capture."""
+
+    def __init__(self, label: str, model: nn.Module, capture: Capture, skip: dict[str, str], isolated: bool,
+                 stats: dict, notes: dict, samples: dict, kinds: dict):
+        self.label, self.model, self.capture, self.skip = label, model, capture, skip
+        self.isolated = isolated
+        self.quantized = is_prepared(model) and engine_state(model).stage == "quantized"
+        self.stats, self.notes, self.samples, self.kinds = stats, notes, samples, kinds
+        self.seen: set[str] = set()
+        self.first_batch = True
+        # A conv skipped because BN is folded in one model only: its event, kept to replay the
+        # conv+BN chain for the BN's isolated error.
+        self.skipped_convs: dict[str, Event] = {}
+        self.bn_of_pair = {bn: conv for conv, bn in {**_pairs(model)}.items()}
+
+    def __call__(self, event: Event) -> None:
+        name = event.call.name
+        self.seen.add(name)
+        self.kinds.setdefault(name, event.call.op)
+        key = (name, self.label)
+        record = self.capture.records.get(name)
+        if record is None:
+            self.notes[key] = "not in the reference model"
+            return
+        if name in self.skip:
+            self.notes[key] = self.skip[name]
+            if event.call.category == "conv":
+                self.skipped_convs[name] = event
+            return
+        x, y = first_tensor(record.output), first_tensor(event.out)
+        if x is None or y is None:
+            return
+        if x.shape != y.shape:
+            self.notes[key] = f"shape differs: {list(x.shape)} vs {list(y.shape)}"
+            return
+        stats = self.stats.setdefault(key, (ErrorStats(), ErrorStats(want_channels=False, want_kl=False)))
+        stats[0].update(x, y, grid=_grid(self.model, name))
+        if self.first_batch and key not in self.samples:
+            self.samples[key] = (_sample(x), _sample(y))
+        if self.isolated and event.call.category != "input":
+            iso_y = first_tensor(self._isolated(event, record))
+            if iso_y is not None:
+                stats[1].update(x, iso_y)
+
+    def _isolated(self, event: Event, record) -> Any:
+        """This call of the model, on the reference's inputs (see module docstring)."""
+        ctx = active_context()
+        conv = self.bn_of_pair.get(event.call.name)
+        with torch.no_grad():
+            if conv in self.skipped_convs and conv in self.capture.records:
+                # BN folded in one model only: run the conv+BN chain from the conv's reference input.
+                conv_event, conv_record = self.skipped_convs[conv], self.capture.records[conv]
+                args = _project(conv_record.inputs, conv_event.args) if self.quantized else conv_record.inputs
+                inner = ctx.replay(conv_event, args, conv_record.kwargs)
+                return ctx.replay(event, (inner,), {})
+            args = _project(record.inputs, event.args) if self.quantized else record.inputs
+            return ctx.replay(event, args, record.kwargs)
+
+
+def _fused_in_integer_kernels(model: nn.Module) -> dict[str, str]:
+    """Calls of a quantized model whose integer kernel already applies the following ReLU."""
+    if not is_prepared(model) or engine_state(model).stage != "quantized":
+        return {}
+    return {
+        rec.name: f"{rec.fused_activation} fused into its integer kernel: compared at {rec.output_point}"
+        for rec in engine_state(model).plan.calls.values()
+        if rec.point is None and rec.fused_activation and rec.output_point
+    }
+
+
+def _skips(ref: nn.Module, other: nn.Module, ref_label: str, label: str) -> dict[str, str]:
+    """Calls whose outputs mean different things in the two models: a conv with BN folded in
+    one only, or an op whose ReLU runs inside a quantized model's integer kernel."""
+    ref_folded, other_folded = _folded_convs(ref), _folded_convs(other)
+    pairs = {**_pairs(ref), **_pairs(other)}
+    skip = {**_fused_in_integer_kernels(ref), **_fused_in_integer_kernels(other)}
+    for conv in ref_folded ^ other_folded:
+        where = label if conv in other_folded else ref_label
+        skip.setdefault(conv, f"BN folded into it in {where} only: compared at {pairs.get(conv, 'its BN')}")
+    return skip
+
+
+def compare(
+    models: Sequence[tuple[str, nn.Module]],
+    batches: Sequence[Any],
+    *,
+    ref: int = 0,
+    thresholds: dict[str, float] | None = None,
+    isolated: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> CompareResult:
+    """Compare every model with ``models[ref]`` layer by layer (see module docstring).
+
+    ``models``: (label, model) pairs of one architecture in any stage; ``batches``:
+    model inputs (tensor, tuple or dict) or ``qdebug.data.Batch`` objects.
+    """
+    if len(models) < 2:
+        raise QDebugError("compare needs at least two models", "e.g. qdebug compare float.pt qat.pt")
+    if not 0 <= ref < len(models):
+        raise QDebugError(f"reference index {ref} is out of range for {len(models)} models")
+    limits = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    unknown = sorted(set(limits) - set(METRICS))
+    if unknown:
+        raise QDebugError(f"unknown threshold metric(s): {', '.join(unknown)}", f"choose from {', '.join(METRICS)}")
+    ref_label, ref_model = models[ref]
+    others = [(label, model) for i, (label, model) in enumerate(models) if i != ref]
+    labels = [label for label, _ in models]
+    if len(set(labels)) != len(labels):
+        raise QDebugError(f"two compared models share the label {labels}", "give each model its own label")
+    if len({id(model) for _, model in models}) != len(models):
+        raise QDebugError("a model is compared with itself", "load each stage from its own checkpoint")
+
+    capture = Capture(keep_inputs=isolated)
+    stats: dict = {}
+    notes: dict = {}
+    samples: dict = {}
+    kinds: dict = {}
+    order: list[str] = []
+    listeners = [
+        _Listener(label, model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples, kinds)
+        for label, model in others
+    ]
+    states = [(m, m.training) for _, m in models]
+    for _, model in models:
+        model.eval()
+    count = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                inputs = getattr(batch, "inputs", batch)
+                capture.clear()
+                with tap(ref_model, capture):
+                    run_model(ref_model, inputs)
+                for name, record in capture.records.items():
+                    if name not in kinds:
+                        kinds[name] = record.op
+                        order.append(name)
+                for (label, model), listener in zip(others, listeners):
+                    with tap(model, listener):
+                        run_model(model, inputs)
+                    listener.first_batch = False
+                    for name in listener.seen:
+                        if name not in kinds or name not in order:
+                            order.append(name)
+                count += 1
+                if progress is not None:
+                    progress(count)
+    finally:
+        for model, was_training in states:
+            model.train(was_training)
+        capture.clear()
+    if count == 0:
+        raise QDebugError("compare got no batches", "pass --data with at least one batch")
+
+    rows = []
+    for index, name in enumerate(dict.fromkeys(order)):
+        for label, _ in others:
+            key = (name, label)
+            row: dict[str, Any] = {"index": index, "layer": name, "type": kinds.get(name, ""), "target": label}
+            if key in stats:
+                row.update(stats[key][0].result())
+                row.update(stats[key][1].result("isolated_"))
+                row["note"] = ""
+            else:
+                listener = next(li for li in listeners if li.label == label)
+                row["note"] = notes.get(key) or ("not in " + label if name not in listener.seen else "no tensor output")
+            rows.append(row)
+    frame = pd.DataFrame(rows)
+    for col in METRICS:
+        if col not in frame:
+            frame[col] = math.nan
+    frame = frame[["index", "layer", "type", "target", *METRICS, "note"]]
+    frame["diagnosis"] = [diagnose(r, limits) for r in frame.to_dict("records")]
+    summary = summarize(frame, limits, ref_label)
+    meta = {
+        "reference": ref_label,
+        "targets": [label for label, _ in others],
+        "batches": count,
+        "thresholds": limits,
+        "isolated": isolated,
+        "layers": int(frame["layer"].nunique()),
+        "flagged": int((frame["diagnosis"] != "").sum()),
+    }
+    return CompareResult(frame, meta, summary, samples)
+
+
+def _bad(value: float, limit: float, lower_is_bad: bool = True) -> bool:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False
+    return value < limit if lower_is_bad else value > limit
+
+
+def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
+    """The diagnosis of one row, or "" when nothing is flagged (rules in docs/compare.md)."""
+    if row.get("note"):
+        return ""
+    nonfinite = row.get("nonfinite") or 0
+    if nonfinite and not math.isnan(nonfinite) and nonfinite > 0:
+        return "nonfinite"
+    if any(isinstance(row.get(k), float) and math.isnan(row.get(k)) for k in ("sqnr_db", "cosine")):
+        return "nonfinite"
+    propagated_bad = _bad(row.get("sqnr_db"), limits["sqnr_db"])
+    isolated_bad = _bad(row.get("isolated_sqnr_db"), limits["isolated_sqnr_db"])
+    clipping = _bad(row.get("saturation"), limits["saturation"], lower_is_bad=False)
+    outliers = _bad(row.get("min_channel_sqnr_db"), limits["min_channel_sqnr_db"]) and _bad(
+        row.get("channel_range_ratio"), limits["channel_range_ratio"], lower_is_bad=False
+    )
+    if clipping and (propagated_bad or isolated_bad or row.get("saturation", 0) > 5 * limits["saturation"]):
+        return "clipping"
+    if outliers:
+        return "outlier_channels"
+    if isolated_bad:
+        return "rounding"
+    if propagated_bad:
+        isolated = row.get("isolated_sqnr_db")
+        return "propagated" if isolated is not None and not math.isnan(isolated) else "rounding"
+    return ""
+
+
+_ADVICE = {
+    "clipping": "the range is cut off: widen the scale (more or more representative calibration data, "
+    "a different observer) rather than adding bits",
+    "rounding": "the range is fine but too coarse: an int16 candidate (expected gain ~{gain:.0f} dB SQNR)",
+    "outlier_channels": "a few channels stretch a per-tensor range and crush the rest: per-channel "
+    "quantization, int16, or rebalancing the channels (cross-layer equalization)",
+    "propagated": "its own error is small: look upstream",
+    "nonfinite": "NaN/Inf appears here: run qdebug nan-trace",
+}
+
+
+def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str) -> str:
+    parts = []
+    for target, rows in frame.groupby("target", sort=False):
+        measured = rows[rows["note"] == ""]
+        if measured.empty:
+            parts.append(f"{target}: no comparable layer.")
+            continue
+        flagged = measured[measured["diagnosis"] != ""]
+        worst = measured.sort_values("sqnr_db", na_position="first").iloc[0]
+        text = f"{target} vs {ref_label}: worst layer {worst['layer']} ({_fmt_db(worst['sqnr_db'])} SQNR)."
+        if flagged.empty:
+            text += f" No layer crosses the thresholds (SQNR < {limits['sqnr_db']:g} dB, own error < {limits['isolated_sqnr_db']:g} dB)."
+        else:
+            first = flagged.iloc[0]
+            cause = flagged[flagged["diagnosis"] != "propagated"]
+            origin = cause.iloc[0] if not cause.empty else first
+            diag = origin["diagnosis"]
+            gain = 6.02 * 8
+            text += (
+                f" Error first crosses the thresholds at {first['layer']} ({first['diagnosis']});"
+                f" the first layer at fault itself is {origin['layer']} ({diag}): "
+                + _ADVICE[diag].format(gain=gain)
+                + f". {len(flagged)} flagged row(s)."
+            )
+        parts.append(text)
+    return " ".join(parts)
+
+
+def _fmt_db(value: float) -> str:
+    if value is None or math.isnan(value):
+        return "NaN dB"
+    if math.isinf(value):
+        return "inf dB"
+    return f"{value:.1f} dB"
+
+
+__all__ = ["compare", "CompareResult", "METRICS", "DEFAULT_SHOW", "DEFAULT_THRESHOLDS", "diagnose"]
