@@ -62,13 +62,13 @@ def _assert_on_grid(t, point):
 def _record_outputs(qm):
     """Attach a listener: returns dict call name -> output after the handler."""
     seen = {}
-    engine_state(qm).listeners.append(lambda call, inputs, raw, out: seen.__setitem__(call.name, out))
+    engine_state(qm).listeners.append(lambda event: seen.__setitem__(event.call.name, event.out))
     return seen
 
 
 def _record_order(qm):
     order = []
-    engine_state(qm).listeners.append(lambda call, inputs, raw, out: order.append(call.name))
+    engine_state(qm).listeners.append(lambda event: order.append(event.call.name))
     return order
 
 
