@@ -12,8 +12,8 @@ e = y - x, sums over every element of every batch):
     max_abs         max |e|;  mean_abs = sum|e| / n
     max_abs_scales  max_abs / s_out (the layer's output scale: Horizon's "N out_qscale")
     kl              mean over positions of KL(softmax(x) || softmax(y)) along the channel axis (axis 1)
-    saturation      fraction of y values at the output point's qmax code, or its qmin code
-                    when that code is below 0 (qmin = 0 after a ReLU is not clipping)
+    saturation      fraction of values clipped by the output point: before quantization they
+                    lay more than half a step beyond its qmin or qmax code
     nonfinite       number of NaN/Inf values in y (never averaged away: metrics become NaN/inf)
     per channel (axis 1):  min_channel_sqnr_db, median_channel_sqnr_db, and
     channel_range_ratio = max over channels of (max - min of x) / median of it.
@@ -60,8 +60,16 @@ class ErrorStats:
     shape_mismatch: str | None = None
     extra: dict = field(default_factory=dict)
 
-    def update(self, x: torch.Tensor, y: torch.Tensor, *, grid: tuple[float, int, int, int] | None = None) -> None:
-        """Fold one batch.  ``grid`` = (scale, zero_point, qmin, qmax) of y's output point, for saturation."""
+    def update(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        grid: tuple[float, int, int, int] | None = None,
+        raw: torch.Tensor | None = None,
+    ) -> None:
+        """Fold one batch.  ``grid`` = (scale, zero_point, qmin, qmax) of y's output point and
+        ``raw`` = y before that point quantized it, for saturation."""
         if x.shape != y.shape:
             self.shape_mismatch = f"{list(x.shape)} vs {list(y.shape)}"
             return
@@ -82,13 +90,12 @@ class ErrorStats:
         if grid is not None:
             scale, zero_point, qmin, qmax = grid
             self.out_scale = scale
-            lo, hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
-            yf = y.detach().float()
-            at_end = yf >= hi
-            if lo < 0:  # when qmin encodes 0 (after a ReLU), sitting at qmin is not clipping
-                at_end |= yf <= lo
-            self.saturated += int(at_end.sum())
-            self.saturation_n += y.numel()
+            if raw is not None and raw.shape == y.shape:
+                # Clipped = beyond half a step past either end of the representable range.
+                lo, hi = (qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale
+                rf = raw.detach().float()
+                self.saturated += int(((rf < lo) | (rf > hi)).sum())
+                self.saturation_n += raw.numel()
         if self.want_channels and x.dim() >= 2 and x.shape[1] > 1:
             self._update_channels(x, err.reshape(x.shape))
         if self.want_kl and x.dim() >= 2 and x.shape[1] > 1:
@@ -134,10 +141,11 @@ class ErrorStats:
             # Channels with (almost) no signal -- dead ReLU channels -- have no meaningful SQNR.
             floor = 1e-6 * float(self.ch_xx.max()) if self.ch_xx.numel() else 0.0
             channel_sqnr = [sqnr_db(float(a), float(b)) for a, b in zip(self.ch_xx, self.ch_ee) if float(a) > floor]
-            live = [v for v in channel_sqnr if not math.isnan(v)]
-            if live:
-                out["min_channel_sqnr_db"] = min(live)
-                out["median_channel_sqnr_db"] = float(torch.tensor(live, dtype=torch.float64).median())
+            if any(math.isnan(v) for v in channel_sqnr):  # a NaN channel is never hidden by the others
+                out["min_channel_sqnr_db"] = out["median_channel_sqnr_db"] = math.nan
+            elif channel_sqnr:
+                out["min_channel_sqnr_db"] = min(channel_sqnr)
+                out["median_channel_sqnr_db"] = float(torch.tensor(channel_sqnr, dtype=torch.float64).median())
             ranges = (self.ch_max - self.ch_min).clamp(min=0)
             median = float(ranges.median())
             out["channel_range_ratio"] = float(ranges.max()) / median if median > 0 else (math.inf if float(ranges.max()) > 0 else 1.0)
@@ -160,6 +168,8 @@ def sqnr_db(signal: float, noise: float) -> float:
         return math.nan
     if noise == 0:
         return math.inf
+    if math.isinf(noise):  # an Inf in y: infinitely bad (or undefined if the signal is infinite too)
+        return -math.inf if math.isfinite(signal) else math.nan
     if signal == 0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)

@@ -51,7 +51,13 @@ class Call:
 
 
 class Handler:
-    """What to do at each call.  The default handler only computes (naming only)."""
+    """What to do at each call.  The default handler only computes (naming only).
+
+    A handler that changes outputs sets ``last_raw`` to the output before its change,
+    so listeners can see both.
+    """
+
+    last_raw: Any = None
 
     def on_input(self, ctx: "ForwardContext", call: Call, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -271,7 +277,7 @@ class ForwardContext(TorchFunctionMode):
             out = self.handler.on_op(self, call, func, args, kwargs)
         finally:
             self.busy -= 1
-        self.emit(call, args, kwargs, func, None, out)
+        self.emit(call, args, kwargs, func, getattr(self.handler, "last_raw", None), out)
         return out
 
     def _fallback(self, func, args, kwargs):

@@ -37,6 +37,7 @@ class QuantHandler(Handler):
         return point
 
     def _apply(self, call: Call, output: Any) -> Any:
+        self.last_raw = output  # what the point received: listeners measure clipping on it
         point = self._point(call)
         if point is None or point.mode == "float":
             return output

@@ -148,7 +148,8 @@ class _Listener:
             self.notes[key] = f"shape differs: {list(x.shape)} vs {list(y.shape)}"
             return
         stats = self.stats.setdefault(key, (ErrorStats(), ErrorStats(want_channels=False, want_kl=False)))
-        stats[0].update(x, y, grid=_grid(self.model, name))
+        raw = first_tensor(event.raw) if event.raw is not None else None
+        stats[0].update(x, y, grid=_grid(self.model, name), raw=raw)
         if self.first_batch and key not in self.samples:
             self.samples[key] = (_sample(x), _sample(y))
         if self.isolated and event.call.category != "input":

@@ -1,0 +1,60 @@
+"""The Python API's one-call entry points: paths or models in, DataFrames out.
+
+    import qdebug
+    frame = qdebug.compare("float.pt", "qat.pt", data="eval.pt", batches=8)
+    frame.attrs["summary"]     # the diagnosis paragraph; frame.attrs["meta"] has the rest
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch.nn as nn
+
+from qdebug.checkpoint import load
+from qdebug.data import Batch, batches_from_inputs, load_batches, to_batch
+from qdebug.errors import QDebugError
+
+
+def _as_model(item: Any, index: int) -> tuple[str, nn.Module, Any]:
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], nn.Module):
+        return str(item[0]), item[1], None
+    if isinstance(item, nn.Module):
+        return f"model{index}", item, None
+    if isinstance(item, (str, Path)):
+        model, info = load(item)
+        return info.stage, model, info
+    raise QDebugError(f"cannot compare a {type(item).__name__}", "pass checkpoint paths, models or (label, model) pairs")
+
+
+def compare(*models: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
+            ref: int = 0, thresholds: dict[str, float] | None = None, isolated: bool = True) -> pd.DataFrame:
+    """Per-layer comparison of checkpoints/models (see docs/compare.md); a DataFrame.
+
+    ``data``: a data spec string, a list of batches, or None for the reference
+    checkpoint's sample inputs.
+    """
+    from qdebug.tools.compare import compare as run
+
+    loaded = [_as_model(m, i) for i, m in enumerate(models)]
+    labels = [label for label, _, _ in loaded]
+    for i, label in enumerate(labels):
+        if labels.count(label) > 1:
+            labels[i] = f"{label}{i}"
+    if isinstance(data, str):
+        batch_list: list[Batch] = load_batches(data, batch_size=batch_size, batches=batches)
+    elif data is not None:
+        batch_list = [to_batch(b) for b in data][:batches]
+    else:
+        info = loaded[ref][2]
+        if info is None or info.sample_inputs is None:
+            raise QDebugError("no data given and the reference has no sample inputs", "pass data=...")
+        batch_list = batches_from_inputs(info.sample_inputs)
+    result = run([(label, m) for label, (_, m, _) in zip(labels, loaded)], batch_list, ref=ref,
+                 thresholds=thresholds, isolated=isolated)
+    frame = result.frame
+    frame.attrs["summary"] = result.summary
+    frame.attrs["meta"] = result.meta
+    return frame

@@ -1,0 +1,221 @@
+"""Streaming error statistics (qdebug.stats.ErrorStats) against values computed by hand.
+
+Every expected value is computed directly from the whole (concatenated) tensors in
+float64 with plain torch, never with qdebug.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qdebug.stats import ErrorStats
+
+REL = 1e-9
+
+
+def _batches(n_batches=3, shape=(2, 5, 3, 4), noise=0.05, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs, ys = [], []
+    for _ in range(n_batches):
+        x = torch.randn(*shape, generator=gen)
+        y = x + noise * torch.randn(*shape, generator=gen)
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def _fold(xs, ys, **kwargs) -> ErrorStats:
+    stats = ErrorStats(**kwargs)
+    for x, y in zip(xs, ys):
+        stats.update(x, y)
+    return stats
+
+
+def _kl_by_hand(x: torch.Tensor, y: torch.Tensor) -> float:
+    """mean over positions (N, H, W) of sum_c p_c log(p_c / q_c), p = softmax(x), q = softmax(y) over axis 1."""
+    ex, ey = x.exp(), y.exp()
+    p = ex / ex.sum(dim=1, keepdim=True)
+    q = ey / ey.sum(dim=1, keepdim=True)
+    per_position = (p * (p / q).log()).sum(dim=1)
+    return float(per_position.sum()) / per_position.numel()
+
+
+def test_streaming_metrics_equal_metrics_of_the_concatenated_tensors():
+    xs, ys = _batches()
+    result = _fold(xs, ys).result()
+    x = torch.cat(xs).double()
+    y = torch.cat(ys).double()
+    e = y - x
+    norm_x, norm_y, norm_e = float(x.norm()), float(y.norm()), float(e.norm())
+    expected = {
+        "cosine": float((x * y).sum()) / (norm_x * norm_y),
+        "sqnr_db": 20.0 * math.log10(norm_x / norm_e),
+        "mse": float((e**2).mean()),
+        "rel_l2": norm_e / norm_x,
+        "max_abs": float(e.abs().max()),
+        "mean_abs": float(e.abs().mean()),
+        "kl": _kl_by_hand(x, y),
+    }
+    for name, value in expected.items():
+        assert result[name] == pytest.approx(value, rel=REL), name
+    assert result["nonfinite"] == 0
+    # sanity of the test data itself: a ~26 dB match, so the metrics are not trivially 0/1/inf
+    assert 20 < result["sqnr_db"] < 35 and result["kl"] > 0
+    # no output grid given: no saturation / scale-relative metrics are invented
+    assert "saturation" not in result and "max_abs_scales" not in result
+
+
+def test_batch_order_and_split_do_not_matter():
+    xs, ys = _batches(4)
+    whole = _fold([torch.cat(xs)], [torch.cat(ys)]).result()
+    split = _fold(xs, ys).result()
+    reversed_ = _fold(xs[::-1], ys[::-1]).result()
+    for name, value in whole.items():
+        assert split[name] == pytest.approx(value, rel=REL), name
+        assert reversed_[name] == pytest.approx(value, rel=REL), name
+
+
+def test_max_abs_scales_uses_the_output_scale():
+    xs, ys = _batches(2)
+    stats = ErrorStats()
+    for x, y in zip(xs, ys):
+        stats.update(x, y, grid=(0.25, 0, -128, 127))
+    max_abs = float((torch.cat(ys).double() - torch.cat(xs).double()).abs().max())
+    assert stats.result()["max_abs_scales"] == pytest.approx(max_abs / 0.25, rel=REL)
+
+
+def test_identical_tensors_are_a_perfect_match():
+    xs, _ = _batches(2)
+    result = _fold(xs, [x.clone() for x in xs]).result()
+    assert result["sqnr_db"] == math.inf
+    assert result["cosine"] == pytest.approx(1.0, rel=1e-12)
+    assert result["mse"] == 0 and result["max_abs"] == 0 and result["mean_abs"] == 0 and result["rel_l2"] == 0
+    assert result["kl"] == pytest.approx(0.0, abs=1e-12)
+    assert result["min_channel_sqnr_db"] == math.inf and result["median_channel_sqnr_db"] == math.inf
+
+
+@pytest.mark.parametrize("bad_batch", [0, 2])
+def test_a_nan_in_y_is_counted_and_never_hidden(bad_batch):
+    xs, ys = _batches(3)
+    ys[bad_batch] = ys[bad_batch].clone()
+    ys[bad_batch][1, 2, 0, 3] = float("nan")
+    result = _fold(xs, ys).result()
+    assert result["nonfinite"] == 1
+    for name in ("cosine", "sqnr_db", "mse", "rel_l2", "max_abs", "mean_abs", "kl", "min_channel_sqnr_db",
+                 "median_channel_sqnr_db"):
+        assert math.isnan(result[name]), (name, result[name])
+
+
+def test_an_inf_in_y_is_counted():
+    xs, ys = _batches(2)
+    ys[1] = ys[1].clone()
+    ys[1][0, 0, 0, 0] = float("inf")
+    ys[1][0, 1, 0, 0] = float("-inf")
+    result = _fold(xs, ys).result()
+    assert result["nonfinite"] == 2
+    assert result["max_abs"] == math.inf and result["mse"] == math.inf
+    assert not result["sqnr_db"] > 0  # -inf or NaN, never a finite "good" value
+
+
+def test_per_channel_metrics_on_a_crafted_outlier_channel():
+    gen = torch.Generator().manual_seed(7)
+    c, outlier = 5, 2
+    gain = torch.ones(1, c, 1, 1)
+    gain[0, outlier] = 64.0
+    xs, ys = [], []
+    for _ in range(2):
+        x = torch.randn(3, c, 4, 4, generator=gen) * gain
+        y = x + 0.1 * torch.randn(3, c, 4, 4, generator=gen)  # the same absolute noise in every channel
+        xs.append(x)
+        ys.append(y)
+    result = _fold(xs, ys).result()
+    x = torch.cat(xs).double().transpose(0, 1).reshape(c, -1)
+    e = torch.cat(ys).double().transpose(0, 1).reshape(c, -1) - x
+    channel_sqnr = sorted(10.0 * math.log10(float((x[i] ** 2).sum()) / float((e[i] ** 2).sum())) for i in range(c))
+    ranges = sorted(float(x[i].max() - x[i].min()) for i in range(c))
+    assert result["min_channel_sqnr_db"] == pytest.approx(channel_sqnr[0], rel=REL)
+    assert result["median_channel_sqnr_db"] == pytest.approx(channel_sqnr[c // 2], rel=REL)
+    assert result["channel_range_ratio"] == pytest.approx(ranges[-1] / ranges[c // 2], rel=REL)
+    assert 40 < result["channel_range_ratio"] < 90  # the x64 channel stands out
+    # the outlier channel has the best SQNR (same noise, 64x the signal): +36 dB over the median
+    assert channel_sqnr[-1] - channel_sqnr[c // 2] == pytest.approx(20 * math.log10(64), abs=3)
+
+
+def test_dead_channels_do_not_count_for_channel_sqnr():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 3, 4, 4, generator=gen)
+    x[:, 1] = 0.0  # a dead ReLU channel: no signal at all
+    y = x + 0.01 * torch.randn(2, 3, 4, 4, generator=gen)
+    result = _fold([x], [y]).result()
+    xd, yd = x.double(), y.double()
+    live = [10 * math.log10(float((xd[:, i] ** 2).sum()) / float(((yd - xd)[:, i] ** 2).sum())) for i in (0, 2)]
+    assert result["min_channel_sqnr_db"] == pytest.approx(min(live), rel=REL)  # not -inf from channel 1
+    assert math.isfinite(result["min_channel_sqnr_db"])
+
+
+def _codes(scale, zero_point, codes):
+    # values on the grid, computed as a fake-quantizer does: (q - z) * s in float32
+    return (torch.tensor(codes, dtype=torch.float32) - zero_point) * torch.tensor(scale, dtype=torch.float32)
+
+
+def test_saturation_counts_qmax_and_a_negative_qmin():
+    # signed int8, symmetric: qmin -128 encodes -12.8, a real clipping end
+    scale, zp, qmin, qmax = 0.1, 0, -128, 127
+    y = _codes(scale, zp, [127, 127, 127, -128, -128, 0, 5, -7, 126, -127]).reshape(1, 10)
+    stats = ErrorStats()
+    stats.update(y.clone(), y, grid=(float(torch.tensor(scale, dtype=torch.float32)), zp, qmin, qmax))
+    assert stats.result()["saturation"] == pytest.approx(5 / 10, rel=REL)
+
+
+def test_saturation_ignores_a_qmin_that_encodes_zero():
+    # affine int8 after a ReLU: zero point -128, so qmin is the value 0 -- not clipping
+    scale, zp, qmin, qmax = 0.05, -128, -128, 127
+    y = _codes(scale, zp, [-128] * 6 + [127, 127, 0, 3]).reshape(2, 5)
+    stats = ErrorStats()
+    stats.update(y.clone(), y, grid=(float(torch.tensor(scale, dtype=torch.float32)), zp, qmin, qmax))
+    assert stats.result()["saturation"] == pytest.approx(2 / 10, rel=REL)
+    # unsigned uint8 with zero point 0: the same rule
+    y = _codes(0.02, 0, [0, 0, 0, 255, 17, 255, 254, 1]).reshape(2, 4)
+    stats = ErrorStats()
+    stats.update(y.clone(), y, grid=(float(torch.tensor(0.02, dtype=torch.float32)), 0, 0, 255))
+    assert stats.result()["saturation"] == pytest.approx(2 / 8, rel=REL)
+
+
+def test_saturation_accumulates_over_batches():
+    grid = (float(torch.tensor(0.1, dtype=torch.float32)), 0, -128, 127)
+    stats = ErrorStats()
+    first = _codes(0.1, 0, [127, 0, 0, 0]).reshape(1, 4)
+    second = _codes(0.1, 0, [-128, -128, 1, 2, 3, 4, 5, 6]).reshape(2, 4)
+    for y in (first, second):
+        stats.update(y.clone(), y, grid=grid)
+    assert stats.result()["saturation"] == pytest.approx(3 / 12, rel=REL)
+
+
+def test_memory_is_constant_in_the_number_of_batches():
+    xs, ys = _batches(1)
+    once = _fold(xs, ys)
+    many = _fold(xs * 25, ys * 25)
+    # only scalars and per-channel vectors are held, however many batches were folded
+    for stats in (once, many):
+        for name, value in vars(stats).items():
+            if isinstance(value, torch.Tensor):
+                assert value.shape == (5,), name
+            else:
+                assert isinstance(value, (int, float, str, dict, bool, type(None))), name
+        assert stats.extra == {}
+    assert many.n == 25 * once.n
+    # ratio metrics of one batch repeated N times equal those of the batch alone
+    a, b = once.result(), many.result()
+    for name in ("cosine", "sqnr_db", "mse", "rel_l2", "max_abs", "mean_abs", "kl", "min_channel_sqnr_db",
+                 "median_channel_sqnr_db", "channel_range_ratio"):
+        assert b[name] == pytest.approx(a[name], rel=1e-9), name
+
+
+def test_shape_mismatch_is_recorded_not_compared():
+    stats = ErrorStats()
+    stats.update(torch.zeros(2, 3), torch.zeros(2, 4))
+    assert stats.shape_mismatch == "[2, 3] vs [2, 4]"
+    assert stats.result() == {}
