@@ -12,6 +12,12 @@ Ready-made (name them by short name or ``qdebug.metrics:NAME``):
   a model returning a dict of logits with dict targets gets one value per task.
 - ``agreement``: fraction of samples whose top-1 class equals the float model's.
 - ``mse``: mean squared error against the targets (lower is better).
+
+Per-sample protocol (for ``qdebug baseline --confidence``): a metric function with
+``per_sample = True`` returns a tensor of one score per sample (or a dict task ->
+tensor); the metric value is their mean.  A normal metric may point to such a
+function with its ``per_sample`` attribute (``top1.per_sample`` is
+``top1_per_sample``: 1.0 where the prediction is right).
 """
 
 from __future__ import annotations
@@ -73,6 +79,24 @@ def top1(model, batches):
     return topk_accuracy(model, batches, 1)
 
 
+def top1_per_sample(model, batches) -> torch.Tensor | dict[str, torch.Tensor]:
+    """1.0 where the arg-max class is right, else 0.0, per sample (per task for dict outputs)."""
+    scores: dict[str, list[torch.Tensor]] = {}
+    for batch, out in _outputs(model, batches):
+        _need_target(batch)
+        pairs = [(t, out[t], batch.target[t]) for t in batch.target] if isinstance(out, dict) else [("metric", out, batch.target)]
+        for task, logits, target in pairs:
+            # The same tie rule as top1 (torch.topk): quantized logits tie often.
+            top = logits.topk(1, dim=-1).indices.reshape(-1)
+            scores.setdefault(task, []).append((top == target.reshape(-1)).double())
+    result = {t: torch.cat(v) for t, v in scores.items()}
+    return result["metric"] if list(result) == ["metric"] else result
+
+
+top1_per_sample.per_sample = True
+top1.per_sample = top1_per_sample  # baseline's confidence interval and McNemar use it
+
+
 def top5(model, batches):
     return topk_accuracy(model, batches, 5)
 
@@ -102,7 +126,7 @@ def mse(model, batches) -> float:
 
 mse.direction = "lower"
 
-BUILTIN = {"top1": top1, "top5": top5, "agreement": agreement, "mse": mse}
+BUILTIN = {"top1": top1, "top5": top5, "agreement": agreement, "mse": mse, "top1_per_sample": top1_per_sample}
 
 
 def resolve_metric(spec: str | Metric) -> Metric:
@@ -122,8 +146,23 @@ def metric_direction(metric: Metric) -> str:
     return getattr(metric, "direction", "higher")
 
 
-def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "metric") -> dict[str, float]:
-    """Evaluate ``metric``; always a dict task -> float.  A raising metric becomes a QDebugError."""
+def run_metric_with_samples(metric: Metric, model, batches, *, reference=None, name: str = "metric"):
+    """(values task -> float, per-sample scores task -> tensor, or None)."""
+    sampler = getattr(metric, "per_sample", None)
+    if sampler is True:
+        sampler = metric
+    if callable(sampler):
+        raw = _call(sampler, model, batches, reference, name)
+        samples = raw if isinstance(raw, dict) else {"metric": raw}
+        if not all(isinstance(v, torch.Tensor) for v in samples.values()):
+            raise QDebugError(f"per-sample metric {getattr(sampler, '__name__', name)} must return tensors",
+                              "return one score per sample (or a dict task -> tensor)")
+        samples = {str(k): v.detach().reshape(-1).double() for k, v in samples.items()}
+        return {k: float(v.mean()) for k, v in samples.items()}, samples
+    return run_metric(metric, model, batches, reference=reference, name=name), None
+
+
+def _call(metric: Metric, model, batches, reference, name: str):
     kwargs = {}
     try:
         if "reference" in inspect.signature(metric).parameters:
@@ -133,7 +172,7 @@ def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "m
     was_training = model.training
     model.eval()
     try:
-        value = metric(model, batches, **kwargs)
+        return metric(model, batches, **kwargs)
     except QDebugError:
         raise
     except Exception as exc:
@@ -143,6 +182,11 @@ def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "m
         ) from exc
     finally:
         model.train(was_training)
+
+
+def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "metric") -> dict[str, float]:
+    """Evaluate ``metric``; always a dict task -> float.  A raising metric becomes a QDebugError."""
+    value = _call(metric, model, batches, reference, name)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, (int, float)) and not isinstance(value, bool):

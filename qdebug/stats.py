@@ -24,14 +24,47 @@ sums NaN, and the metrics say so.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 
-def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).to(torch.float64)
+# Elements per block of ``ErrorStats.update``: the float64 working copies of one block stay
+# in cache, and no feature-map-sized temporaries are allocated (a fresh large allocation
+# page-faults on every touch), so the cost is one streaming read of x and y.
+BLOCK = 1 << 16
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Intra-op threads off for the many small block ops: on a busy machine each multi-threaded
+    op can wait a scheduler slice for its second thread, which costs more than it saves here."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _blocks(shape: torch.Size, channels: bool) -> list[tuple[slice, ...]]:
+    """Slices of the (N, C, rest) view (``channels``: every block holds all C channels of
+    its positions) or of the flat view, each about ``BLOCK`` elements."""
+    numel = shape.numel()
+    if not channels:
+        return [(slice(i, i + BLOCK),) for i in range(0, numel, BLOCK)]
+    n, c = shape[0], shape[1]
+    rest = numel // (n * c)
+    if c * rest < BLOCK:
+        rows = max(1, BLOCK // (c * rest))
+        return [(slice(i, i + rows),) for i in range(0, n, rows)]
+    cols = max(1, BLOCK // c)
+    return [(slice(i, i + 1), slice(None), slice(j, j + cols)) for i in range(n) for j in range(0, rest, cols)]
 
 
 @dataclass
@@ -75,49 +108,81 @@ class ErrorStats:
             return
         if x.numel() == 0:
             return
-        xd, yd = _f64(x), _f64(y)
-        err = yd - xd
-        self.n += xd.numel()
-        self.sxx += float(torch.dot(xd, xd))
-        self.syy += float(torch.dot(yd, yd))
-        self.sxy += float(torch.dot(xd, yd))
-        self.see += float(torch.dot(err, err))
-        abs_err = err.abs()
-        self.sae += float(abs_err.sum())
-        batch_max = float(abs_err.max())
-        self.max_abs = batch_max if math.isnan(batch_max) else max(self.max_abs, batch_max)
-        self.nonfinite += int((~torch.isfinite(y)).sum())
+        clip = None
         if grid is not None:
             scale, zero_point, qmin, qmax = grid
             self.out_scale = scale
             if raw is not None and raw.shape == y.shape:
                 # Clipped = beyond half a step past either end of the representable range.
-                lo, hi = (qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale
-                rf = raw.detach().float()
-                self.saturated += int(((rf < lo) | (rf > hi)).sum())
-                self.saturation_n += raw.numel()
-        if self.want_channels and x.dim() >= 2 and x.shape[1] > 1:
-            self._update_channels(x, err.reshape(x.shape))
-        if self.want_kl and x.dim() >= 2 and x.shape[1] > 1:
-            log_p = torch.log_softmax(x.detach().double(), dim=1)
-            log_q = torch.log_softmax(y.detach().double(), dim=1)
-            kl = (log_p.exp() * (log_p - log_q)).sum(dim=1)
-            self.kl_sum += float(kl.sum())
-            self.kl_n += kl.numel()
-
-    def _update_channels(self, x: torch.Tensor, err: torch.Tensor) -> None:
-        c = x.shape[1]
-        xc = x.detach().double().transpose(0, 1).reshape(c, -1)
-        ec = err.transpose(0, 1).reshape(c, -1)
-        xx, ee = (xc * xc).sum(1), (ec * ec).sum(1)
-        lo, hi = xc.amin(1), xc.amax(1)
-        if self.ch_xx is None:
-            self.ch_xx, self.ch_ee, self.ch_min, self.ch_max = xx, ee, lo, hi
-        else:
-            self.ch_xx += xx
-            self.ch_ee += ee
-            self.ch_min = torch.minimum(self.ch_min, lo)
-            self.ch_max = torch.maximum(self.ch_max, hi)
+                clip = ((qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale)
+        per_channel = x.dim() >= 2 and x.shape[1] > 1
+        channels, want_kl = self.want_channels and per_channel, self.want_kl and per_channel
+        # All sums in float64, block by block (see BLOCK); every metric is the same as over
+        # the whole tensor up to float64 summation order.  (a * b).sum() rather than
+        # torch.dot: MKL's threaded dot stalls for milliseconds per call on a busy machine.
+        layout = (x.shape[0], x.shape[1], -1) if channels or want_kl else (-1,)
+        xv, yv = x.detach().reshape(layout), y.detach().reshape(layout)
+        rv = raw.detach().reshape(layout) if clip is not None else None
+        sxx = syy = sxy = see = sae = kl_sum = batch_max = 0.0
+        nonfinite = saturated = 0
+        ch = None  # per-channel sum x^2, sum e^2, min x, max x of this batch
+        with _one_thread():
+            for block in _blocks(x.shape, channels or want_kl):
+                xb, yb = xv[block], yv[block]
+                xd, yd = xb.double(), yb.double()
+                err = yd - xd
+                xf, yf, ef = xd.reshape(-1), yd.reshape(-1), err.reshape(-1)
+                if channels:
+                    part = [(xd * xd).sum((0, 2)), (err * err).sum((0, 2)), xb.amin((0, 2)), xb.amax((0, 2))]
+                    if ch is None:
+                        ch = part
+                    else:
+                        ch = [ch[0] + part[0], ch[1] + part[1], torch.minimum(ch[2], part[2]), torch.maximum(ch[3], part[3])]
+                    sxx += float(part[0].sum())
+                    see += float(part[1].sum())
+                else:
+                    sxx += float((xf * xf).sum())
+                    see += float((ef * ef).sum())
+                yy = float((yf * yf).sum())
+                syy += yy
+                sxy += float((xf * yf).sum())
+                if not math.isfinite(yy):  # y^2 of finite float32/16 values cannot overflow float64
+                    nonfinite += int((~torch.isfinite(yb)).sum())
+                abs_err = ef.abs()
+                sae += float(abs_err.sum())
+                block_max = float(abs_err.max())
+                if not math.isnan(batch_max):
+                    batch_max = block_max if math.isnan(block_max) else max(batch_max, block_max)
+                if clip is not None:
+                    rf = rv[block].float()
+                    saturated += int(((rf < clip[0]) | (rf > clip[1])).sum())
+                if want_kl:
+                    log_p = torch.log_softmax(xd, dim=1)
+                    log_q = torch.log_softmax(yd, dim=1)
+                    kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+        self.n += x.numel()
+        self.sxx += sxx
+        self.syy += syy
+        self.sxy += sxy
+        self.see += see
+        self.sae += sae
+        self.max_abs = batch_max if math.isnan(batch_max) else max(self.max_abs, batch_max)
+        self.nonfinite += nonfinite
+        if clip is not None:
+            self.saturated += saturated
+            self.saturation_n += raw.numel()
+        if want_kl:
+            self.kl_sum += kl_sum
+            self.kl_n += x.numel() // x.shape[1]
+        if ch is not None:
+            xx, ee, lo, hi = ch[0], ch[1], ch[2].double(), ch[3].double()
+            if self.ch_xx is None:
+                self.ch_xx, self.ch_ee, self.ch_min, self.ch_max = xx, ee, lo, hi
+            else:
+                self.ch_xx += xx
+                self.ch_ee += ee
+                self.ch_min = torch.minimum(self.ch_min, lo)
+                self.ch_max = torch.maximum(self.ch_max, hi)
 
     def result(self, prefix: str = "") -> dict[str, float]:
         if self.n == 0:

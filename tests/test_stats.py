@@ -156,41 +156,48 @@ def test_dead_channels_do_not_count_for_channel_sqnr():
     assert math.isfinite(result["min_channel_sqnr_db"])
 
 
-def _codes(scale, zero_point, codes):
-    # values on the grid, computed as a fake-quantizer does: (q - z) * s in float32
-    return (torch.tensor(codes, dtype=torch.float32) - zero_point) * torch.tensor(scale, dtype=torch.float32)
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
 
 
-def test_saturation_counts_qmax_and_a_negative_qmin():
-    # signed int8, symmetric: qmin -128 encodes -12.8, a real clipping end
-    scale, zp, qmin, qmax = 0.1, 0, -128, 127
-    y = _codes(scale, zp, [127, 127, 127, -128, -128, 0, 5, -7, 126, -127]).reshape(1, 10)
+def _saturation(raw: list[float], scale: float, zero_point: int, qmin: int, qmax: int, shape=None) -> float:
+    """Fold (x = y = the fake-quantized raw, raw) and return the saturation."""
+    raw_t = torch.tensor(raw, dtype=torch.float32)
+    if shape is not None:
+        raw_t = raw_t.reshape(shape)
+    s = _f32(scale)
+    y = (torch.clamp(torch.round(raw_t / s) + zero_point, qmin, qmax) - zero_point) * s
     stats = ErrorStats()
-    stats.update(y.clone(), y, grid=(float(torch.tensor(scale, dtype=torch.float32)), zp, qmin, qmax))
-    assert stats.result()["saturation"] == pytest.approx(5 / 10, rel=REL)
+    stats.update(y.clone(), y, grid=(s, zero_point, qmin, qmax), raw=raw_t)
+    return stats.result()["saturation"]
+
+
+def test_saturation_counts_values_clipped_at_either_end():
+    # signed int8, zero point 0: representable [-12.8, 12.7]; clipped = more than half a step beyond
+    raw = [13.0, 100.0, float("inf"), -13.0, -50.0,  # clipped: 5
+           12.74, 12.7, -12.8, -12.84, 0.0, 3.3, -7.0]  # inside, or rounding onto an end code: 7
+    assert _saturation(raw, 0.1, 0, -128, 127) == pytest.approx(5 / 12, rel=REL)
 
 
 def test_saturation_ignores_a_qmin_that_encodes_zero():
-    # affine int8 after a ReLU: zero point -128, so qmin is the value 0 -- not clipping
-    scale, zp, qmin, qmax = 0.05, -128, -128, 127
-    y = _codes(scale, zp, [-128] * 6 + [127, 127, 0, 3]).reshape(2, 5)
-    stats = ErrorStats()
-    stats.update(y.clone(), y, grid=(float(torch.tensor(scale, dtype=torch.float32)), zp, qmin, qmax))
-    assert stats.result()["saturation"] == pytest.approx(2 / 10, rel=REL)
+    # affine int8 after a ReLU: zero point -128, so qmin is the value 0 -- ReLU zeros are not clipped
+    raw = [0.0] * 6 + [20.0, 12.8, 12.7, 3.0]  # top of the range: 255 * 0.05 = 12.75
+    assert _saturation(raw, 0.05, -128, -128, 127, shape=(2, 5)) == pytest.approx(2 / 10, rel=REL)
+    # ... but values really below it are (a negative qmin end is a clipping end)
+    raw = [0.0, 0.0, -0.01, -1.0, -3.0, 1.0]
+    assert _saturation(raw, 0.05, -128, -128, 127, shape=(2, 3)) == pytest.approx(2 / 6, rel=REL)
     # unsigned uint8 with zero point 0: the same rule
-    y = _codes(0.02, 0, [0, 0, 0, 255, 17, 255, 254, 1]).reshape(2, 4)
-    stats = ErrorStats()
-    stats.update(y.clone(), y, grid=(float(torch.tensor(0.02, dtype=torch.float32)), 0, 0, 255))
-    assert stats.result()["saturation"] == pytest.approx(2 / 8, rel=REL)
+    raw = [0.0, 0.0, 0.0, 5.2, 17.0, 5.1, 5.0, 0.01]  # top: 255 * 0.02 = 5.1
+    assert _saturation(raw, 0.02, 0, 0, 255, shape=(2, 4)) == pytest.approx(2 / 8, rel=REL)
 
 
 def test_saturation_accumulates_over_batches():
-    grid = (float(torch.tensor(0.1, dtype=torch.float32)), 0, -128, 127)
+    s = _f32(0.1)
+    grid = (s, 0, -128, 127)
     stats = ErrorStats()
-    first = _codes(0.1, 0, [127, 0, 0, 0]).reshape(1, 4)
-    second = _codes(0.1, 0, [-128, -128, 1, 2, 3, 4, 5, 6]).reshape(2, 4)
-    for y in (first, second):
-        stats.update(y.clone(), y, grid=grid)
+    for raw in (torch.tensor([[20.0, 0.0, 0.0, 0.0]]), torch.tensor([[-20.0, -30.0, 1, 2], [3, 4, 5, 6]])):
+        y = torch.clamp(torch.round(raw / s), -128, 127) * s
+        stats.update(y.clone(), y, grid=grid, raw=raw)
     assert stats.result()["saturation"] == pytest.approx(3 / 12, rel=REL)
 
 

@@ -43,7 +43,7 @@ def _global(
 
 
 def _register() -> None:
-    from qdebug.cli import calibrate, compare, convert, inspect  # noqa: F401  (commands register themselves)
+    from qdebug.cli import baseline, calibrate, compare, convert, inspect  # noqa: F401  (commands register themselves)
 
 
 def _click_exceptions(name: str) -> tuple[type, ...]:

@@ -1,0 +1,147 @@
+"""``qdebug baseline``: the CI gate -- quantized metric >= ratio x float metric, per task."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from qdebug.cli.app import app
+from qdebug.cli.common import STATE, console, err_console, load_checkpoint, print_json, resolve_batches
+from qdebug.errors import QDebugError
+from qdebug.metrics import metric_direction, resolve_metric, run_metric_with_samples
+from qdebug.report.junit import write_junit
+from qdebug.report.markdown import markdown_table
+from qdebug.report.output import to_json
+from qdebug.report.table import render_table
+from qdebug.tools.baseline import TaskRule, gate
+
+SHOWN = ["task", "float", "quantized", "score", "ratio", "required", "margin", "verdict"]
+_STYLE = {"pass": "green", "fail": "bold red", "inconclusive": "yellow"}
+
+
+def _read_json_metrics(path: Path) -> dict[str, float]:
+    if not path.is_file():
+        raise QDebugError(f"no such file: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QDebugError(f"{path} is not valid JSON: {exc}") from None
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return {"metric": float(data)}
+    if not isinstance(data, dict) or not data:
+        raise QDebugError(f"{path} must hold a number or an object task -> number")
+    out = {}
+    for task, value in data.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise QDebugError(f"{path}: task {task!r} is not a number ({value!r})")
+        out[str(task)] = float(value)
+    return out
+
+
+def _rules(metric_fn, default_ratio: float, ratio_given: bool) -> dict[str, TaskRule]:
+    cfg_tasks = STATE.config().get("tasks") or {}
+    default_direction = metric_direction(metric_fn) if metric_fn is not None else "higher"
+    rules = {}
+    for task, entry in cfg_tasks.items():
+        rules[task] = TaskRule(entry.get("direction", default_direction),
+                               default_ratio if ratio_given else float(entry.get("ratio", default_ratio)))
+    if "metric" not in rules:
+        rules["metric"] = TaskRule(default_direction, default_ratio)
+    return rules
+
+
+@app.command(
+    help=(
+        "The precision gate for CI: each task passes when quantized >= ratio x float (default 0.99; "
+        "lower-is-better tasks: quantized <= float / ratio). Exit 0 pass, 1 fail, 2 error. With "
+        "--confidence, a paired bootstrap decides pass / fail / inconclusive (inconclusive does not fail).\n\n"
+        "Example: qdebug baseline fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
+        "--metric top1 --confidence 0.95 --junit baseline.xml"
+    )
+)
+def baseline(
+    checkpoints: Optional[list[str]] = typer.Argument(None, help="FLOAT and QUANT checkpoints (default: the config's float and quantized, else qat)."),
+    metric: Optional[str] = typer.Option(None, "--metric", help="Metric: top1, top5, mse, agreement or package.module:function."),
+    data: Optional[str] = typer.Option(None, "--data", help="Evaluation data spec."),
+    batches: Optional[int] = typer.Option(None, "--batches", help="Use at most N batches."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Batch size when the data is one tensor."),
+    ratio: Optional[float] = typer.Option(None, "--ratio", help="Required quantized/float ratio (default 0.99, or the config's)."),
+    direction: Optional[str] = typer.Option(None, "--direction", help="higher or lower is better (single-number metrics)."),
+    float_metric: Optional[float] = typer.Option(None, "--float-metric", help="Precomputed float metric (no evaluation)."),
+    quant_metric: Optional[float] = typer.Option(None, "--quant-metric", help="Precomputed quantized metric."),
+    float_json: Optional[Path] = typer.Option(None, "--float-json", help="Precomputed float results: JSON task -> value."),
+    quant_json: Optional[Path] = typer.Option(None, "--quant-json", help="Precomputed quantized results: JSON task -> value."),
+    confidence: Optional[float] = typer.Option(None, "--confidence", help="Confidence level of the bootstrap interval, e.g. 0.95."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per task)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON {meta, rows} instead of a table."),
+    model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files."),
+) -> None:
+    cfg = STATE.config()
+    default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
+    if direction not in (None, "higher", "lower"):
+        raise QDebugError(f"--direction {direction!r} must be higher or lower")
+    precomputed = [v is not None for v in (float_metric, quant_metric)] + [v is not None for v in (float_json, quant_json)]
+    float_samples = quant_samples = None
+    paths: list[str] = []
+    metric_fn = None
+    if any(precomputed):
+        if float_metric is not None or quant_metric is not None:
+            if float_metric is None or quant_metric is None:
+                raise QDebugError("give both --float-metric and --quant-metric")
+            float_values, quant_values = {"metric": float_metric}, {"metric": quant_metric}
+        else:
+            if float_json is None or quant_json is None:
+                raise QDebugError("give both --float-json and --quant-json")
+            float_values, quant_values = _read_json_metrics(float_json), _read_json_metrics(quant_json)
+    else:
+        paths = list(checkpoints or [])
+        if not paths:
+            quant_path = cfg.get("quantized") or cfg.get("qat")
+            paths = [p for p in (cfg.get("float"), quant_path) if p]
+        if len(paths) != 2:
+            raise QDebugError("baseline needs a FLOAT and a QUANT checkpoint (or precomputed metrics)",
+                              "e.g. qdebug baseline float.pt quantized.pt --metric top1 --data eval.pt")
+        spec = metric or cfg.get("metric")
+        if not spec:
+            raise QDebugError("no metric given", "pass --metric (e.g. top1) or set metric in qdebug.toml")
+        metric_fn = resolve_metric(spec)
+        float_model, info = load_checkpoint(paths[0], model=model, command="baseline")
+        quant_model, _ = load_checkpoint(paths[1], model=model, command="baseline")
+        batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
+        float_values, float_samples = run_metric_with_samples(metric_fn, float_model, batch_list, reference=float_model)
+        quant_values, quant_samples = run_metric_with_samples(metric_fn, quant_model, batch_list, reference=float_model)
+    rules = _rules(metric_fn, default_ratio, ratio is not None)
+    if direction is not None:
+        rules["metric"] = TaskRule(direction, rules["metric"].ratio)
+    result = gate(float_values, quant_values, rules, ratio=default_ratio, float_samples=float_samples,
+                  quant_samples=quant_samples, confidence=confidence)
+    frame = result.frame
+    meta = {**result.meta, "checkpoints": paths, "flipped_samples": result.flipped}
+    if junit is not None:
+        write_junit(junit, frame)
+    summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary_path:
+        verdict = "passed" if result.passed else "FAILED"
+        with open(summary_path, "a") as fh:  # appended by design: the summary collects every step
+            fh.write(f"### qdebug baseline {verdict}\n\n{markdown_table(frame, SHOWN)}\n\n")
+    if as_json:
+        print_json(to_json(frame, meta))
+    else:
+        shown = SHOWN + (["ci_low", "ci_high"] if confidence is not None else []) + (
+            ["mcnemar_p", "flipped"] if frame["mcnemar_p"].notna().any() else [])
+        table = render_table(frame, title=f"baseline: quantized >= {default_ratio:g} x float", columns=shown)
+        for i, verdict in enumerate(frame["verdict"]):
+            table.rows[i].style = _STYLE.get(verdict)
+        console.print(table)
+        for task, indices in result.flipped.items():
+            if indices:
+                console.print(f"{task}: first samples right in float but wrong quantized: {indices}")
+    if not result.passed:
+        if paths:
+            err_console.print(f"hint: find where accuracy is lost: qdebug compare {paths[0]} {paths[1]}"
+                              + (f" --data {data}" if data else ""), markup=False)
+        raise typer.Exit(1)

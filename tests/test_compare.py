@@ -1,0 +1,504 @@
+"""``compare`` (qdebug.tools.compare) and ``qdebug compare``: any stages, every layer, two errors
+per layer, streaming statistics, planted defects and their diagnoses, and the CLI.
+
+Expected statistics are computed by hand from whole tensors in float64 with plain torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qdebug
+import qdebug.tools.compare as compare_module
+from qdebug.engine import QConfig, calibrate, prepare, quant_points, set_mode
+from qdebug.errors import QDebugError
+from qdebug.modelspec import ModelSpec, build
+from qdebug.stats import ErrorStats
+from qdebug.tools.compare import METRICS, compare
+
+RESNET = "qdebug.zoo.resnet:ResNet"
+SMALL = {"layers": [1, 1], "widths": [8, 16], "num_classes": 10, "in_channels": 1, "stem": "small"}
+# Every value call of the small ResNet's forward, in execution order, written out from its code:
+# a BasicBlock calls its one ReLU twice and adds inline; flatten is a reshape, not a value call.
+LAYERS = [
+    "input", "conv1", "bn1", "relu",
+    "layer1.0.conv1", "layer1.0.bn1", "layer1.0.relu", "layer1.0.conv2", "layer1.0.bn2", "layer1.0.add",
+    "layer1.0.relu#2",
+    "layer2.0.conv1", "layer2.0.bn1", "layer2.0.relu", "layer2.0.conv2", "layer2.0.bn2",
+    "layer2.0.downsample.0", "layer2.0.downsample.1", "layer2.0.add", "layer2.0.relu#2",
+    "avgpool", "fc",
+]
+CONVS = {"conv1": "bn1", "layer1.0.conv1": "layer1.0.bn1", "layer1.0.conv2": "layer1.0.bn2",
+         "layer2.0.conv1": "layer2.0.bn1", "layer2.0.conv2": "layer2.0.bn2",
+         "layer2.0.downsample.0": "layer2.0.downsample.1"}
+
+
+def _images(n, seed):
+    return torch.randn(n, 1, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return 20.0 * math.log10(float(x.norm()) / float((x - y).norm()))
+
+
+def _rows(result, target=None):
+    frame = result.frame if target is None else result.frame[result.frame["target"] == target]
+    return {row["layer"]: row for row in frame.to_dict("records")}
+
+
+def _first_flagged(result):
+    flagged = result.flagged()
+    return flagged.iloc[0] if len(flagged) else None
+
+
+def _outputs(model: nn.Module, module: nn.Module, batches) -> list[torch.Tensor]:
+    """What ``module`` returns at each call while ``model`` runs the batches (a plain forward hook)."""
+    seen: list[torch.Tensor] = []
+    handle = module.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    try:
+        with torch.no_grad():
+            for b in batches:
+                model(b)
+    finally:
+        handle.remove()
+    return seen
+
+
+def _inputs(model: nn.Module, module: nn.Module, batches) -> list[torch.Tensor]:
+    """The first argument of each call of ``module`` while ``model`` runs the batches."""
+    seen: list[torch.Tensor] = []
+    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            for b in batches:
+                model(b)
+    finally:
+        handle.remove()
+    return seen
+
+
+def _fake_quant(x: torch.Tensor, point) -> torch.Tensor:
+    """Affine fake quantization written out: (clamp(round(x / s) + z, qmin, qmax) - z) * s."""
+    s, z = float(point.scale), int(point.zero_point)
+    q = torch.clamp(torch.round(x.double() / s) + z, point.spec.qmin, point.spec.qmax)
+    return (q - z) * s
+
+
+# -- any stages ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stage_batches():
+    return [_images(4, 20), _images(4, 21)]
+
+
+@pytest.fixture(scope="module")
+def all_stages(stages, stage_batches):
+    models = [(label, stages.models[label]) for label in ("float", "calibrated", "qat", "quantized")]
+    return compare(models, stage_batches)
+
+
+def test_any_stages_in_one_call(all_stages, stages, stage_batches):
+    frame = all_stages.frame
+    assert all_stages.meta["reference"] == "float"
+    assert all_stages.meta["targets"] == ["calibrated", "qat", "quantized"]
+    assert all_stages.meta["batches"] == 2
+    for target in ("calibrated", "qat", "quantized"):
+        assert list(frame[frame["target"] == target]["layer"]) == LAYERS
+    # the last layer's output is the model's output: its SQNR by hand, for every stage
+    fp = stages.models["float"]
+    with torch.no_grad():
+        ref = torch.cat([fp(b) for b in stage_batches])
+        for target in ("calibrated", "qat", "quantized"):
+            model = stages.models[target]
+            out = torch.cat([model(b) for b in stage_batches])
+            row = _rows(all_stages, target)["fc"]
+            assert row["sqnr_db"] == pytest.approx(_sqnr(ref, out), rel=1e-9), target
+            cos = float((ref.double() * out.double()).sum() / (ref.double().norm() * out.double().norm()))
+            assert row["cosine"] == pytest.approx(cos, rel=1e-9), target
+            assert row["note"] == ""
+    assert not stages.models["qat"].training  # compare restores the modes it found
+
+
+def test_isolated_error_is_the_layer_on_the_reference_input(all_stages, stages, stage_batches):
+    """The stem ReLU of the calibrated model replayed on the float model's ReLU input: the
+    float ReLU output fake-quantized with the calibrated point's scale and zero point."""
+    fp, cal = stages.models["float"], stages.models["calibrated"]
+    ref = torch.cat(_outputs(fp, fp.relu, stage_batches))
+    own = _fake_quant(ref, quant_points(cal)["relu"])
+    row = _rows(all_stages, "calibrated")["relu"]
+    assert row["isolated_sqnr_db"] == pytest.approx(_sqnr(ref, own), rel=1e-6)
+    # propagated error includes the input and BN quantization: worse than the layer's own
+    assert row["sqnr_db"] < row["isolated_sqnr_db"] - 1
+
+
+def test_ref_index(all_stages, stages, stage_batches):
+    models = [(label, stages.models[label]) for label in ("float", "calibrated")]
+    backward = compare(models, stage_batches, ref=1)
+    assert backward.meta["reference"] == "calibrated" and backward.meta["targets"] == ["float"]
+    assert set(backward.frame["target"]) == {"float"}
+    a, b = _rows(all_stages, "calibrated"), _rows(backward, "float")
+    # cosine and mse are symmetric; SQNR is relative to the reference's power
+    for layer in ("relu", "layer1.0.add", "layer2.0.relu#2", "fc"):
+        assert b[layer]["cosine"] == pytest.approx(a[layer]["cosine"], rel=1e-9)
+        assert b[layer]["mse"] == pytest.approx(a[layer]["mse"], rel=1e-9)
+    with torch.no_grad():
+        cal_out = torch.cat([stages.models["calibrated"](x) for x in stage_batches])
+        fp_out = torch.cat([stages.models["float"](x) for x in stage_batches])
+    assert b["fc"]["sqnr_db"] == pytest.approx(_sqnr(cal_out, fp_out), rel=1e-9)
+    assert b["fc"]["sqnr_db"] != pytest.approx(a["fc"]["sqnr_db"], rel=1e-6)
+
+
+def test_compare_argument_errors(stages, stage_batches):
+    fp, cal = stages.models["float"], stages.models["calibrated"]
+    with pytest.raises(QDebugError, match="compared with itself"):
+        compare([("a", fp), ("b", fp)], stage_batches)
+    with pytest.raises(QDebugError, match="at least two models"):
+        compare([("float", fp)], stage_batches)
+    with pytest.raises(QDebugError, match="at least two models"):
+        compare([], stage_batches)
+    with pytest.raises(QDebugError, match="out of range"):
+        compare([("float", fp), ("cal", cal)], stage_batches, ref=2)
+    with pytest.raises(QDebugError, match="share the label"):
+        compare([("x", fp), ("x", cal)], stage_batches)
+    with pytest.raises(QDebugError, match="no batches"):
+        compare([("float", fp), ("cal", cal)], [])
+    with pytest.raises(QDebugError, match="unknown threshold"):
+        compare([("float", fp), ("cal", cal)], stage_batches, thresholds={"snr": 3.0})
+
+
+# -- every layer ----------------------------------------------------------------------------------
+def test_inline_ops_and_shared_module_calls_are_rows(all_stages):
+    rows = _rows(all_stages, "calibrated")
+    for layer in ("layer1.0.add", "layer1.0.relu", "layer1.0.relu#2", "layer2.0.add", "layer2.0.relu#2"):
+        assert rows[layer]["note"] == "", layer
+        assert math.isfinite(rows[layer]["sqnr_db"]) and 0 < rows[layer]["cosine"] <= 1, layer
+    assert rows["layer1.0.add"]["type"] == "add" and rows["layer1.0.relu#2"]["type"] == "ReLU"
+    # the two calls of the shared ReLU are measured separately
+    assert rows["layer1.0.relu"]["sqnr_db"] != rows["layer1.0.relu#2"]["sqnr_db"]
+
+
+def test_a_folded_bn_is_listed_with_a_note(all_stages):
+    rows = _rows(all_stages, "calibrated")
+    for conv, bn in CONVS.items():
+        assert "BN folded" in rows[conv]["note"] and bn in rows[conv]["note"], conv
+        assert rows[conv]["diagnosis"] == "" and math.isnan(rows[conv]["sqnr_db"])
+        assert rows[bn]["note"] == "" and math.isfinite(rows[bn]["sqnr_db"]), bn  # compared at the BN
+        assert math.isfinite(rows[bn]["isolated_sqnr_db"]), bn  # the conv+BN chain replayed
+
+
+def test_quantized_fused_relu_carries_a_note(all_stages):
+    rows = _rows(all_stages, "quantized")
+    for op, relu in (("layer1.0.add", "layer1.0.relu#2"), ("layer2.0.add", "layer2.0.relu#2"),
+                     ("layer1.0.bn1", "layer1.0.relu"), ("bn1", "relu")):
+        note = rows[op]["note"]
+        assert "fused into its integer kernel" in note and note.endswith(relu), (op, note)
+        assert rows[op]["diagnosis"] == ""
+        assert rows[relu]["note"] == "" and math.isfinite(rows[relu]["sqnr_db"]), relu
+    # in the fake-quant stages the same ops are measured
+    assert _rows(all_stages, "calibrated")["layer1.0.add"]["note"] == ""
+
+
+# -- a realistic model and planted defects ----------------------------------------------------------
+def _realistic_resnet(seed=0) -> nn.Module:
+    """The small ResNet with BN statistics from train-mode forwards (unit-scale activations)."""
+    torch.manual_seed(seed)
+    model = build(ModelSpec(RESNET, dict(SMALL)), from_user=True)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None  # cumulative average
+    gen = torch.Generator().manual_seed(seed + 50)
+    model.train()
+    with torch.no_grad():
+        for _ in range(8):
+            model(torch.randn(16, 1, 16, 16, generator=gen))
+    return model.eval()
+
+
+def _calibrated(model: nn.Module, qconfig: QConfig | None = None) -> nn.Module:
+    cal = prepare(model, qconfig or QConfig(), example_inputs=_images(4, 1))
+    calibrate(cal, [_images(8, s) for s in (30, 31, 32, 33)])
+    return cal
+
+
+@pytest.fixture(scope="module")
+def realistic():
+    fp = _realistic_resnet()
+    return fp, _calibrated(fp), [_images(8, 40), _images(8, 41)]
+
+
+def test_clean_int8_model_is_not_flagged(realistic):
+    fp, cal, batches = realistic
+    result = compare([("float", fp), ("calibrated", cal)], batches)
+    assert result.meta["flagged"] == 0, result.flagged()[["layer", "diagnosis"]]
+    assert "No layer crosses the thresholds" in result.summary
+
+
+@pytest.mark.parametrize("point, factor", [("layer1.0.relu", 12.0), ("layer2.0.bn2", 8.0), ("layer2.0.relu", 20.0)])
+def test_planted_too_small_scale_is_the_first_row_flagged_as_clipping(realistic, point, factor):
+    fp, cal, batches = realistic
+    clip = copy.deepcopy(cal)
+    target = quant_points(clip)[point]
+    with torch.no_grad():
+        target.scale /= factor
+    result = compare([("float", fp), ("clip", clip)], batches)
+    first = _first_flagged(result)
+    assert first is not None and first["layer"] == point and first["diagnosis"] == "clipping", result.flagged()
+    assert f"at fault itself is {point} (clipping)" in result.summary
+    # saturation by hand: the share of the values the point received that lie more than half a
+    # step beyond either end of the shrunk grid (the module's float output, before the point)
+    module = clip.get_submodule(point.split("#")[0])
+    inputs = _inputs(clip, module, batches)
+    if isinstance(module, nn.ReLU):
+        inputs = [torch.relu(t) for t in inputs[::2]]  # the shared ReLU: its first call of each forward
+    raw = torch.cat(inputs).double()
+    v = raw / float(target.scale) + int(target.zero_point)
+    clipped = (v > target.spec.qmax + 0.5) | (v < target.spec.qmin - 0.5)
+    assert _rows(result)[point]["saturation"] == pytest.approx(float(clipped.double().mean()), rel=1e-9)
+    assert _rows(result)[point]["saturation"] > 0.05
+
+
+@pytest.mark.parametrize("point", ["layer1.0.bn2", "layer2.0.bn2"])
+def test_planted_int4_layer_is_flagged_rounding(realistic, point):
+    fp, _, batches = realistic
+    int4 = _calibrated(fp, QConfig(overrides={point: {"activation": {"bits": 4}}}))
+    assert quant_points(int4)[point].spec.bits == 4
+    result = compare([("float", fp), ("int4", int4)], batches)
+    row = _rows(result)[point]
+    assert row["diagnosis"] == "rounding", row
+    assert row["isolated_sqnr_db"] < 25 and row["saturation"] < 0.01
+    first = _first_flagged(result)
+    assert first["layer"] == point
+
+
+@pytest.mark.parametrize("block", ["layer1.0", "layer2.0"])
+def test_planted_outlier_channel_is_flagged_outlier_channels(realistic, block):
+    fp, _, batches = realistic
+    outlier = copy.deepcopy(fp)
+    k = 3
+    bn1, conv2 = outlier.get_submodule(f"{block}.bn1"), outlier.get_submodule(f"{block}.conv2")
+    with torch.no_grad():
+        bn1.weight[k] *= 64  # channel k of bn1 (and of the ReLU after it) x64 ...
+        bn1.bias[k] *= 64
+        conv2.weight[:, k] /= 64  # ... and conv2 reads it /64: the float function is unchanged
+        for b in batches:
+            assert torch.allclose(outlier(b), fp(b), rtol=1e-5, atol=1e-6)
+    cal = _calibrated(outlier)  # default: per-tensor activations
+    assert not quant_points(cal)[f"{block}.relu"].spec.per_channel
+    result = compare([("float", outlier), ("calibrated", cal)], batches)
+    first = _first_flagged(result)
+    assert first is not None and first["layer"] == f"{block}.relu", result.flagged()
+    assert first["diagnosis"] == "outlier_channels"
+    assert first["channel_range_ratio"] > 8
+    # the same layer in the unmodified model is fine
+    clean = _rows(compare([("float", fp), ("calibrated", realistic[1])], batches))[f"{block}.relu"]
+    assert clean["diagnosis"] == "" and clean["channel_range_ratio"] < 8
+
+
+def test_planted_nan_weight_shows_as_nonfinite_where_it_starts(realistic):
+    fp, cal, batches = realistic
+    nan_float = copy.deepcopy(fp)
+    with torch.no_grad():
+        nan_float.get_submodule("layer2.0.conv1").weight[0, 0, 0, 0] = float("nan")
+    result = compare([("float", fp), ("nan", nan_float)], batches)
+    first = _first_flagged(result)
+    assert first["layer"] == "layer2.0.conv1" and first["diagnosis"] == "nonfinite"
+    produced = torch.cat(_outputs(nan_float, nan_float.get_submodule("layer2.0.conv1"), batches))
+    assert first["nonfinite"] == int(torch.isnan(produced).sum()) > 0
+    assert math.isnan(first["sqnr_db"]) and math.isnan(first["min_channel_sqnr_db"])
+    rows = _rows(result)
+    for layer in LAYERS[: LAYERS.index("layer2.0.conv1")]:
+        assert rows[layer]["sqnr_db"] == math.inf and rows[layer]["diagnosis"] == "", layer
+    assert rows["fc"]["diagnosis"] == "nonfinite"
+    assert "nan-trace" in result.summary
+
+    # the same NaN in a calibrated (BN-folded) model: the conv is listed, compared at its BN
+    nan_cal = copy.deepcopy(cal)
+    with torch.no_grad():
+        nan_cal.get_submodule("layer2.0.conv1").weight[0, 0, 0, 0] = float("nan")
+    result = compare([("float", fp), ("nan", nan_cal)], batches)
+    rows = _rows(result)
+    assert "BN folded" in rows["layer2.0.conv1"]["note"]
+    first = _first_flagged(result)
+    assert first["layer"] == "layer2.0.bn1" and first["diagnosis"] == "nonfinite" and first["nonfinite"] > 0
+
+
+# -- two errors per layer ------------------------------------------------------------------------
+def test_propagated_and_isolated_errors(realistic):
+    """Only layer1.0.bn2's activation is quantized (int4): its own error is large; every layer
+    after it inherits the error (low propagated SQNR) but adds none (high isolated SQNR)."""
+    fp, _, batches = realistic
+    point = "layer1.0.bn2"
+    model = _calibrated(fp, QConfig(overrides={point: {"activation": {"bits": 4}}}))
+    set_mode(model, "float")
+    set_mode(model, "fake", point, kind="activation")
+    assert [n for n, p in quant_points(model).items() if p.mode == "fake"] == [point]
+    result = compare([("float", fp), ("int4", model)], batches)
+    rows = _rows(result)
+    at = LAYERS.index(point)
+    # the layer's own error, by hand: the float BN output on the int4 grid
+    ref = torch.cat(_outputs(fp, fp.get_submodule(point), batches))
+    by_hand = _sqnr(ref, _fake_quant(ref, quant_points(model)[point]))
+    assert rows[point]["isolated_sqnr_db"] == pytest.approx(by_hand, rel=1e-3)
+    assert rows[point]["sqnr_db"] == pytest.approx(by_hand, rel=1e-3)  # nothing upstream is quantized
+    assert rows[point]["isolated_sqnr_db"] < 25 and rows[point]["diagnosis"] == "rounding"
+    for layer in LAYERS[:at]:
+        assert rows[layer]["note"] != "" or rows[layer]["sqnr_db"] > 100, layer  # float-exact upstream
+        assert rows[layer]["diagnosis"] == "", layer
+    downstream = [rows[layer] for layer in LAYERS[at + 1:] if rows[layer]["note"] == ""]
+    assert len(downstream) >= 8
+    for row in downstream:
+        assert row["isolated_sqnr_db"] > 100, row["layer"]  # float layers: no own error
+        assert row["diagnosis"] in ("propagated", ""), row["layer"]
+    propagated = [row for row in downstream if row["diagnosis"] == "propagated"]
+    assert len(propagated) >= 6 and all(row["sqnr_db"] < 20 for row in propagated)
+    assert _first_flagged(result)["layer"] == point
+    assert f"at fault itself is {point} (rounding)" in result.summary
+
+
+# -- streaming -------------------------------------------------------------------------------------
+RATIO_METRICS = [m for m in METRICS if m != "nonfinite"]
+
+
+def test_statistics_stream_without_keeping_batches(realistic, monkeypatch):
+    fp, cal, batches = realistic
+    made: list[ErrorStats] = []
+
+    class Recording(ErrorStats):
+        def __post_init__(self):
+            made.append(self)
+
+    monkeypatch.setattr(compare_module, "ErrorStats", Recording)
+    batch = _images(8, 42)
+    ref = weakref.ref(batch)
+    once = compare([("float", fp), ("calibrated", cal)], [batch])
+    count_once = len(made)
+    made.clear()
+    many = compare([("float", fp), ("calibrated", cal)], [batch] * 5)
+    assert len(made) == count_once  # one pair of accumulators per layer, not per batch
+    for stats in made:
+        for name, value in vars(stats).items():
+            if isinstance(value, torch.Tensor):
+                assert value.dim() == 1, name  # per-channel vectors only
+            else:
+                assert isinstance(value, (int, float, str, bool, type(None))) or value == {}, name
+    assert many.meta["batches"] == 5
+    # ratio metrics of one batch repeated equal those of the batch once
+    for (_, a), (_, b) in zip(once.frame.iterrows(), many.frame.iterrows()):
+        assert a["layer"] == b["layer"]
+        for metric in RATIO_METRICS:
+            if math.isnan(a[metric]):
+                assert math.isnan(b[metric]), (a["layer"], metric)
+            else:
+                assert b[metric] == pytest.approx(a[metric], rel=1e-9), (a["layer"], metric)
+    # the result keeps small samples only, and nothing refers to the batch afterwards
+    assert all(x.numel() <= compare_module.HISTOGRAM_SAMPLES for pair in many.samples.values() for x in pair)
+    del batch
+    assert ref() is None
+
+
+# -- the CLI -----------------------------------------------------------------------------------------
+def _table_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("│")]
+
+
+def test_cli_writes_csv_json_and_plots(cli, tmp_path, stages):
+    result = cli("compare", stages.float, stages.calibrated, stages.qat, "--data", stages.data, "--out", "cmp")
+    assert result.code == 0, result.err
+    assert "wrote cmp/compare.csv" in result.out
+    out = tmp_path / "cmp"
+    payload = json.loads((out / "compare.json").read_text())
+    assert set(payload) == {"meta", "rows"}
+    assert payload["meta"]["reference"] == "float" and payload["meta"]["targets"] == ["calibrated", "qat"]
+    assert payload["meta"]["checkpoints"]["qat"] == str(stages.qat)
+    assert len(payload["rows"]) == 2 * len(LAYERS)
+    for row in payload["rows"]:
+        assert {"layer", "type", "target", "diagnosis", *METRICS} <= set(row)
+    with open(out / "compare.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    assert [r["layer"] for r in table] == [r["layer"] for r in payload["rows"]]
+    assert {"layer", "type", "target", "sqnr_db", "diagnosis"} <= set(table[0])
+    for png in ("compare_along_network.png", "compare_worst_histograms.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_cli_json_and_csv_to_stdout(cli, stages):
+    result = cli("compare", stages.float, stages.qat, "--data", stages.data, "--format", "json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert [r["layer"] for r in payload["rows"]] == LAYERS
+    assert all(r["target"] == "qat" for r in payload["rows"])
+    result = cli("compare", stages.float, stages.qat, "--data", stages.data, "--format", "csv")
+    assert result.code == 0, result.err
+    table = list(csv.DictReader(io.StringIO(result.out)))
+    assert [r["layer"] for r in table] == LAYERS and "sqnr_db" in table[0]
+    cli("compare", stages.float, stages.qat, "--format", "xml").assert_error("--format 'xml'")
+
+
+def test_cli_metrics_threshold_sort_top(cli, stages):
+    base = ("compare", stages.float, stages.qat, "--data", stages.data)
+    result = cli(*base, "--metrics", "cosine,sqnr_db")
+    assert result.code == 0, result.err
+    header = next(line for line in result.out.splitlines() if line.startswith("┃"))
+    cells = [c.strip() for c in header.strip("┃").split("┃")]
+    assert cells == ["layer", "type", "cos", "SQNR dB", "diagnosis", "note"]
+    cli(*base, "--metrics", "cosine,snr").assert_error("unknown metric(s): snr")
+
+    default = json.loads(cli(*base, "--format", "json").out)["meta"]["flagged"]
+    strict = json.loads(cli(*base, "--format", "json", "--threshold", "sqnr_db=60").out)
+    assert strict["meta"]["thresholds"]["sqnr_db"] == 60
+    assert strict["meta"]["flagged"] > default
+    strict_rows = {r["layer"]: r for r in strict["rows"]}
+    assert all(r["diagnosis"] != "" for r in strict_rows.values() if r["note"] == "" and r["layer"] != "input"
+               and isinstance(r["sqnr_db"], float) and r["sqnr_db"] < 60)
+    cli(*base, "--threshold", "sqnr_db").assert_error("METRIC=VALUE")
+
+    result = cli(*base, "--sort", "sqnr_db", "--top", "3")
+    assert result.code == 0, result.err
+    rows = _table_rows(result.out)
+    assert len(rows) == 3
+    measured = [r for r in strict["rows"] if r["note"] == ""]
+    worst = sorted(measured, key=lambda r: r["sqnr_db"])[:3]
+    assert [row.strip("│").split("│")[0].strip() for row in rows] == [r["layer"] for r in worst]
+
+
+def test_cli_ref_by_label(cli, stages):
+    result = cli("compare", stages.float, stages.calibrated, stages.qat, "--data", stages.data, "--ref", "calibrated",
+                 "--format", "json")
+    assert result.code == 0, result.err
+    meta = json.loads(result.out)["meta"]
+    assert meta["reference"] == "calibrated" and meta["targets"] == ["float", "qat"]
+    cli("compare", stages.float, stages.qat, "--ref", "quantized").assert_error("--ref 'quantized'")
+
+
+def test_cli_paths_from_the_config(cli, tmp_path, stages):
+    (tmp_path / "qdebug.toml").write_text(f'float = "{stages.float}"\nqat = "{stages.qat}"\ndata = "{stages.data}"\n')
+    result = cli("compare", "--format", "json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert payload["meta"]["reference"] == "float" and payload["meta"]["targets"] == ["qat"]
+    assert payload["meta"]["checkpoints"] == {"float": str(stages.float), "qat": str(stages.qat)}
+
+
+def test_cli_different_architectures_is_one_error(cli, tmp_path, stages):
+    torch.manual_seed(0)
+    other = build(ModelSpec("qdebug.zoo.mobilenetv2:MobileNetV2", {
+        "num_classes": 10, "in_channels": 1, "width_mult": 0.5, "setting": [[1, 8, 1, 1], [6, 16, 2, 2]],
+        "stem_stride": 1, "last_channel": 32}), from_user=True).eval()
+    qdebug.save(other, tmp_path / "other.pt", sample_inputs=stages.x)
+    cli("compare", stages.float, "other.pt", "--data", stages.data).assert_error("same architecture")
+    cli("compare", stages.float).assert_error("two or more checkpoints")
+
+
+def test_cli_help_has_an_example(cli):
+    result = cli("compare", "--help")
+    assert result.code == 0, result.err
+    assert "Example:" in result.out and "qdebug compare" in result.out
