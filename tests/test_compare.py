@@ -373,7 +373,8 @@ def test_statistics_stream_without_keeping_batches(realistic, monkeypatch):
     made: list[ErrorStats] = []
 
     class Recording(ErrorStats):
-        def __post_init__(self):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             made.append(self)
 
     monkeypatch.setattr(compare_module, "ErrorStats", Recording)
@@ -381,6 +382,8 @@ def test_statistics_stream_without_keeping_batches(realistic, monkeypatch):
     ref = weakref.ref(batch)
     once = compare([("float", fp), ("calibrated", cal)], [batch])
     count_once = len(made)
+    # a (propagated, isolated) pair of accumulators per measured layer
+    assert count_once == 2 * int((once.frame["note"] == "").sum()) > 0
     made.clear()
     many = compare([("float", fp), ("calibrated", cal)], [batch] * 5)
     assert len(made) == count_once  # one pair of accumulators per layer, not per batch
