@@ -25,6 +25,28 @@ from qdebug.engine.point import QuantPoint
 MAX_MULTIPLIER_BITS = 31
 
 
+FLOAT32_EXACT = 2**24  # integers below this are exact in float32, whatever the summation order
+
+
+def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: int) -> torch.Tensor:
+    """op(x, w) (a conv or linear: sums of ``terms`` products) on integer codes, exactly, as float64.
+
+    Fast path: when every partial sum is provably below 2^24, float32 kernels are exact
+    in any summation order.  Otherwise x = 16 h + l (0 <= l < 16) and two float32 ops
+    whose bounds fit are combined in float64.  Else a float64 op (exact below 2^53).
+    """
+    max_x = float(x_codes.abs().max()) if x_codes.numel() else 0.0
+    max_w = float(w_codes.abs().max()) if w_codes.numel() else 0.0
+    w32 = w_codes.float()
+    if terms * max_x * max_w < FLOAT32_EXACT:
+        return op(x_codes.float(), w32, None).double()
+    high = torch.floor(x_codes / 16)
+    low = x_codes - 16 * high
+    if terms * max(float(high.abs().max()), 15.0) * max_w < FLOAT32_EXACT:
+        return 16 * op(high.float(), w32, None).double() + op(low.float(), w32, None).double()
+    return op(x_codes, w_codes, None)
+
+
 def _broadcast_point(v: torch.Tensor, point: QuantPoint, ndim: int) -> torch.Tensor:
     if v.dim() == 0 or not point.spec.per_channel:
         return v

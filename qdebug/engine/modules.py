@@ -176,7 +176,8 @@ class _QWeighted(nn.Module):
         s_in = in_point.scale.detach().to(torch.float64)
         s_w = w_point.scale.detach().to(torch.float64)
         s_out = out_point.scale.detach().to(torch.float64)
-        acc = self._op(integer.codes(x, in_point), self.weight_codes(), None)
+        w_codes = self.weight_codes()
+        acc = integer.exact_integer_op(self._op, integer.codes(x, in_point), w_codes, w_codes[0].numel())
         shape = [1] * acc.dim()
         shape[self.out_channel_axis] = -1
         if self.bias is not None:
