@@ -42,15 +42,17 @@ def _read_json_metrics(path: Path) -> dict[str, float]:
     return out
 
 
+def _rename(values: dict, task: str) -> dict:
+    return {task: values["metric"]} if list(values) == ["metric"] else values
+
+
 def _rules(metric_fn, default_ratio: float, ratio_given: bool) -> dict[str, TaskRule]:
     cfg_tasks = STATE.config().get("tasks") or {}
     default_direction = metric_direction(metric_fn) if metric_fn is not None else "higher"
-    rules = {}
+    rules = {"metric": TaskRule(default_direction, default_ratio)}
     for task, entry in cfg_tasks.items():
         rules[task] = TaskRule(entry.get("direction", default_direction),
                                default_ratio if ratio_given else float(entry.get("ratio", default_ratio)))
-    if "metric" not in rules:
-        rules["metric"] = TaskRule(default_direction, default_ratio)
     return rules
 
 
@@ -114,11 +116,26 @@ def baseline(
         batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
         float_values, float_samples = run_metric_with_samples(metric_fn, float_model, batch_list, reference=float_model)
         quant_values, quant_samples = run_metric_with_samples(metric_fn, quant_model, batch_list, reference=float_model)
+        # A single-number metric is the task named after the metric, so [tasks.top1] applies to it.
+        task_name = spec.rsplit(":", 1)[-1]
+        float_values, quant_values = (_rename(v, task_name) for v in (float_values, quant_values))
+        float_samples, quant_samples = (_rename(v, task_name) if v else v for v in (float_samples, quant_samples))
     rules = _rules(metric_fn, default_ratio, ratio is not None)
+    single = list(float_values)[0] if len(float_values) == 1 else None
+    if single is not None and single not in rules:
+        rules[single] = rules["metric"]
     if direction is not None:
-        rules["metric"] = TaskRule(direction, rules["metric"].ratio)
+        if single is None:
+            raise QDebugError("--direction applies to a single-number metric", "declare per-task directions in [tasks.NAME]")
+        rules[single] = TaskRule(direction, rules[single].ratio)
+    unknown = sorted(set(rules) - set(float_values) - {"metric"})
+    if unknown:
+        raise QDebugError(f"config [tasks] name task(s) the metric does not report: {', '.join(unknown)}",
+                          f"the metric reports: {', '.join(float_values)}")
     result = gate(float_values, quant_values, rules, ratio=default_ratio, float_samples=float_samples,
                   quant_samples=quant_samples, confidence=confidence)
+    if confidence is not None and float_samples is None:
+        err_console.print("note: the metric gives no per-sample scores, so --confidence is ignored", markup=False)
     frame = result.frame
     meta = {**result.meta, "checkpoints": paths, "flipped_samples": result.flipped}
     if junit is not None:
@@ -141,7 +158,10 @@ def baseline(
             if indices:
                 console.print(f"{task}: first samples right in float but wrong quantized: {indices}")
     if not result.passed:
+        if not paths:
+            err_console.print("hint: find where accuracy is lost: qdebug compare FLOAT.pt QUANT.pt --data EVAL",
+                              markup=False, soft_wrap=True, highlight=False)
         if paths:
             err_console.print(f"hint: find where accuracy is lost: qdebug compare {paths[0]} {paths[1]}"
-                              + (f" --data {data}" if data else ""), markup=False)
+                              + (f" --data {data}" if data else ""), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
