@@ -42,6 +42,15 @@ CONVS = {"conv1": "bn1", "layer1.0.conv1": "layer1.0.bn1", "layer1.0.conv2": "la
          "layer2.0.downsample.0": "layer2.0.downsample.1"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: intra-op threads only add waiting on a busy machine (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _images(n, seed):
     return torch.randn(n, 1, 16, 16, generator=torch.Generator().manual_seed(seed))
 
@@ -381,12 +390,15 @@ def test_statistics_stream_without_keeping_batches(realistic, monkeypatch):
     batch = _images(8, 42)
     ref = weakref.ref(batch)
     once = compare([("float", fp), ("calibrated", cal)], [batch])
-    count_once = len(made)
-    # a (propagated, isolated) pair of accumulators per measured layer
-    assert count_once == 2 * int((once.frame["note"] == "").sum()) > 0
+    used_once = [m for m in made if m.n > 0]
+    # at most a (propagated, isolated) pair of accumulators per measured layer
+    measured = int((once.frame["note"] == "").sum())
+    assert measured < len(used_once) <= 2 * measured
     made.clear()
     many = compare([("float", fp), ("calibrated", cal)], [batch] * 5)
-    assert len(made) == count_once  # one pair of accumulators per layer, not per batch
+    used_many = [m for m in made if m.n > 0]
+    assert len(used_many) == len(used_once)  # per layer, not per batch
+    assert sorted(m.n for m in used_many) == sorted(5 * m.n for m in used_once)
     for stats in made:
         for name, value in vars(stats).items():
             if isinstance(value, torch.Tensor):

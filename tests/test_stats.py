@@ -78,6 +78,58 @@ def test_batch_order_and_split_do_not_matter():
         assert reversed_[name] == pytest.approx(value, rel=REL), name
 
 
+def _by_hand(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """Every metric of one whole pair of tensors, in float64 (channels on axis 1 when 2-d or more)."""
+    x, y = x.double(), y.double()
+    e = y - x
+    out = {
+        "cosine": float((x * y).sum()) / (float(x.norm()) * float(y.norm())),
+        "sqnr_db": 20.0 * math.log10(float(x.norm()) / float(e.norm())),
+        "mse": float((e**2).mean()),
+        "rel_l2": float(e.norm()) / float(x.norm()),
+        "max_abs": float(e.abs().max()),
+        "mean_abs": float(e.abs().mean()),
+    }
+    if x.dim() >= 2:
+        c = x.shape[1]
+        xc, ec = x.transpose(0, 1).reshape(c, -1), e.transpose(0, 1).reshape(c, -1)
+        sq = sorted(10 * math.log10(float((xc[i] ** 2).sum()) / float((ec[i] ** 2).sum())) for i in range(c))
+        ranges = sorted(float(xc[i].max() - xc[i].min()) for i in range(c))
+        out.update(kl=_kl_by_hand(x, y), min_channel_sqnr_db=sq[0], median_channel_sqnr_db=sq[(c - 1) // 2],
+                   channel_range_ratio=ranges[-1] / ranges[(c - 1) // 2])
+    return out
+
+
+@pytest.mark.parametrize("shape", [
+    (3, 5, 130, 130),  # one sample's map is larger than a block: blocks of positions
+    (41, 7, 30, 30),  # many samples per block, with a partial last block
+    (40, 9),  # a linear layer's output
+    (300_001,),  # flat
+])
+def test_large_tensors_match_the_whole_tensor_metrics(shape):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(*shape, generator=gen)
+    if len(shape) > 1:
+        x[:, 2] *= 9.0  # channels of different scale
+    y = x + 0.03 * torch.randn(*shape, generator=gen)
+    result = _fold([x], [y]).result()
+    for name, value in _by_hand(x, y).items():
+        assert result[name] == pytest.approx(value, rel=REL), name
+
+
+def test_large_tensor_with_nonfinite_values_in_several_blocks():
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 3, 200, 200, generator=gen)
+    y = x + 0.01 * torch.randn(2, 3, 200, 200, generator=gen)
+    y[0, 0, 0, 0] = float("nan")  # the first block
+    y[1, 2, 199, 150] = float("inf")  # a late block
+    y[1, 1, 100, 7] = float("-inf")
+    result = _fold([x], [y]).result()
+    assert result["nonfinite"] == 3
+    for name in ("cosine", "sqnr_db", "mse", "max_abs", "mean_abs", "min_channel_sqnr_db"):
+        assert math.isnan(result[name]), name
+
+
 def test_max_abs_scales_uses_the_output_scale():
     xs, ys = _batches(2)
     stats = ErrorStats()
