@@ -158,7 +158,7 @@ def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
                 "re-save it as a state_dict or qdebug checkpoint, or pass --unsafe-load if you trust the file",
             ) from None
         del exc
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+    except Exception as exc:  # random bytes reach many unpickler error paths (IndexError, KeyError, ...)
         raise QDebugError(
             f"{p} is not a readable torch file ({type(exc).__name__}: {_first_line(exc)})",
             "the file may be truncated or corrupt; re-save it",

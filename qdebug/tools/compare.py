@@ -147,7 +147,9 @@ class _Listener:
         if x.shape != y.shape:
             self.notes[key] = f"shape differs: {list(x.shape)} vs {list(y.shape)}"
             return
-        stats = self.stats.setdefault(key, (ErrorStats(), ErrorStats(want_channels=False, want_kl=False)))
+        if key not in self.stats:
+            self.stats[key] = (ErrorStats(), ErrorStats(want_channels=False, want_kl=False))
+        stats = self.stats[key]
         raw = first_tensor(event.raw) if event.raw is not None else None
         stats[0].update(x, y, grid=_grid(self.model, name), raw=raw)
         if self.first_batch and key not in self.samples:
@@ -320,7 +322,10 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
     outliers = _bad(row.get("min_channel_sqnr_db"), limits["min_channel_sqnr_db"]) and _bad(
         row.get("channel_range_ratio"), limits["channel_range_ratio"], lower_is_bad=False
     )
-    if clipping and (propagated_bad or isolated_bad or row.get("saturation", 0) > 5 * limits["saturation"]):
+    isolated_known = row.get("isolated_sqnr_db") is not None and not math.isnan(row.get("isolated_sqnr_db"))
+    # Clipping is the layer's own fault only when its own error is bad too (when measured):
+    # downstream of a clipped layer, values can pile up at a range end without own error.
+    if clipping and (isolated_bad if isolated_known else (propagated_bad or row.get("saturation", 0) > 5 * limits["saturation"])):
         return "clipping"
     if outliers:
         return "outlier_channels"
