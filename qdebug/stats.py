@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,22 +35,36 @@ import torch
 # Elements per block of ``ErrorStats.update``: the float64 working copies of one block stay
 # in cache, and no feature-map-sized temporaries are allocated (a fresh large allocation
 # page-faults on every touch), so the cost is one streaming read of x and y.
-BLOCK = 1 << 16
+BLOCK = 1 << 17
+
+
+_POOL: list = [0, None]  # workers, ThreadPoolExecutor: made on first use, for ``_map``
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """Intra-op threads off for the many small block ops: on a busy machine each multi-threaded
-    op can wait a scheduler slice for its second thread, which costs more than it saves here."""
+def _block_threads():
+    """Yields how many threads may fold blocks at once (torch's intra-op thread count), with
+    intra-op threads off meanwhile: blocks are shared out between workers instead, as each of
+    the many small block ops would otherwise wait for every thread -- on a busy machine a
+    scheduler slice each time, which costs far more than it saves."""
     threads = torch.get_num_threads()
     if threads == 1:
-        yield
+        yield 1
         return
     torch.set_num_threads(1)
     try:
-        yield
+        yield threads
     finally:
         torch.set_num_threads(threads)
+
+
+def _map(fn, shares: list) -> list:
+    """[fn(share) for share in shares], the shares on threads of their own."""
+    if len(shares) == 1:
+        return [fn(shares[0])]
+    if _POOL[0] < len(shares):
+        _POOL[:] = [len(shares), ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="qdebug-stats")]
+    return list(_POOL[1].map(fn, shares))
 
 
 def _blocks(shape: torch.Size, channels: bool) -> list[tuple[slice, ...]]:
@@ -65,6 +80,50 @@ def _blocks(shape: torch.Size, channels: bool) -> list[tuple[slice, ...]]:
         return [(slice(i, i + rows),) for i in range(0, n, rows)]
     cols = max(1, BLOCK // c)
     return [(slice(i, i + 1), slice(None), slice(j, j + cols)) for i in range(n) for j in range(0, rest, cols)]
+
+
+def _merge_channels(a: list, b: list) -> list:
+    return [a[0] + b[0], a[1] + b[1], torch.minimum(a[2], b[2]), torch.maximum(a[3], b[3])]
+
+
+def _fold(xv: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor | None, blocks: list, channels: bool,
+          want_kl: bool, clip: tuple[float, float] | None) -> dict:
+    """Float64 sums of ``ErrorStats.update`` over some blocks of the views of x, y (and raw)."""
+    sxx = syy = sxy = see = sae = kl_sum = batch_max = 0.0
+    nonfinite = saturated = 0
+    ch = None  # per-channel sum x^2, sum e^2, min x, max x
+    for block in blocks:
+        xb, yb = xv[block], yv[block]
+        xd, yd = xb.double(), yb.double()
+        err = yd - xd
+        xf, yf, ef = xd.reshape(-1), yd.reshape(-1), err.reshape(-1)
+        if channels:
+            part = [(xd * xd).sum((0, 2)), (err * err).sum((0, 2)), xb.amin((0, 2)), xb.amax((0, 2))]
+            ch = part if ch is None else _merge_channels(ch, part)
+            sxx += float(part[0].sum())
+            see += float(part[1].sum())
+        else:
+            sxx += float((xf * xf).sum())
+            see += float((ef * ef).sum())
+        yy = float((yf * yf).sum())
+        syy += yy
+        sxy += float((xf * yf).sum())
+        if not math.isfinite(yy):  # y^2 of finite float32/16 values cannot overflow float64
+            nonfinite += int((~torch.isfinite(yb)).sum())
+        abs_err = ef.abs()
+        sae += float(abs_err.sum())
+        block_max = float(abs_err.max())
+        if not math.isnan(batch_max):
+            batch_max = block_max if math.isnan(block_max) else max(batch_max, block_max)
+        if clip is not None:
+            rf = rv[block].float()
+            saturated += int(((rf < clip[0]) | (rf > clip[1])).sum())
+        if want_kl:
+            log_p = torch.log_softmax(xd, dim=1)
+            log_q = torch.log_softmax(yd, dim=1)
+            kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+    return {"sxx": sxx, "syy": syy, "sxy": sxy, "see": see, "sae": sae, "max": batch_max, "nonfinite": nonfinite,
+            "saturated": saturated, "kl_sum": kl_sum, "ch": ch}
 
 
 @dataclass
@@ -117,62 +176,35 @@ class ErrorStats:
                 clip = ((qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale)
         per_channel = x.dim() >= 2 and x.shape[1] > 1
         channels, want_kl = self.want_channels and per_channel, self.want_kl and per_channel
-        # All sums in float64, block by block (see BLOCK); every metric is the same as over
-        # the whole tensor up to float64 summation order.  (a * b).sum() rather than
-        # torch.dot: MKL's threaded dot stalls for milliseconds per call on a busy machine.
+        # All sums in float64, block by block (see BLOCK, _fold); every metric is the same as
+        # over the whole tensor up to float64 summation order.
         layout = (x.shape[0], x.shape[1], -1) if channels or want_kl else (-1,)
         xv, yv = x.detach().reshape(layout), y.detach().reshape(layout)
         rv = raw.detach().reshape(layout) if clip is not None else None
-        sxx = syy = sxy = see = sae = kl_sum = batch_max = 0.0
-        nonfinite = saturated = 0
-        ch = None  # per-channel sum x^2, sum e^2, min x, max x of this batch
-        with _one_thread():
-            for block in _blocks(x.shape, channels or want_kl):
-                xb, yb = xv[block], yv[block]
-                xd, yd = xb.double(), yb.double()
-                err = yd - xd
-                xf, yf, ef = xd.reshape(-1), yd.reshape(-1), err.reshape(-1)
-                if channels:
-                    part = [(xd * xd).sum((0, 2)), (err * err).sum((0, 2)), xb.amin((0, 2)), xb.amax((0, 2))]
-                    if ch is None:
-                        ch = part
-                    else:
-                        ch = [ch[0] + part[0], ch[1] + part[1], torch.minimum(ch[2], part[2]), torch.maximum(ch[3], part[3])]
-                    sxx += float(part[0].sum())
-                    see += float(part[1].sum())
-                else:
-                    sxx += float((xf * xf).sum())
-                    see += float((ef * ef).sum())
-                yy = float((yf * yf).sum())
-                syy += yy
-                sxy += float((xf * yf).sum())
-                if not math.isfinite(yy):  # y^2 of finite float32/16 values cannot overflow float64
-                    nonfinite += int((~torch.isfinite(yb)).sum())
-                abs_err = ef.abs()
-                sae += float(abs_err.sum())
-                block_max = float(abs_err.max())
-                if not math.isnan(batch_max):
-                    batch_max = block_max if math.isnan(block_max) else max(batch_max, block_max)
-                if clip is not None:
-                    rf = rv[block].float()
-                    saturated += int(((rf < clip[0]) | (rf > clip[1])).sum())
-                if want_kl:
-                    log_p = torch.log_softmax(xd, dim=1)
-                    log_q = torch.log_softmax(yd, dim=1)
-                    kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+        blocks = _blocks(x.shape, channels or want_kl)
+        with _block_threads() as workers:
+            workers = min(workers, len(blocks) // 4 or 1)  # contiguous shares, combined in order
+            shares = [blocks[k * len(blocks) // workers:(k + 1) * len(blocks) // workers] for k in range(workers)]
+            parts = _map(lambda share: _fold(xv, yv, rv, share, channels, want_kl, clip), shares)
+        batch_max, ch = 0.0, None
+        for part in parts:
+            self.sxx += part["sxx"]
+            self.syy += part["syy"]
+            self.sxy += part["sxy"]
+            self.see += part["see"]
+            self.sae += part["sae"]
+            self.nonfinite += part["nonfinite"]
+            self.saturated += part["saturated"]
+            self.kl_sum += part["kl_sum"]
+            if not math.isnan(batch_max):
+                batch_max = part["max"] if math.isnan(part["max"]) else max(batch_max, part["max"])
+            if part["ch"] is not None:
+                ch = part["ch"] if ch is None else _merge_channels(ch, part["ch"])
         self.n += x.numel()
-        self.sxx += sxx
-        self.syy += syy
-        self.sxy += sxy
-        self.see += see
-        self.sae += sae
         self.max_abs = batch_max if math.isnan(batch_max) else max(self.max_abs, batch_max)
-        self.nonfinite += nonfinite
         if clip is not None:
-            self.saturated += saturated
             self.saturation_n += raw.numel()
         if want_kl:
-            self.kl_sum += kl_sum
             self.kl_n += x.numel() // x.shape[1]
         if ch is not None:
             xx, ee, lo, hi = ch[0], ch[1], ch[2].double(), ch[3].double()
@@ -205,7 +237,7 @@ class ErrorStats:
         if self.ch_xx is not None:
             # Channels with (almost) no signal -- dead ReLU channels -- have no meaningful SQNR.
             floor = 1e-6 * float(self.ch_xx.max()) if self.ch_xx.numel() else 0.0
-            channel_sqnr = [sqnr_db(float(a), float(b)) for a, b in zip(self.ch_xx, self.ch_ee) if float(a) > floor]
+            channel_sqnr = [sqnr_db(a, b) for a, b in zip(self.ch_xx.tolist(), self.ch_ee.tolist()) if a > floor]
             if any(math.isnan(v) for v in channel_sqnr):  # a NaN channel is never hidden by the others
                 out["min_channel_sqnr_db"] = out["median_channel_sqnr_db"] = math.nan
             elif channel_sqnr:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -206,6 +206,11 @@ class ForwardContext(TorchFunctionMode):
 
         return map_tensors(args, one), map_tensors(kwargs, one)
 
+    def run(self, model: nn.Module, inputs: Any) -> Any:
+        """Call ``model`` (this context's root) on one batch, inputs and output processed."""
+        args, kwargs = self.process_inputs(*split_inputs(inputs))
+        return self.process_output(model(*args, **kwargs))
+
     def process_output(self, output: Any) -> Any:
         self.busy += 1
         try:
@@ -302,6 +307,15 @@ class ForwardContext(TorchFunctionMode):
         return new
 
 
+def split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    """One batch of model inputs as (args, kwargs): a tensor, a tuple/list of args, or a dict of kwargs."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
 def run_model(model: nn.Module, inputs: Any) -> Any:
     """Call ``model`` on one batch of inputs: a tensor, a tuple/list of args, or a dict of kwargs."""
     if isinstance(inputs, dict):
@@ -309,22 +323,3 @@ def run_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
-
-
-@dataclass
-class NamingRun:
-    """Helper to run a plain (unprepared) model inside a context, for tools that tap it."""
-
-    model: nn.Module
-    handler: Handler = field(default_factory=Handler)
-    listeners: list = field(default_factory=list)
-
-    def __call__(self, inputs: Any) -> Any:
-        with ForwardContext(self.model, self.handler, self.listeners) as ctx:
-            if isinstance(inputs, dict):
-                args, kwargs = ctx.process_inputs((), inputs)
-            elif isinstance(inputs, (tuple, list)):
-                args, kwargs = ctx.process_inputs(tuple(inputs), {})
-            else:
-                args, kwargs = ctx.process_inputs((inputs,), {})
-            return ctx.process_output(self.model(*args, **kwargs))

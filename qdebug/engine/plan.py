@@ -146,13 +146,7 @@ def trace_plan(model: nn.Module, example_inputs: Any) -> Plan:
     model.eval()
     try:
         with torch.no_grad(), ForwardContext(model, handler) as ctx:
-            if isinstance(example_inputs, dict):
-                args, kwargs = ctx.process_inputs((), example_inputs)
-            elif isinstance(example_inputs, (tuple, list)):
-                args, kwargs = ctx.process_inputs(tuple(example_inputs), {})
-            else:
-                args, kwargs = ctx.process_inputs((example_inputs,), {})
-            ctx.process_output(model(*args, **kwargs))
+            ctx.run(model, example_inputs)
         counts = dict(ctx.counts)
     finally:
         model.train(was_training)
