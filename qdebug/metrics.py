@@ -33,16 +33,11 @@ Metric = Callable[..., Any]
 
 
 def _outputs(model, batches):
+    from qdebug.engine.context import run_model
+
     with torch.no_grad():
         for batch in batches:
-            inputs = batch.inputs
-            if isinstance(inputs, dict):
-                out = model(**inputs)
-            elif isinstance(inputs, (tuple, list)):
-                out = model(*inputs)
-            else:
-                out = model(inputs)
-            yield batch, out
+            yield batch, run_model(model, batch.inputs)
 
 
 def _need_target(batch) -> None:

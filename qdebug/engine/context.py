@@ -318,8 +318,5 @@ def split_inputs(inputs: Any) -> tuple[tuple, dict]:
 
 def run_model(model: nn.Module, inputs: Any) -> Any:
     """Call ``model`` on one batch of inputs: a tensor, a tuple/list of args, or a dict of kwargs."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+    args, kwargs = split_inputs(inputs)
+    return model(*args, **kwargs)
