@@ -35,16 +35,16 @@ def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: in
     in any summation order.  Otherwise x = 16 h + l (0 <= l < 16) and two float32 ops
     whose bounds fit are combined in float64.  Else a float64 op (exact below 2^53).
     """
-    max_x = float(x_codes.abs().max()) if x_codes.numel() else 0.0
-    max_w = float(w_codes.abs().max()) if w_codes.numel() else 0.0
-    w32 = w_codes.float()
+    max_x = float(x_codes.abs().amax()) if x_codes.numel() else 0.0
+    max_w = float(w_codes.abs().amax()) if w_codes.numel() else 0.0
+    x32, w32 = x_codes.float(), w_codes.float()
     if terms * max_x * max_w < FLOAT32_EXACT:
-        return op(x_codes.float(), w32, None).double()
-    high = torch.floor(x_codes / 16)
-    low = x_codes - 16 * high
-    if terms * max(float(high.abs().max()), 15.0) * max_w < FLOAT32_EXACT:
-        return 16 * op(high.float(), w32, None).double() + op(low.float(), w32, None).double()
-    return op(x_codes, w_codes, None)
+        return op(x32, w32, None).double()
+    high = torch.floor(x32 / 16)
+    low = x32 - 16 * high
+    if terms * max(max_x / 16 + 1, 15.0) * max_w < FLOAT32_EXACT:
+        return 16 * op(high, w32, None).double() + op(low, w32, None).double()
+    return op(x_codes.double(), w_codes.double(), None)
 
 
 def _broadcast_point(v: torch.Tensor, point: QuantPoint, ndim: int) -> torch.Tensor:
@@ -56,10 +56,10 @@ def _broadcast_point(v: torch.Tensor, point: QuantPoint, ndim: int) -> torch.Ten
     return v.reshape(shape)
 
 
-def codes(x: torch.Tensor, point: QuantPoint) -> torch.Tensor:
-    """q - z of an on-grid float tensor, as float64 (exact integers)."""
+def codes(x: torch.Tensor, point: QuantPoint, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """q - z of an on-grid float tensor, as exact integers of ``dtype`` (float32 holds them exactly too)."""
     scale = _broadcast_point(point.scale.detach(), point, x.dim())
-    return torch.round(x.float() / scale).to(torch.float64)
+    return torch.round(x.float() / scale).to(dtype)
 
 
 def values(q: torch.Tensor, point: QuantPoint) -> torch.Tensor:
@@ -75,7 +75,10 @@ def fixed_point_multiply(acc: torch.Tensor, multiplier: torch.Tensor) -> torch.T
     ``acc`` int64; ``multiplier`` float64 broadcastable to it, all > 0.
     """
     multiplier = multiplier.to(torch.float64)
-    max_acc = int(acc.abs().max().item()) if acc.numel() else 0
+    max_acc = 0
+    if acc.numel():
+        lo, hi = torch.aminmax(acc)
+        max_acc = max(-int(lo), int(hi))
     acc_bits = max(max_acc.bit_length(), 1)
     bits = max(min(MAX_MULTIPLIER_BITS, 62 - acc_bits), 8)
     mantissa, exponent = torch.frexp(multiplier)  # M = f 2^e, f in [0.5, 1)
@@ -83,16 +86,24 @@ def fixed_point_multiply(acc: torch.Tensor, multiplier: torch.Tensor) -> torch.T
     shift = bits - exponent.to(torch.int64)  # M = m0 2^-shift
     # m0 may round up to 2^bits; harmless (still < 2^(bits+1) and exact).
     product = acc * m0
+    if bool(((shift < 1) | (shift > 62)).any()):
+        return _shift_general(product, shift)
+    # Round half away from zero in one pass: (v + 2^(n-1) - [v < 0]) >> n with an
+    # arithmetic shift equals sign(v) ((|v| + 2^(n-1)) >> n).
+    rounding = torch.bitwise_left_shift(torch.ones_like(shift), shift - 1)
+    return torch.bitwise_right_shift(product + rounding - (product < 0).to(torch.int64), shift)
+
+
+def _shift_general(product: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The same rounding for any shift: left shifts (n < 1) and shifts past the int64 width."""
     left = torch.clamp(-shift, min=0)
     right = torch.clamp(shift, min=0)
     magnitude = product.abs()
     rounding = torch.where(right > 0, torch.bitwise_left_shift(torch.ones_like(right), (right - 1).clamp(min=0)), 0)
     too_far = right > 62
-    right = right.clamp(max=62)
-    shifted = torch.bitwise_right_shift(magnitude + rounding, right)
+    shifted = torch.bitwise_right_shift(magnitude + rounding, right.clamp(max=62))
     shifted = torch.where(too_far, torch.zeros_like(shifted), shifted)
-    shifted = torch.bitwise_left_shift(shifted, left)
-    return torch.sign(product) * shifted
+    return torch.sign(product) * torch.bitwise_left_shift(shifted, left)
 
 
 def activation_bounds(point: QuantPoint, activation: str | None) -> tuple[int, int]:

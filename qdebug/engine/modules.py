@@ -177,7 +177,7 @@ class _QWeighted(nn.Module):
         s_w = w_point.scale.detach().to(torch.float64)
         s_out = out_point.scale.detach().to(torch.float64)
         w_codes = self.weight_codes()
-        acc = integer.exact_integer_op(self._op, integer.codes(x, in_point), w_codes, w_codes[0].numel())
+        acc = integer.exact_integer_op(self._op, integer.codes(x, in_point, torch.float32), w_codes, w_codes[0].numel())
         shape = [1] * acc.dim()
         shape[self.out_channel_axis] = -1
         if self.bias is not None:
@@ -186,7 +186,7 @@ class _QWeighted(nn.Module):
         multiplier = (s_in * s_w / s_out)
         if multiplier.dim():
             multiplier = multiplier.reshape(shape)
-        y = integer.requantize(torch.round(acc).to(torch.int64), multiplier, out_point, self._fused_activation)
+        y = integer.requantize(acc.to(torch.int64), multiplier, out_point, self._fused_activation)  # acc is integral
         return tag(y, out_point)
 
     def absorb(self) -> None:
