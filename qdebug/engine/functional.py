@@ -60,6 +60,13 @@ class QuantHandler(Handler):
             object.__setattr__(module, "_fused_activation", activation)
 
     def on_module_output(self, ctx, call, module, args, output):
+        if self.state.stage == "quantized" and call.category in ("relu", "relu6") and args:
+            point = self.state.points.get(call.name)
+            if point is not None and grid_of(args[0]) is point:
+                # The integer kernel before already clamped onto this point's grid (fused
+                # ReLU): the ReLU and its requantization are the identity on these values.
+                self.last_raw = args[0]
+                return args[0]
         if self.state.stage == "quantized" and call.category == "avgpool" and isinstance(output, torch.Tensor):
             out_point, activation = self._out_target(call)
             result = _integer_rescale_average(args[0], output, module, out_point)

@@ -29,7 +29,8 @@ FLOAT32_EXACT = 2**24  # integers below this are exact in float32, whatever the 
 
 
 def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: int) -> torch.Tensor:
-    """op(x, w) (a conv or linear: sums of ``terms`` products) on integer codes, exactly, as float64.
+    """op(x, w) (a conv or linear: sums of ``terms`` products) on integer codes, exactly
+    (an int64 or integral float64 tensor).
 
     Fast path: when every partial sum is provably below 2^24, float32 kernels are exact
     in any summation order.  Otherwise x = 16 h + l (0 <= l < 16) and two float32 ops
@@ -43,7 +44,8 @@ def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: in
     high = torch.floor(x32 / 16)
     low = x32 - 16 * high
     if terms * max(max_x / 16 + 1, 15.0) * max_w < FLOAT32_EXACT:
-        return 16 * op(high, w32, None).double() + op(low, w32, None).double()
+        # Each partial result is an exact integer below 2^24: combine them in int64.
+        return op(high, w32, None).to(torch.int64).mul_(16).add_(op(low, w32, None).to(torch.int64))
     return op(x_codes.double(), w_codes.double(), None)
 
 
@@ -91,7 +93,9 @@ def fixed_point_multiply(acc: torch.Tensor, multiplier: torch.Tensor) -> torch.T
     # Round half away from zero in one pass: (v + 2^(n-1) - [v < 0]) >> n with an
     # arithmetic shift equals sign(v) ((|v| + 2^(n-1)) >> n).
     rounding = torch.bitwise_left_shift(torch.ones_like(shift), shift - 1)
-    return torch.bitwise_right_shift(product + rounding - (product < 0).to(torch.int64), shift)
+    negative = product < 0
+    product.add_(rounding).sub_(negative.to(torch.int64))
+    return product.bitwise_right_shift_(shift) if shift.dim() == 0 or shift.shape == product.shape else torch.bitwise_right_shift(product, shift)
 
 
 def _shift_general(product: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -124,8 +128,12 @@ def activation_bounds(point: QuantPoint, activation: str | None) -> tuple[int, i
 
 def requantize_codes(q: torch.Tensor, out_point: QuantPoint, activation: str | None) -> torch.Tensor:
     """Codes already on the output scale (without zero point) -> clamped float32 values."""
-    zp = _broadcast_point(out_point.zero_point, out_point, q.dim()).to(torch.int64)
     lo, hi = activation_bounds(out_point, activation)
+    if out_point.zero_point.dim() == 0:
+        # Clamp the codes without the zero point: (q + z).clamp(lo, hi) - z in one pass.
+        z = int(out_point.zero_point)
+        return q.clamp(lo - z, hi - z).to(torch.float32).mul_(out_point.scale.detach())
+    zp = _broadcast_point(out_point.zero_point, out_point, q.dim()).to(torch.int64)
     return values((q + zp).clamp(lo, hi), out_point)
 
 

@@ -180,13 +180,14 @@ class _QWeighted(nn.Module):
         acc = integer.exact_integer_op(self._op, integer.codes(x, in_point, torch.float32), w_codes, w_codes[0].numel())
         shape = [1] * acc.dim()
         shape[self.out_channel_axis] = -1
+        acc = acc.to(torch.int64)
         if self.bias is not None:
-            q_bias = torch.round(self.bias.detach().to(torch.float64) / (s_in * s_w))
+            q_bias = torch.round(self.bias.detach().to(torch.float64) / (s_in * s_w)).to(torch.int64)
             acc = acc + q_bias.reshape(shape)
         multiplier = (s_in * s_w / s_out)
         if multiplier.dim():
             multiplier = multiplier.reshape(shape)
-        y = integer.requantize(acc.to(torch.int64), multiplier, out_point, self._fused_activation)  # acc is integral
+        y = integer.requantize(acc, multiplier, out_point, self._fused_activation)
         return tag(y, out_point)
 
     def absorb(self) -> None:
