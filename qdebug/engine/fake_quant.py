@@ -166,11 +166,13 @@ def fake_quantize(
     alpha: float = 1.0,
     training: bool = False,
     kind: str = "activation",
+    known_finite: bool = False,
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with ``scale``/``zero_point`` (0-dim, or [C] per-channel).
 
     ``estimator`` defaults to ``spec.estimator``; it only changes the backward
-    (and, for ``alpha_blend`` in training, the forward blend).
+    (and, for ``alpha_blend`` in training, the forward blend).  ``known_finite``:
+    the caller has just proved x has no NaN (skips the NaN scan).
     """
     estimator = estimator or spec.estimator
     axis = channel_axis(spec, x.dim()) if spec.per_channel else 0
@@ -180,7 +182,8 @@ def fake_quantize(
             x.float(), scale, zero_point, spec, estimator=estimator, alpha=alpha, training=training, kind=kind
         ).to(x.dtype)
     if estimator == "clipped_ste":
-        return _keep_nan(x, _kernel(x, scale.detach(), zero_point, spec, axis))
+        out = _kernel(x, scale.detach(), zero_point, spec, axis)
+        return out if known_finite else _keep_nan(x, out)  # an observer just proved x finite
     if estimator == "ste":
         return _NoGradFakeQuant.apply(x, scale, zero_point, spec, axis, "ste")
     if estimator == "qte":

@@ -71,6 +71,7 @@ class Observer(torch.nn.Module):
         super().__init__()
         if not isinstance(spec, QuantSpec):
             raise QDebugError(f"an observer needs a QuantSpec, got {type(spec).__name__}")
+        self.last_batch_finite = False  # set by each batch: True when it held no NaN/Inf
         self.spec = spec
         # Names of buffers whose shape depends on the data (resized on load / first batch).
         self._lazy_buffers: list[str] = []
@@ -165,7 +166,9 @@ class Observer(torch.nn.Module):
         """
         bmin, bmax = torch.aminmax(rows, dim=1)
         if bool(torch.isfinite(bmin).all() & torch.isfinite(bmax).all()):
+            self.last_batch_finite = True  # lets fake quant skip its own NaN scan of this tensor
             return bmin, bmax, None
+        self.last_batch_finite = False
         mask = torch.isfinite(rows)
         self.nonfinite += (~mask).sum()
         bmin = torch.where(mask, rows, _INF).amin(dim=1)

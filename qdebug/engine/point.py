@@ -99,12 +99,17 @@ class QuantPoint(nn.Module):
         if self.mode == "observe":
             self.observer(x)
             return x
+        observed = False
         if self.kind == "weight" and not self.frozen and not (self.spec.learnable_scale and self.initialized):
             if self.training or cache_key is None or cache_key != self._cache_key or not self.initialized:
+                self.observer.last_batch_finite = False
                 self.compute_from(x)
                 self._cache_key = cache_key
+                observed = True
         elif self.observe_in_fake and self.training:
+            self.observer.last_batch_finite = False
             self.observer(x)
+            observed = True
             if self.spec.learnable_scale and self.initialized:
                 pass  # a learned scale is the optimizer's, not the observer's
             else:
@@ -115,7 +120,8 @@ class QuantPoint(nn.Module):
                 "calibrate the model (qdebug.engine.calibrate) before fake quantization",
             )
         out = fake_quantize(
-            x, self.scale, self.zero_point, self.spec, alpha=self.alpha, training=self.training, kind=self.kind
+            x, self.scale, self.zero_point, self.spec, alpha=self.alpha, training=self.training, kind=self.kind,
+            known_finite=observed and bool(getattr(self.observer, "last_batch_finite", False)),
         )
         out._qdebug_point = self  # lets integer kernels find the grid a tensor lies on
         return out
