@@ -114,8 +114,10 @@ def baseline(
         float_model, info = load_checkpoint(paths[0], model=model, command="baseline")
         quant_model, _ = load_checkpoint(paths[1], model=model, command="baseline")
         batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
-        float_values, float_samples = run_metric_with_samples(metric_fn, float_model, batch_list, reference=float_model)
-        quant_values, quant_samples = run_metric_with_samples(metric_fn, quant_model, batch_list, reference=float_model)
+        with err_console.status(f"evaluating {paths[0]} on {len(batch_list)} batch(es)"):
+            float_values, float_samples = run_metric_with_samples(metric_fn, float_model, batch_list, reference=float_model)
+        with err_console.status(f"evaluating {paths[1]} on {len(batch_list)} batch(es)"):
+            quant_values, quant_samples = run_metric_with_samples(metric_fn, quant_model, batch_list, reference=float_model)
         # A single-number metric is the task named after the metric, so [tasks.top1] applies to it.
         task_name = spec.rsplit(":", 1)[-1]
         float_values, quant_values = (_rename(v, task_name) for v in (float_values, quant_values))
