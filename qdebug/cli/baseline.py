@@ -10,7 +10,10 @@ from typing import Optional
 import typer
 
 from qdebug.cli.app import app
-from qdebug.cli.common import STATE, console, err_console, load_checkpoint, print_json, resolve_batches
+from qdebug.cli.common import (
+    BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, STATE, console, err_console, load_checkpoint, print_json,
+    resolve_batches,
+)
 from qdebug.errors import QDebugError
 from qdebug.metrics import metric_direction, resolve_metric, run_metric_with_samples
 from qdebug.report.junit import write_junit
@@ -69,8 +72,8 @@ def baseline(
     checkpoints: Optional[list[str]] = typer.Argument(None, help="FLOAT and QUANT checkpoints (default: the config's float and quantized, else qat)."),
     metric: Optional[str] = typer.Option(None, "--metric", help="Metric: top1, top5, mse, agreement or package.module:function."),
     data: Optional[str] = typer.Option(None, "--data", help="Evaluation data spec."),
-    batches: Optional[int] = typer.Option(None, "--batches", help="Use at most N batches."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Batch size when the data is one tensor."),
+    batches: Optional[int] = BATCHES_OPTION,
+    batch_size: Optional[int] = BATCH_SIZE_OPTION,
     ratio: Optional[float] = typer.Option(None, "--ratio", help="Required quantized/float ratio (default 0.99, or the config's)."),
     direction: Optional[str] = typer.Option(None, "--direction", help="higher or lower is better (single-number metrics)."),
     float_metric: Optional[float] = typer.Option(None, "--float-metric", help="Precomputed float metric (no evaluation)."),
@@ -80,7 +83,7 @@ def baseline(
     confidence: Optional[float] = typer.Option(None, "--confidence", help="Confidence level of the bootstrap interval, e.g. 0.95."),
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per task)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON {meta, rows} instead of a table."),
-    model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files."),
+    model: Optional[str] = MODEL_OPTION,
 ) -> None:
     cfg = STATE.config()
     default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))

@@ -10,6 +10,7 @@ import typer
 from qdebug.checkpoint import save
 from qdebug.cli.app import app
 from qdebug.cli.common import (
+    BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, console, load_checkpoint, load_qconfig_file, model_errors, print_json, progress_bar, resolve_batches,
     stage_path,
 )
@@ -73,15 +74,15 @@ def calibrate(
     checkpoint: Optional[str] = typer.Argument(None, help="Float checkpoint (default: the config's float)."),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the calibrated checkpoint."),
     data: Optional[str] = typer.Option(None, "--data", help="Calibration data: .pt file, package.module:function or random:NxCxHxW."),
-    batches: Optional[int] = typer.Option(None, "--batches", help="Use at most N batches."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Batch size when the data is one tensor."),
+    batches: Optional[int] = BATCHES_OPTION,
+    batch_size: Optional[int] = BATCH_SIZE_OPTION,
     observer: Optional[str] = typer.Option(None, "--observer", help=f"Activation observer: {', '.join(OBSERVERS)}."),
     per_channel: Optional[bool] = typer.Option(None, "--per-channel/--per-tensor", help="Weight granularity (default per-channel)."),
     bits: Optional[int] = typer.Option(None, "--bits", help="Bit width of weights and activations (2-16)."),
     qconfig: Optional[Path] = typer.Option(None, "--qconfig", help="QConfig file (JSON or TOML: weight, activation, overrides)."),
     mode: Optional[str] = typer.Option(None, "--mode", help="QAT mode: fuse_bn, with_bn, with_bn_reverse_fold."),
-    model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files."),
-    unsafe_load: bool = typer.Option(False, "--unsafe-load", help="Allow a pickled whole-module file (executes code from it)."),
+    model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer table as JSON."),
 ) -> None:
     path = stage_path(checkpoint, "float", what="float")

@@ -11,6 +11,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -21,6 +22,14 @@ from qdebug.errors import QDebugError
 
 console = Console()
 err_console = Console(stderr=True)
+
+# Options several commands share, declared once so their names and help stay the same.
+BATCHES_OPTION = typer.Option(None, "--batches", help="Use at most N batches.")
+BATCH_SIZE_OPTION = typer.Option(None, "--batch-size", help="Batch size when the data is one tensor.")
+MODEL_OPTION = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files.")
+UNSAFE_LOAD_OPTION = typer.Option(
+    False, "--unsafe-load", help="Allow a pickled whole-module file (executes code from it)."
+)
 
 
 @dataclass

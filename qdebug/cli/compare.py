@@ -10,6 +10,7 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
+    BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, console, load_checkpoint, model_errors, print_json, progress_bar, resolve_batches,
 )
 from qdebug.errors import QDebugError
@@ -111,8 +112,8 @@ def compare(
     checkpoints: Optional[List[str]] = typer.Argument(None, help="Two or more checkpoints (default: the config's float and qat)."),
     ref: Optional[str] = typer.Option(None, "--ref", help="Reference: a stage label or a 0-based index (default: the first)."),
     data: Optional[str] = typer.Option(None, "--data", help="Data spec (default: the config's data, else the sample inputs)."),
-    batches: Optional[int] = typer.Option(None, "--batches", help="Use at most N batches."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Batch size when the data is one tensor."),
+    batches: Optional[int] = BATCHES_OPTION,
+    batch_size: Optional[int] = BATCH_SIZE_OPTION,
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"Columns to show, comma-separated (default {','.join(DEFAULT_SHOW)})."),
     threshold: Optional[List[str]] = typer.Option(None, "--threshold", help="Override a flag threshold, e.g. sqnr_db=25 (repeatable)."),
     sort: Optional[str] = typer.Option(None, "--sort", help="Sort rows by this metric (worst first)."),
@@ -120,8 +121,8 @@ def compare(
     isolated: bool = typer.Option(True, "--isolated/--no-isolated", help="Also measure each layer on the reference's input."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write compare.csv, compare.json and PNG plots here."),
     fmt: Optional[str] = typer.Option(None, "--format", help="Write json or csv to stdout instead of a table."),
-    model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files."),
-    unsafe_load: bool = typer.Option(False, "--unsafe-load", help="Allow pickled whole-module files (executes code from them)."),
+    model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
     cfg = STATE.config()
     paths = list(checkpoints or [])

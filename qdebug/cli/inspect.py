@@ -8,7 +8,7 @@ import typer
 from rich.panel import Panel
 
 from qdebug.cli.app import app
-from qdebug.cli.common import console, load_checkpoint, model_errors, print_json, resolve_batches, stage_path
+from qdebug.cli.common import MODEL_OPTION, UNSAFE_LOAD_OPTION, console, load_checkpoint, model_errors, print_json, resolve_batches, stage_path
 from qdebug.report.output import to_json
 from qdebug.report.table import render_table
 from qdebug.tools.inspect import inspect_model
@@ -27,8 +27,8 @@ _STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 def inspect(
     checkpoint: Optional[str] = typer.Argument(None, help="Checkpoint of any stage (default: the config's qat, calibrated, quantized or float)."),
     data: Optional[str] = typer.Option(None, "--data", help="Inputs to trace a float model (default: the checkpoint's sample inputs)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files."),
-    unsafe_load: bool = typer.Option(False, "--unsafe-load", help="Allow a pickled whole-module file (executes code from it)."),
+    model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print JSON {meta, rows, checks} instead of tables."),
 ) -> None:
     path = stage_path(checkpoint, "qat", "calibrated", "quantized", "float", what="")
