@@ -47,13 +47,18 @@ def _register() -> None:
 
 
 def _click_exceptions(name: str) -> tuple[type, ...]:
-    """click's exception class ``name``, from click and from the copy newer typer versions vendor."""
-    import click
+    """click's exception class ``name``, from click and/or the copy newer typer versions vendor
+    (a fresh install of typer may come without click itself)."""
+    import importlib
 
-    found = [getattr(click.exceptions, name)]
-    vendored = sys.modules.get("typer._click.exceptions")
-    if vendored is not None and hasattr(vendored, name):
-        found.append(getattr(vendored, name))
+    found = []
+    for module in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type):
+            found.append(cls)
     return tuple(found)
 
 
