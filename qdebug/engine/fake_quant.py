@@ -38,10 +38,18 @@ from qdebug.engine.spec import QuantSpec
 from qdebug.errors import QDebugError
 
 
-def _kernel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int) -> torch.Tensor:
-    """torch's fake-quant kernel for per-tensor or per-channel qparams (no NaN handling)."""
+def _kernel(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int,
+    within_range: bool = False,
+) -> torch.Tensor:
+    """torch's fake-quant kernel for per-tensor or per-channel qparams (no NaN handling).
+
+    ``within_range``: x is finite and inside the range its qparams came from, so
+    the per-channel overflow guard (``_clamp_for_per_channel``) can be skipped.
+    """
     if spec.per_channel:
-        x = _clamp_for_per_channel(x, scale, zero_point, spec, axis)
+        if not within_range:
+            x = _clamp_for_per_channel(x, scale, zero_point, spec, axis)
         return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, spec.qmin, spec.qmax)
     return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, spec.qmin, spec.qmax)
 
@@ -167,12 +175,15 @@ def fake_quantize(
     training: bool = False,
     kind: str = "activation",
     known_finite: bool = False,
+    within_range: bool = False,
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with ``scale``/``zero_point`` (0-dim, or [C] per-channel).
 
     ``estimator`` defaults to ``spec.estimator``; it only changes the backward
     (and, for ``alpha_blend`` in training, the forward blend).  ``known_finite``:
-    the caller has just proved x has no NaN (skips the NaN scan).
+    the caller has just proved x has no NaN (skips the NaN scan).  ``within_range``:
+    x is finite and its qparams were derived from x's own min/max (a weight
+    point), so no value can overflow the per-channel kernel's int64 cast.
     """
     estimator = estimator or spec.estimator
     axis = channel_axis(spec, x.dim()) if spec.per_channel else 0
@@ -182,7 +193,7 @@ def fake_quantize(
             x.float(), scale, zero_point, spec, estimator=estimator, alpha=alpha, training=training, kind=kind
         ).to(x.dtype)
     if estimator == "clipped_ste":
-        out = _kernel(x, scale.detach(), zero_point, spec, axis)
+        out = _kernel(x, scale.detach(), zero_point, spec, axis, within_range)
         return out if known_finite else _keep_nan(x, out)  # an observer just proved x finite
     if estimator == "ste":
         return _NoGradFakeQuant.apply(x, scale, zero_point, spec, axis, "ste")

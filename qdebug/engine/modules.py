@@ -101,10 +101,14 @@ class _QWeighted(nn.Module):
             return weight
         return self.weight_point.apply(weight, cache_key=cache_key)
 
-    def quantized_input_weight(self) -> tuple[torch.Tensor, object]:
-        """The tensor the weight point quantizes (W, or W f under reverse fold) and its cache key."""
+    def quantized_input_weight(self, f: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """The tensor the weight point quantizes (W, or W f under reverse fold) and its cache key.
+
+        ``f``: the BN scale factor when the caller already computed it (one
+        differentiable division per step instead of two).
+        """
         if self.bn_mode == "reverse_fold" and self._bn is not None:
-            f = bn_scale_factor(self._bn)
+            f = bn_scale_factor(self._bn) if f is None else f
             shape = [-1] + [1] * (self.weight.dim() - 1)
             bn_weight_version = self._bn.weight._version if self._bn.weight is not None else 0
             key = None if self.training else (self.weight._version, self._bn.running_var._version, bn_weight_version)
@@ -124,10 +128,10 @@ class _QWeighted(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stage == "quantized":
             return self._integer_forward(x)
-        weight, key = self.quantized_input_weight()
+        f = bn_scale_factor(self._bn) if self.bn_mode == "reverse_fold" and self._bn is not None else None
+        weight, key = self.quantized_input_weight(f)
         w = self._quantized_weight(weight, key)
-        if self.bn_mode == "reverse_fold" and self._bn is not None:
-            f = bn_scale_factor(self._bn)
+        if f is not None:
             out_shape = [1] * x.dim()
             out_shape[self.out_channel_axis] = -1
             y = self._op(x, w, None) / f.reshape(out_shape)

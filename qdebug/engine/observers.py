@@ -37,6 +37,8 @@ its scheme is documented there.  Each class docstring carries its exact math.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -96,8 +98,19 @@ class Observer(torch.nn.Module):
             self._update(rows, bmin, bmax, mask)
         return x
 
-    def reset(self) -> None:
-        """Forget everything seen (lazy buffers go back to empty)."""
+    def reset(self, keep_channels: int | None = None) -> None:
+        """Forget everything seen (lazy buffers go back to empty).
+
+        ``keep_channels``: the next batch will have this many channels; when the
+        buffers already have that size they are cleared in place rather than
+        reallocated (weight points reset every training step).
+        """
+        if keep_channels is not None and self.spec.per_channel and self.min_val.numel() == keep_channels:
+            with torch.no_grad():
+                self.nonfinite.zero_()
+                self.min_val.fill_(_INF)
+                self.max_val.fill_(-_INF)
+            return
         with torch.no_grad():
             self.nonfinite.zero_()
             if self.spec.per_channel:
@@ -164,8 +177,16 @@ class Observer(torch.nn.Module):
         shows up as a bound, so a finite result proves every value is finite and
         the masked (slower, extra-memory) path runs only on dirty batches.
         """
-        bmin, bmax = torch.aminmax(rows, dim=1)
-        if bool(torch.isfinite(bmin).all() & torch.isfinite(bmax).all()):
+        if rows.shape[0] == 1:
+            # A whole-tensor reduction is parallel and vectorised; the same
+            # reduction along dim 1 of a [1, M] view runs ~20x slower on CPU.
+            bmin, bmax = torch.aminmax(rows)
+            bmin, bmax = bmin.reshape(1), bmax.reshape(1)
+        else:
+            bmin, bmax = torch.aminmax(rows, dim=1)
+        # bmax - bmin is finite only when both bounds are (inf - inf is NaN); the
+        # sum is one number to check.  An overflow to inf merely takes the exact path.
+        if math.isfinite(float((bmax - bmin).sum())):
             self.last_batch_finite = True  # lets fake quant skip its own NaN scan of this tensor
             return bmin, bmax, None
         self.last_batch_finite = False
@@ -253,6 +274,11 @@ class EMAObserver(Observer):
     def _update(self, rows, bmin, bmax, mask) -> None:
         c = float(self.spec.averaging_constant)
         old_min, old_max = self._flat(self.min_val), self._flat(self.max_val)
+        if mask is None and math.isfinite(float((old_max - old_min).sum())):
+            # Every channel has a running range and the batch is finite (the QAT
+            # steady state): the plain update, without the masking below.
+            self._store_minmax(old_min + c * (bmin - old_min), old_max + c * (bmax - old_max))
+            return
         have = torch.isfinite(bmin)  # this batch has finite data in the channel
         fresh = ~torch.isfinite(old_min)  # channel never saw data: take the batch as is
         # The EMA branch is NaN for fresh channels (inf - inf); torch.where discards it.
@@ -301,8 +327,8 @@ class HistogramObserver(Observer):
         self.register_buffer("anchor", torch.zeros(0, dtype=torch.int64))
         self._lazy_buffers += ["hist", "width", "anchor"]
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, keep_channels: int | None = None) -> None:
+        super().reset()  # the histogram's layout is rebuilt from the next batch either way
         dev = self.hist.device
         self.hist = torch.zeros(0, self.bins, dtype=torch.int64, device=dev)
         self.width = torch.zeros(0, dtype=torch.float64, device=dev)

@@ -69,9 +69,13 @@ class QuantPoint(nn.Module):
                 else:
                     self.scale.copy_(scale)
             else:
-                self.scale = scale.clone()
-            self.zero_point = zero_point.clone()
-            self.qparams_set.fill_(True)
+                # Straight into the buffer dict: Module.__setattr__ is a measurable
+                # cost when QAT sets qparams on every point every step.  A fresh
+                # tensor (not copy_) so a backward holding the old one stays valid.
+                self._buffers["scale"] = scale.clone()
+            self._buffers["zero_point"] = zero_point.clone()
+            if not self.qparams_set:
+                self.qparams_set.fill_(True)
 
     def update_from_observer(self) -> None:
         """Take scale/zero point from the observer's current range."""
@@ -80,7 +84,10 @@ class QuantPoint(nn.Module):
 
     def compute_from(self, tensor: torch.Tensor) -> None:
         """Reset the observer, observe ``tensor`` alone and take its qparams (weights)."""
-        self.observer.reset()
+        channels = None
+        if self.spec.per_channel and -tensor.dim() <= self.spec.ch_axis < tensor.dim():
+            channels = tensor.shape[self.spec.ch_axis]
+        self.observer.reset(keep_channels=channels)
         self.observer(tensor.detach())
         self.update_from_observer()
 
@@ -99,13 +106,15 @@ class QuantPoint(nn.Module):
         if self.mode == "observe":
             self.observer(x)
             return x
-        observed = False
+        observed = within_range = False
         if self.kind == "weight" and not self.frozen and not (self.spec.learnable_scale and self.initialized):
             if self.training or cache_key is None or cache_key != self._cache_key or not self.initialized:
                 self.observer.last_batch_finite = False
                 self.compute_from(x)
                 self._cache_key = cache_key
                 observed = True
+                # The range is this very tensor's own min/max: every value is inside it.
+                within_range = self.spec.observer in ("minmax", "ema")
         elif self.observe_in_fake and self.training:
             self.observer.last_batch_finite = False
             self.observer(x)
@@ -119,9 +128,10 @@ class QuantPoint(nn.Module):
                 f"quant point {self.name!r} has no scale yet",
                 "calibrate the model (qdebug.engine.calibrate) before fake quantization",
             )
+        known_finite = observed and bool(getattr(self.observer, "last_batch_finite", False))
         out = fake_quantize(
             x, self.scale, self.zero_point, self.spec, alpha=self.alpha, training=self.training, kind=self.kind,
-            known_finite=observed and bool(getattr(self.observer, "last_batch_finite", False)),
+            known_finite=known_finite, within_range=within_range and known_finite,
         )
         out._qdebug_point = self  # lets integer kernels find the grid a tensor lies on
         return out

@@ -10,6 +10,7 @@ place and are documented in docs/engine.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -227,9 +228,13 @@ def qparams_from_range(
     """
     min_val = torch.as_tensor(min_val, dtype=torch.float32)
     max_val = torch.as_tensor(max_val, dtype=torch.float32)
-    finite = torch.isfinite(min_val) & torch.isfinite(max_val)
-    min_val = torch.where(finite, min_val, torch.zeros_like(min_val))
-    max_val = torch.where(finite, max_val, torch.zeros_like(max_val))
+    # QAT recomputes qparams every step: skip the masking ops in the usual all-finite
+    # case (max - min is finite only when both are; an overflow takes the masked path).
+    all_finite = math.isfinite(float((max_val - min_val).sum()))
+    if not all_finite:
+        finite = torch.isfinite(min_val) & torch.isfinite(max_val)
+        min_val = torch.where(finite, min_val, torch.zeros_like(min_val))
+        max_val = torch.where(finite, max_val, torch.zeros_like(max_val))
     lo = torch.clamp(min_val, max=0.0)
     hi = torch.clamp(max_val, min=0.0)
     qmin, qmax = spec.qmin, spec.qmax
@@ -242,6 +247,7 @@ def qparams_from_range(
         scale = torch.clamp(scale, min=SCALE_EPS)
         zero_point = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
     scale = torch.clamp(scale, min=SCALE_EPS)
-    scale = torch.where(finite, scale, torch.ones_like(scale))
-    zero_point = torch.where(finite, zero_point, torch.zeros_like(zero_point))
+    if not all_finite:
+        scale = torch.where(finite, scale, torch.ones_like(scale))
+        zero_point = torch.where(finite, zero_point, torch.zeros_like(zero_point))
     return scale.to(torch.float32), zero_point.to(torch.int32)
