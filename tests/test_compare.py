@@ -27,6 +27,8 @@ from qdebug.tools.compare import METRICS, compare
 
 RESNET = "qdebug.zoo.resnet:ResNet"
 SMALL = {"layers": [1, 1], "widths": [8, 16], "num_classes": 10, "in_channels": 1, "stem": "small"}
+# float32 feature maps are reduced in float32 blocks (qdebug.stats: relative error ~1e-7).
+STATS_REL = 1e-6
 # Every value call of the small ResNet's forward, in execution order, written out from its code:
 # a BasicBlock calls its one ReLU twice and adds inline; flatten is a reshape, not a value call.
 LAYERS = [
@@ -130,9 +132,9 @@ def test_any_stages_in_one_call(all_stages, stages, stage_batches):
             model = stages.models[target]
             out = torch.cat([model(b) for b in stage_batches])
             row = _rows(all_stages, target)["fc"]
-            assert row["sqnr_db"] == pytest.approx(_sqnr(ref, out), rel=1e-9), target
+            assert row["sqnr_db"] == pytest.approx(_sqnr(ref, out), rel=STATS_REL), target
             cos = float((ref.double() * out.double()).sum() / (ref.double().norm() * out.double().norm()))
-            assert row["cosine"] == pytest.approx(cos, rel=1e-9), target
+            assert row["cosine"] == pytest.approx(cos, rel=STATS_REL), target
             assert row["note"] == ""
     assert not stages.models["qat"].training  # compare restores the modes it found
 
@@ -157,12 +159,12 @@ def test_ref_index(all_stages, stages, stage_batches):
     a, b = _rows(all_stages, "calibrated"), _rows(backward, "float")
     # cosine and mse are symmetric; SQNR is relative to the reference's power
     for layer in ("relu", "layer1.0.add", "layer2.0.relu#2", "fc"):
-        assert b[layer]["cosine"] == pytest.approx(a[layer]["cosine"], rel=1e-9)
-        assert b[layer]["mse"] == pytest.approx(a[layer]["mse"], rel=1e-9)
+        assert b[layer]["cosine"] == pytest.approx(a[layer]["cosine"], rel=STATS_REL)
+        assert b[layer]["mse"] == pytest.approx(a[layer]["mse"], rel=STATS_REL)
     with torch.no_grad():
         cal_out = torch.cat([stages.models["calibrated"](x) for x in stage_batches])
         fp_out = torch.cat([stages.models["float"](x) for x in stage_batches])
-    assert b["fc"]["sqnr_db"] == pytest.approx(_sqnr(cal_out, fp_out), rel=1e-9)
+    assert b["fc"]["sqnr_db"] == pytest.approx(_sqnr(cal_out, fp_out), rel=STATS_REL)
     assert b["fc"]["sqnr_db"] != pytest.approx(a["fc"]["sqnr_db"], rel=1e-6)
 
 

@@ -1,7 +1,9 @@
 """Streaming error statistics (qdebug.stats.ErrorStats) against values computed by hand.
 
 Every expected value is computed directly from the whole (concatenated) tensors in
-float64 with plain torch, never with qdebug.
+float64 with plain torch, never with qdebug.  float32 inputs are reduced block-wise
+in float32 (documented relative error ~1e-7), hence REL; float64 inputs are held
+to float64 precision.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 
 from qdebug.stats import ErrorStats
 
-REL = 1e-9
+REL = 1e-6
+REL64 = 1e-12
 
 
 def _batches(n_batches=3, shape=(2, 5, 3, 4), noise=0.05, seed=0):
@@ -278,3 +281,56 @@ def test_shape_mismatch_is_recorded_not_compared():
     stats.update(torch.zeros(2, 3), torch.zeros(2, 4))
     assert stats.shape_mismatch == "[2, 3] vs [2, 4]"
     assert stats.result() == {}
+
+
+def test_float64_inputs_are_reduced_in_float64():
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 6, 40, 40, generator=gen, dtype=torch.float64)
+    y = x + 1e-3 * torch.randn(3, 6, 40, 40, generator=gen, dtype=torch.float64)
+    result = _fold([x], [y]).result()
+    for name, value in _by_hand(x, y).items():
+        assert result[name] == pytest.approx(value, rel=REL64), name
+
+
+def test_finite_values_whose_squares_overflow_float32_are_redone_in_float64():
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(2, 4, 30, 30, generator=gen) * 1e20  # x^2 ~ 1e40 > float32 max
+    y = x * (1 + 1e-3 * torch.randn(2, 4, 30, 30, generator=gen))
+    result = _fold([x], [y]).result()
+    assert result["nonfinite"] == 0
+    for name, value in _by_hand(x, y).items():
+        if name == "kl":
+            continue  # softmax of 1e20-sized logits: one-hot, KL ~0 either way
+        assert math.isfinite(result[name]), name
+        assert result[name] == pytest.approx(value, rel=REL), name
+
+
+@pytest.mark.parametrize("noise", [1e-5, 1e-3, 0.3])
+def test_kl_keeps_its_precision_when_x_and_y_nearly_agree(noise):
+    # The textbook sum p (log p - log q) in float32 loses every digit at noise 1e-5;
+    # qdebug's cancellation-free form keeps the float64 value to a few 1e-5 relative.
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(4, 16, 8, 8, generator=gen) * 3
+    y = x + noise * torch.randn(4, 16, 8, 8, generator=gen)
+    expected = _kl_by_hand(x.double(), y.double())
+    assert expected > 0
+    assert _fold([x], [y]).result()["kl"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_kl_of_far_apart_distributions_stays_finite_and_exact():
+    # exp(d) overflows float32 for d > 88: such a block is redone in float64.
+    gen = torch.Generator().manual_seed(24)
+    x = torch.randn(2, 5, 3, 3, generator=gen)
+    y = x.clone()
+    y[:, 0] += 120.0
+    result = _fold([x], [y]).result()
+    assert result["kl"] == pytest.approx(_kl_by_hand(x.double(), y.double()), rel=1e-9)
+    assert result["nonfinite"] == 0
+
+
+def test_cosine_never_leaves_its_range():
+    gen = torch.Generator().manual_seed(25)
+    for _ in range(5):
+        x = torch.randn(1000, generator=gen)
+        for y in (x.clone(), -x, x * 1.0000001):
+            assert -1.0 <= _fold([x], [y]).result()["cosine"] <= 1.0
