@@ -30,11 +30,13 @@ def _as_model(item: Any, index: int) -> tuple[str, nn.Module, Any]:
 
 
 def compare(*models: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
-            ref: int = 0, thresholds: dict[str, float] | None = None, isolated: bool = True) -> pd.DataFrame:
+            ref: int = 0, thresholds: dict[str, float] | None = None, isolated: bool = True,
+            kl_feature_maps: bool = False) -> pd.DataFrame:
     """Per-layer comparison of checkpoints/models (see docs/compare.md); a DataFrame.
 
     ``data``: a data spec string, a list of batches, or None for the reference
-    checkpoint's sample inputs.
+    checkpoint's sample inputs.  ``kl_feature_maps``: also compute ``kl`` for
+    feature maps (it is always computed for [N, C] outputs).
     """
     from qdebug.tools.compare import compare as run
 
@@ -53,7 +55,7 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
             raise QDebugError("no data given and the reference has no sample inputs", "pass data=...")
         batch_list = batches_from_inputs(info.sample_inputs)
     result = run([(label, m) for label, (_, m, _) in zip(labels, loaded)], batch_list, ref=ref,
-                 thresholds=thresholds, isolated=isolated)
+                 thresholds=thresholds, isolated=isolated, kl_feature_maps=kl_feature_maps)
     frame = result.frame
     frame.attrs["summary"] = result.summary
     frame.attrs["meta"] = result.meta

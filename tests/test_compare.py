@@ -460,6 +460,55 @@ def test_cli_json_and_csv_to_stdout(cli, stages):
     cli("compare", stages.float, stages.qat, "--format", "xml").assert_error("--format 'xml'")
 
 
+def _kl_by_hand(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean over positions of sum_c p log(p / q), softmax over axis 1, in float64."""
+    log_p, log_q = torch.log_softmax(x.double(), 1), torch.log_softmax(y.double(), 1)
+    per_position = (log_p.exp() * (log_p - log_q)).sum(1)
+    return float(per_position.mean())
+
+
+def test_kl_for_logits_always_and_for_feature_maps_on_request(stages, stage_batches):
+    fp, cal = stages.models["float"], stages.models["calibrated"]
+    default = _rows(compare([("float", fp), ("calibrated", cal)], stage_batches))
+    asked = compare([("float", fp), ("calibrated", cal)], stage_batches, kl_feature_maps=True)
+    assert asked.meta["kl_feature_maps"] is True
+    asked_rows = _rows(asked)
+    with torch.no_grad():
+        logits = [torch.cat([m(b) for b in stage_batches]) for m in (fp, cal)]
+    # [N, C] logits: computed either way, equal to the float64 formula
+    for rows in (default, asked_rows):
+        assert rows["fc"]["kl"] == pytest.approx(_kl_by_hand(*logits), rel=1e-4)
+    # a feature map: NaN (not computed) by default, the hand value when asked
+    fp_maps = _outputs(fp, fp.layer1[0].bn2, stage_batches)
+    # bn2 is folded into conv2 in this model; its placeholder returns the quantized map
+    cal_maps = _outputs(cal, cal.get_submodule("layer1.0.bn2"), stage_batches)
+    assert math.isnan(default["layer1.0.bn2"]["kl"])
+    expected = _kl_by_hand(torch.cat(fp_maps), torch.cat(cal_maps))
+    assert expected > 0
+    assert asked_rows["layer1.0.bn2"]["kl"] == pytest.approx(expected, rel=1e-4)
+    # the other metrics do not depend on it
+    for metric in ("sqnr_db", "cosine", "isolated_sqnr_db", "min_channel_sqnr_db"):
+        assert asked_rows["layer1.0.bn2"][metric] == default["layer1.0.bn2"][metric]
+
+
+def test_cli_metrics_kl_and_all(cli, stages):
+    base = ("compare", stages.float, stages.qat, "--data", stages.data, "--format", "json")
+    plain = json.loads(cli(*base).out)
+    with_kl = cli(*base, "--metrics", "sqnr_db,kl")
+    assert with_kl.code == 0, with_kl.err
+    payload = json.loads(with_kl.out)
+    assert plain["meta"]["kl_feature_maps"] is False and payload["meta"]["kl_feature_maps"] is True
+    plain_rows = {r["layer"]: r for r in plain["rows"]}
+    rows = {r["layer"]: r for r in payload["rows"]}
+    assert plain_rows["layer1.0.relu"]["kl"] is None  # NaN in JSON is null
+    assert rows["layer1.0.relu"]["kl"] >= 0
+    assert plain_rows["fc"]["kl"] == pytest.approx(rows["fc"]["kl"], rel=1e-12)
+    table = cli("compare", stages.float, stages.qat, "--data", stages.data, "--metrics", "all")
+    assert table.code == 0, table.err
+    header = next(line for line in table.out.splitlines() if line.startswith("┃"))
+    assert len(header.strip("┃").split("┃")) == 2 + len(METRICS) + 2  # layer, type, every metric, diagnosis, note
+
+
 def test_cli_metrics_threshold_sort_top(cli, stages):
     base = ("compare", stages.float, stages.qat, "--data", stages.data)
     result = cli(*base, "--metrics", "cosine,sqnr_db")

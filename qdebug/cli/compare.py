@@ -51,6 +51,8 @@ def parse_metrics(spec: Optional[str]) -> list[str]:
     if not spec:
         return list(DEFAULT_SHOW)
     names = [m.strip() for m in spec.split(",") if m.strip()]
+    if names == ["all"]:
+        return list(METRICS)
     unknown = [m for m in names if m not in METRICS]
     if unknown:
         raise QDebugError(f"unknown metric(s): {', '.join(unknown)}", f"choose from {', '.join(METRICS)}")
@@ -105,7 +107,8 @@ def _display(frame: pd.DataFrame, metrics: list[str], sort: Optional[str], top: 
         "saturation, per-channel SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, "
         "nonfinite) for flagged layers.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/calibrated.pt fixtures/demo/quantized.pt "
-        "--data fixtures/demo/eval.pt --batches 4 --out compare-out"
+        "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
+        "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl"
     )
 )
 def compare(
@@ -114,7 +117,11 @@ def compare(
     data: Optional[str] = typer.Option(None, "--data", help="Data spec (default: the config's data, else the sample inputs)."),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
-    metrics: Optional[str] = typer.Option(None, "--metrics", help=f"Columns to show, comma-separated (default {','.join(DEFAULT_SHOW)})."),
+    metrics: Optional[str] = typer.Option(
+        None, "--metrics",
+        help=f"Columns to show, comma-separated, or 'all' (default {','.join(DEFAULT_SHOW)}). Naming kl (or all) "
+        "also computes kl for feature maps, not only for [N, C] outputs.",
+    ),
     threshold: Optional[List[str]] = typer.Option(None, "--threshold", help="Override a flag threshold, e.g. sqnr_db=25 (repeatable)."),
     sort: Optional[str] = typer.Option(None, "--sort", help="Sort rows by this metric (worst first)."),
     top: Optional[int] = typer.Option(None, "--top", help="Show only the first N rows."),
@@ -148,7 +155,8 @@ def compare(
     batch_list = resolve_batches(data, batches, infos[ref_index], batch_size=batch_size)
     pairs = [(label, net) for label, (net, _) in zip(labels, loaded)]
     with progress_bar("comparing", len(batch_list)) as advance, model_errors("comparing", batch_list[0]):
-        result = run_compare(pairs, batch_list, ref=ref_index, thresholds=limits, isolated=isolated, progress=advance)
+        result = run_compare(pairs, batch_list, ref=ref_index, thresholds=limits, isolated=isolated,
+                             kl_feature_maps="kl" in shown, progress=advance)
     _check_architecture(result.frame, labels[ref_index])
     frame = result.frame
     meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary}

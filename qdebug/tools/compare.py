@@ -115,9 +115,10 @@ class _Listener:
     """Accumulates one compared model's statistics against the current reference capture."""
 
     def __init__(self, label: str, model: nn.Module, capture: Capture, skip: dict[str, str], isolated: bool,
-                 stats: dict, notes: dict, samples: dict, kinds: dict):
+                 stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False):
         self.label, self.model, self.capture, self.skip = label, model, capture, skip
         self.isolated = isolated
+        self.kl_feature_maps = kl_feature_maps
         self.quantized = is_prepared(model) and engine_state(model).stage == "quantized"
         self.stats, self.notes, self.samples, self.kinds = stats, notes, samples, kinds
         self.seen: set[str] = set()
@@ -148,7 +149,9 @@ class _Listener:
             self.notes[key] = f"shape differs: {list(x.shape)} vs {list(y.shape)}"
             return
         if key not in self.stats:
-            self.stats[key] = (ErrorStats(), ErrorStats(want_channels=False, want_kl=False))
+            # KL over the classes of a [N, C] output always; over a feature map's channels on request.
+            want_kl = self.kl_feature_maps or x.dim() <= 2
+            self.stats[key] = (ErrorStats(want_kl=want_kl), ErrorStats(want_channels=False, want_kl=False))
         stats = self.stats[key]
         raw = first_tensor(event.raw) if event.raw is not None else None
         stats[0].update(x, y, grid=_grid(self.model, name), raw=raw)
@@ -204,12 +207,16 @@ def compare(
     ref: int = 0,
     thresholds: dict[str, float] | None = None,
     isolated: bool = True,
+    kl_feature_maps: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> CompareResult:
     """Compare every model with ``models[ref]`` layer by layer (see module docstring).
 
     ``models``: (label, model) pairs of one architecture in any stage; ``batches``:
     model inputs (tensor, tuple or dict) or ``qdebug.data.Batch`` objects.
+    ``kl``: always for [N, C] outputs (logits); for feature maps (3-d and more) only
+    with ``kl_feature_maps`` -- two exponentials per value, it costs more than every
+    other metric together.
     """
     if len(models) < 2:
         raise QDebugError("compare needs at least two models", "e.g. qdebug compare float.pt qat.pt")
@@ -234,7 +241,8 @@ def compare(
     kinds: dict = {}
     order: list[str] = []
     listeners = [
-        _Listener(label, model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples, kinds)
+        _Listener(label, model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples,
+                  kinds, kl_feature_maps)
         for label, model in others
     ]
     states = [(m, m.training) for _, m in models]
@@ -295,6 +303,7 @@ def compare(
         "batches": count,
         "thresholds": limits,
         "isolated": isolated,
+        "kl_feature_maps": kl_feature_maps,
         "layers": int(frame["layer"].nunique()),
         "flagged": int((frame["diagnosis"] != "").sum()),
     }
