@@ -12,6 +12,7 @@ reference side of a comparison.  Only one batch is held at a time.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -23,9 +24,6 @@ from qdebug.engine.context import Event, ForwardContext, active_context
 from qdebug.engine.ops import map_tensors, tensors_in
 
 
-def _detach_clone(obj: Any) -> Any:
-    # Clone: a later in-place op (ReLU(inplace=True)) must not rewrite what we recorded.
-    return map_tensors(obj, lambda t: t.detach().clone())
 
 
 @contextlib.contextmanager
@@ -81,10 +79,17 @@ class Record:
 
 @dataclass
 class Capture:
-    """Outputs (and inputs) of one forward, by call name, in execution order."""
+    """Outputs (and inputs) of one forward, by call name, in execution order.
+
+    Everything recorded is a copy: a later in-place op (``ReLU(inplace=True)``)
+    must not rewrite it.  A call's input is usually an earlier call's output,
+    unchanged since: that copy is reused rather than made twice.
+    """
 
     keep_inputs: bool = True
     records: dict[str, Record] = field(default_factory=dict)
+    # id(original) -> (weak reference to it, its version when copied, the copy)
+    _copies: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     def __call__(self, event: Event) -> None:
         call = event.call
@@ -92,13 +97,24 @@ class Capture:
             call.name,
             call.op,
             call.category,
-            _detach_clone(event.args) if self.keep_inputs else (),
-            _detach_clone(event.kwargs) if self.keep_inputs else {},
-            _detach_clone(event.out),
+            map_tensors(event.args, self._copy) if self.keep_inputs else (),
+            map_tensors(event.kwargs, self._copy) if self.keep_inputs else {},
+            map_tensors(event.out, self._copy),
         )
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        entry = self._copies.get(id(t))
+        if entry is not None:
+            ref, version, copy = entry
+            if ref() is t and t._version == version:  # the same tensor, not modified in place since
+                return copy
+        copy = t.detach().clone()
+        self._copies[id(t)] = (weakref.ref(t), t._version, copy)
+        return copy
 
     def clear(self) -> None:
         self.records.clear()
+        self._copies.clear()
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:

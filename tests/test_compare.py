@@ -568,3 +568,41 @@ def test_cli_help_has_an_example(cli):
     result = cli("compare", "--help")
     assert result.code == 0, result.err
     assert "Example:" in result.out and "qdebug compare" in result.out
+
+
+class _InPlaceNet(nn.Module):
+    """In-place ops everywhere a recorded reference value could be overwritten."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 16 * 16, 5)
+
+    def forward(self, x):
+        y = self.relu(self.conv1(x))
+        z = self.conv2(y)
+        z += y
+        return self.fc(torch.relu_(z).flatten(1))
+
+
+def test_in_place_ops_never_overwrite_recorded_reference_values():
+    torch.manual_seed(0)
+    fp = _InPlaceNet().eval()
+    batches = [_images(3, 30), _images(3, 31)]
+    cal = prepare(fp, QConfig(), example_inputs=batches[0])
+    calibrate(cal, batches)
+    twin = copy.deepcopy(cal)
+    result = compare([("float", fp), ("a", cal), ("b", twin)], batches)
+    a, b = _rows(result, "a"), _rows(result, "b")
+    assert a.keys() == b.keys() and "conv1" in a and "relu" in a
+    for layer in a:
+        for metric in METRICS:
+            x, y = a[layer][metric], b[layer][metric]
+            assert (math.isnan(x) and math.isnan(y)) or x == y, (layer, metric)
+    # conv1's reference output is the map before the in-place ReLU (it has negative values)
+    fp_maps = torch.cat(_outputs(fp, fp.conv1, batches))
+    cal_maps = torch.cat(_outputs(cal, cal.conv1, batches))
+    assert (fp_maps < 0).any()
+    assert a["conv1"]["sqnr_db"] == pytest.approx(_sqnr(fp_maps, cal_maps), rel=STATS_REL)

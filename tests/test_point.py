@@ -117,3 +117,84 @@ def test_activation_point_in_qat_ignores_a_nan_batch():
     all_nan = point.apply(torch.full((3,), math.nan))
     assert torch.isnan(all_nan).all()
     assert float(point.observer.max_val) == pytest.approx(float(before[1]) + 0.5 * (100 - float(before[1])))
+
+
+# -- the eval-mode weight cache -------------------------------------------------------------------
+def _conv_bn_model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    with torch.no_grad():
+        model[1].running_var.uniform_(0.5, 2.0)
+        model[1].running_mean.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+def _prepared(mode: str):
+    from qdebug.engine import QConfig, calibrate, prepare
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(4))
+    qm = prepare(_conv_bn_model(), QConfig(), mode=mode, example_inputs=x)
+    calibrate(qm, [x])
+    return qm.eval(), x
+
+
+def _count_weight_quantizations(monkeypatch) -> list:
+    import qdebug.engine.fake_quant as fq
+
+    calls = []
+    real = torch.fake_quantize_per_channel_affine
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fq.torch, "fake_quantize_per_channel_affine", counting)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["fuse_bn", "with_bn", "with_bn_reverse_fold"])
+def test_eval_forwards_quantize_each_weight_once_and_give_the_same_output(monkeypatch, mode):
+    qm, x = _prepared(mode)
+    with torch.no_grad():
+        first = qm(x)
+    calls = _count_weight_quantizations(monkeypatch)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(qm(x), first)
+    assert calls == []  # all three forwards used the cached weight
+    with torch.enable_grad():
+        out = qm(x)  # with autograd the weight is quantized in the graph, not taken from the cache
+    assert torch.equal(out.detach(), first) and len(calls) == 1
+
+
+@pytest.mark.parametrize("change", ["weight", "running_var", "bn_weight", "qparams", "scale_in_place", "train_step"])
+def test_the_weight_cache_never_serves_a_stale_weight(change):
+    qm, x = _prepared("with_bn_reverse_fold")
+    conv = qm.get_submodule("0")
+    bn = qm.get_submodule("1")
+    point = conv.weight_point
+    with torch.no_grad():
+        qm(x)
+        if change == "weight":
+            conv.weight.mul_(1.5)
+        elif change == "running_var":
+            bn.running_var.mul_(3.0)
+        elif change == "bn_weight":
+            bn.weight.mul_(-2.0)
+        elif change == "qparams":
+            point.set_qparams(point.scale * 2, point.zero_point)
+            point.frozen = True  # keep them: a dynamic point would recompute from the weight
+        elif change == "scale_in_place":
+            point.frozen = True
+            point.scale.mul_(2)
+    if change == "train_step":
+        qm.train()
+        opt = torch.optim.SGD(qm.parameters(), lr=0.5)
+        qm(x).sum().backward()
+        opt.step()
+        qm.eval()
+    with torch.no_grad():
+        cached_path = qm(x)
+        point._fq_cache = None  # force the uncached computation
+        fresh = qm(x)
+    assert torch.equal(cached_path, fresh)

@@ -176,6 +176,9 @@ class ForwardContext(TorchFunctionMode):
         (quant point, integer kernel).  Used for isolated errors; counts nothing."""
         kwargs = kwargs or {}
         call = event.call
+        if _writes_its_inputs(event):
+            # The caller's tensors (recorded reference values) must survive an in-place op.
+            args, kwargs = map_tensors(args, torch.clone), map_tensors(kwargs, torch.clone)
         self.busy += 1
         try:
             if call.category == "input":
@@ -305,6 +308,16 @@ class ForwardContext(TorchFunctionMode):
             self.busy -= 1
         self.emit(call, args, kwargs, func, out, new)
         return new
+
+
+def _writes_its_inputs(event: Event) -> bool:
+    """Whether the call of ``event`` may modify its inputs in place (erring on the side of yes)."""
+    if event.func is None:
+        return bool(getattr(event.call.module, "inplace", False))
+    name = getattr(event.func, "__name__", "")
+    if name.startswith("__i") or (name.endswith("_") and not name.startswith("__")):
+        return True  # x += y, x.add_(y), F.relu_(x)
+    return bool(event.kwargs.get("inplace")) or any(a is True for a in event.args)
 
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:

@@ -107,13 +107,24 @@ class _QWeighted(nn.Module):
         ``f``: the BN scale factor when the caller already computed it (one
         differentiable division per step instead of two).
         """
+        key = self.weight_cache_key()
         if self.bn_mode == "reverse_fold" and self._bn is not None:
             f = bn_scale_factor(self._bn) if f is None else f
             shape = [-1] + [1] * (self.weight.dim() - 1)
-            bn_weight_version = self._bn.weight._version if self._bn.weight is not None else 0
-            key = None if self.training else (self.weight._version, self._bn.running_var._version, bn_weight_version)
             return self.weight * f.reshape(shape), key
-        return self.weight, (id(self.weight), self.weight._version)
+        return self.weight, key
+
+    def weight_cache_key(self) -> object:
+        """Identifies the tensor the weight point quantizes without computing it: the
+        identities and versions of everything it is made of (in-place updates bump a
+        version).  None in training under reverse fold, where W f changes every step."""
+        if self.bn_mode == "reverse_fold" and self._bn is not None:
+            if self.training:
+                return None
+            bn = self._bn
+            gamma = (id(bn.weight), bn.weight._version) if bn.weight is not None else None
+            return (id(self.weight), self.weight._version, id(bn.running_var), bn.running_var._version, gamma)
+        return (id(self.weight), self.weight._version)
 
     def refresh_weight_qparams(self) -> None:
         """Recompute a dynamic weight point's qparams from the current weight now (e.g. before saving)."""
@@ -129,8 +140,10 @@ class _QWeighted(nn.Module):
         if self.stage == "quantized":
             return self._integer_forward(x)
         f = bn_scale_factor(self._bn) if self.bn_mode == "reverse_fold" and self._bn is not None else None
-        weight, key = self.quantized_input_weight(f)
-        w = self._quantized_weight(weight, key)
+        w = self.weight_point.cached_weight(self.weight_cache_key()) if self.weight_point is not None else None
+        if w is None:
+            weight, key = self.quantized_input_weight(f)
+            w = self._quantized_weight(weight, key)
         if f is not None:
             out_shape = [1] * x.dim()
             out_shape[self.out_channel_axis] = -1

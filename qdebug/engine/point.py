@@ -57,6 +57,9 @@ class QuantPoint(nn.Module):
         # True once scale/zero_point hold real values (calibrated, computed or loaded).
         self.register_buffer("qparams_set", torch.zeros((), dtype=torch.bool))
         self._cache_key: Any = None
+        # (key, scale, scale version, zero point, output) of the last eval-mode weight
+        # quantization without autograd: see ``cached_weight``.
+        self._fq_cache: tuple | None = None
 
     # -- qparams ---------------------------------------------------------------
     def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
@@ -99,6 +102,35 @@ class QuantPoint(nn.Module):
         return self.scale.detach(), self.zero_point
 
     # -- forward -----------------------------------------------------------------
+    def cached_weight(self, cache_key: Any) -> torch.Tensor | None:
+        """The fake-quantized weight from the last call with this ``cache_key``, or None.
+
+        Only in eval mode without autograd (compare, baseline and every other
+        inference pass): the weight, its BN factor and the qparams are then the
+        same from batch to batch, and re-quantizing them is pure cost.  Any change
+        -- a new key (weight or BN versions), new or in-place-updated qparams, a
+        mode change, ``_cache_key`` reset by a refresh -- misses.  Memory: one
+        fake-quantized copy of each weight.
+        """
+        entry = self._fq_cache
+        if entry is None or cache_key is None or self.training or self.mode != "fake" or torch.is_grad_enabled():
+            return None
+        key, qparams, versions, out = entry
+        if key != cache_key or qparams != (id(self.scale), id(self.zero_point)):
+            return None
+        if versions != (self.scale._version, self.zero_point._version):
+            return None
+        # Dynamic qparams are valid for the key they were computed for (a refresh resets it).
+        derived = not (self.frozen or (self.spec.learnable_scale and self.initialized))
+        return None if derived and key != self._cache_key else out
+
+    def _remember_weight(self, cache_key: Any, out: torch.Tensor) -> None:
+        if cache_key is not None and not self.training and not torch.is_grad_enabled():
+            self._fq_cache = (cache_key, (id(self.scale), id(self.zero_point)),
+                              (self.scale._version, self.zero_point._version), out)
+        else:
+            self._fq_cache = None
+
     def apply(self, x: torch.Tensor, cache_key: Any = None) -> torch.Tensor:
         """Quantize ``x`` according to the mode (the point's forward)."""
         if self.mode == "float" or not torch.is_floating_point(x):
@@ -134,6 +166,8 @@ class QuantPoint(nn.Module):
             known_finite=known_finite, within_range=within_range and known_finite,
         )
         out._qdebug_point = self  # lets integer kernels find the grid a tensor lies on
+        if self.kind == "weight":
+            self._remember_weight(cache_key, out)
         return out
 
     forward = apply
