@@ -234,9 +234,11 @@ class ErrorStats:
         *,
         grid: tuple[float, int, int, int] | None = None,
         raw: torch.Tensor | None = None,
+        clipped: torch.Tensor | int | None = None,
     ) -> None:
-        """Fold one batch.  ``grid`` = (scale, zero_point, qmin, qmax) of y's output point and
-        ``raw`` = y before that point quantized it, for saturation."""
+        """Fold one batch.  ``grid`` = (scale, zero_point, qmin, qmax) of y's output point; for
+        saturation either ``clipped`` = how many of y's values that point clipped (counted by
+        the point itself, see ``QuantPoint.count_clipped``) or ``raw`` = y before the point."""
         if x.shape != y.shape:
             self.shape_mismatch = f"{list(x.shape)} vs {list(y.shape)}"
             return
@@ -246,7 +248,10 @@ class ErrorStats:
         if grid is not None:
             scale, zero_point, qmin, qmax = grid
             self.out_scale = scale
-            if raw is not None and raw.shape == y.shape:
+            if clipped is not None:
+                self.saturated += int(clipped)
+                self.saturation_n += y.numel()
+            elif raw is not None and raw.shape == y.shape:
                 # Clipped = beyond half a step past either end of the representable range.
                 clip = ((qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale)
         per_channel = x.dim() >= 2 and x.shape[1] > 1

@@ -606,3 +606,13 @@ def test_in_place_ops_never_overwrite_recorded_reference_values():
     cal_maps = torch.cat(_outputs(cal, cal.conv1, batches))
     assert (fp_maps < 0).any()
     assert a["conv1"]["sqnr_db"] == pytest.approx(_sqnr(fp_maps, cal_maps), rel=STATS_REL)
+
+
+def test_compare_leaves_no_counting_switched_on(stages, stage_batches):
+    fp, cal = stages.models["float"], stages.models["calibrated"]
+    points = list(quant_points(cal).values())
+    compare([("float", fp), ("calibrated", cal)], stage_batches)
+    assert not any(p.count_clipped for p in points) and all(p.clipped is None for p in points)
+    with pytest.raises(Exception):
+        compare([("float", fp), ("calibrated", cal)], [torch.randn(2, 3, 5)])  # wrong input shape
+    assert not any(p.count_clipped for p in points)

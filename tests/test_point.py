@@ -198,3 +198,41 @@ def test_the_weight_cache_never_serves_a_stale_weight(change):
         point._fq_cache = None  # force the uncached computation
         fresh = qm(x)
     assert torch.equal(cached_path, fresh)
+
+
+# -- clipped-value counting (compare's saturation) -------------------------------------------------
+def test_counting_fake_quant_equals_torch_and_counts_what_the_clamp_changed():
+    from qdebug.engine.fake_quant import fake_quantize, fake_quantize_counting
+
+    spec = QuantSpec(signed=False, symmetric=False)
+    scale, zero_point = torch.tensor(0.05), torch.tensor(10, dtype=torch.int32)
+    # representable: (0 - 10) * 0.05 = -0.5 .. (255 - 10) * 0.05 = 12.25
+    x = torch.tensor([-3.0, -0.52, -0.5, 0.0, 5.0, 12.25, 12.27, 12.3, 40.0, math.inf, -math.inf, math.nan])
+    out, clipped = fake_quantize_counting(x, scale, zero_point, spec)
+    expected = fake_quantize(x, scale, zero_point, spec)
+    assert torch.equal(out[:-1], expected[:-1]) and torch.isnan(out[-1]) and torch.isnan(expected[-1])
+    finite = x[torch.isfinite(x)]
+    assert torch.equal(out[:9], torch.fake_quantize_per_tensor_affine(finite, 0.05, 10, 0, 255))
+    # clipped = the finite values whose code round(x / s) + z lies outside [0, 255]
+    codes = torch.round(finite.double() / 0.05) + 10
+    by_hand = int(((codes < 0) | (codes > 255)).sum()) + 2  # + the two infinities; NaN is not counted
+    assert int(clipped) == by_hand
+
+
+def test_a_point_counts_only_in_eval_without_autograd():
+    point = QuantPoint("a", "activation", QuantSpec())
+    point.set_qparams(torch.tensor(0.1), torch.tensor(0, dtype=torch.int32))
+    point.mode = "fake"
+    point.count_clipped = True
+    x = torch.tensor([0.0, 1.0, 50.0, -50.0])
+    point.eval()
+    with torch.no_grad():
+        out = point.apply(x)
+    assert int(point.clipped) == 2
+    assert torch.equal(out, torch.fake_quantize_per_tensor_affine(x, 0.1, 0, -128, 127))
+    point.apply(x)  # autograd on: the training kernel, no count
+    assert point.clipped is None
+    point.train()
+    with torch.no_grad():
+        point.apply(x)
+    assert point.clipped is None

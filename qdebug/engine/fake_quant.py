@@ -222,6 +222,30 @@ def fake_quantize(
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
+_ENABLED = torch.ones(1, dtype=torch.long)
+
+
+def fake_quantize_counting(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor fake quantization (forward only, float32) that also counts clipped values.
+
+    The output is ``fake_quantize``'s (the same torch kernel, NaN kept).  The count
+    is of the values whose code round(x / s) + z fell outside [qmin, qmax], i.e.
+    that the clamp changed -- read from the in-range mask torch's kernel computes
+    anyway, so it costs one pass over a byte mask.  NaN is not counted.
+    """
+    out, inside = torch.ops.aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(
+        x, scale.detach(), zero_point, _ENABLED, spec.qmin, spec.qmax
+    )
+    clipped = inside.numel() - torch.count_nonzero(inside)
+    if x.numel() and torch.isnan(x.amax()):
+        nan = torch.isnan(x)
+        out = torch.where(nan, x, out)
+        clipped = clipped - nan.sum()
+    return out, clipped
+
+
 def quantize_to_int(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Integer codes q (int64) with (q - z) * s == fake_quantize(x) exactly.
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qdebug.engine.fake_quant import fake_quantize
+from qdebug.engine.fake_quant import fake_quantize, fake_quantize_counting
 from qdebug.engine.observers import make_observer
 from qdebug.engine.spec import QuantSpec
 from qdebug.errors import QDebugError
@@ -60,6 +60,11 @@ class QuantPoint(nn.Module):
         # (key, scale, scale version, zero point, output) of the last eval-mode weight
         # quantization without autograd: see ``cached_weight``.
         self._fq_cache: tuple | None = None
+        # Set by tools that measure saturation (compare): each eval-mode, no-grad,
+        # per-tensor fake quantization then leaves in ``clipped`` how many values its
+        # clamp changed (a 0-dim tensor), else None.
+        self.count_clipped = False
+        self.clipped: torch.Tensor | None = None
 
     # -- qparams ---------------------------------------------------------------
     def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
@@ -124,6 +129,12 @@ class QuantPoint(nn.Module):
         derived = not (self.frozen or (self.spec.learnable_scale and self.initialized))
         return None if derived and key != self._cache_key else out
 
+    def _can_count(self, x: torch.Tensor) -> bool:
+        """The counting kernel gives this call's exact output: an eval forward without autograd
+        of a float32 activation, per tensor (every estimator's eval forward is plain fake quant)."""
+        return (self.kind == "activation" and not self.training and not torch.is_grad_enabled()
+                and not self.spec.per_channel and x.dtype == torch.float32)
+
     def _remember_weight(self, cache_key: Any, out: torch.Tensor) -> None:
         if cache_key is not None and not self.training and not torch.is_grad_enabled():
             self._fq_cache = (cache_key, (id(self.scale), id(self.zero_point)),
@@ -133,6 +144,7 @@ class QuantPoint(nn.Module):
 
     def apply(self, x: torch.Tensor, cache_key: Any = None) -> torch.Tensor:
         """Quantize ``x`` according to the mode (the point's forward)."""
+        self.clipped = None
         if self.mode == "float" or not torch.is_floating_point(x):
             return x
         if self.mode == "observe":
@@ -160,6 +172,10 @@ class QuantPoint(nn.Module):
                 f"quant point {self.name!r} has no scale yet",
                 "calibrate the model (qdebug.engine.calibrate) before fake quantization",
             )
+        if self.count_clipped and self._can_count(x):
+            out, self.clipped = fake_quantize_counting(x, self.scale, self.zero_point, self.spec)
+            out._qdebug_point = self
+            return out
         known_finite = observed and bool(getattr(self.observer, "last_batch_finite", False))
         out = fake_quantize(
             x, self.scale, self.zero_point, self.spec, alpha=self.alpha, training=self.training, kind=self.kind,

@@ -127,6 +127,7 @@ class _Listener:
         # conv+BN chain for the BN's isolated error.
         self.skipped_convs: dict[str, Event] = {}
         self.bn_of_pair = {bn: conv for conv, bn in {**_pairs(model)}.items()}
+        self.points = engine_state(model).points if is_prepared(model) else {}
 
     def __call__(self, event: Event) -> None:
         name = event.call.name
@@ -154,7 +155,9 @@ class _Listener:
             self.stats[key] = (ErrorStats(want_kl=want_kl), ErrorStats(want_channels=False, want_kl=False))
         stats = self.stats[key]
         raw = first_tensor(event.raw) if event.raw is not None else None
-        stats[0].update(x, y, grid=_grid(self.model, name), raw=raw)
+        point = self.points.get(name)
+        clipped = point.clipped if point is not None and isinstance(event.out, torch.Tensor) else None
+        stats[0].update(x, y, grid=_grid(self.model, name), raw=None if clipped is not None else raw, clipped=clipped)
         if self.first_batch and key not in self.samples:
             self.samples[key] = (_sample(x), _sample(y))
         if self.isolated and event.call.category != "input":
@@ -246,8 +249,11 @@ def compare(
         for label, model in others
     ]
     states = [(m, m.training) for _, m in models]
+    counting = [p for _, m in models if is_prepared(m) for p in engine_state(m).points.values()]
     for _, model in models:
         model.eval()
+    for point in counting:  # saturation from the fake-quant kernels' own masks (no pass over raw)
+        point.count_clipped = True
     count = 0
     try:
         with torch.no_grad():
@@ -273,6 +279,8 @@ def compare(
     finally:
         for model, was_training in states:
             model.train(was_training)
+        for point in counting:
+            point.count_clipped, point.clipped = False, None
         capture.clear()
     if count == 0:
         raise QDebugError("compare got no batches", "pass --data with at least one batch")
