@@ -12,6 +12,7 @@ reference side of a comparison.  Only one batch is held at a time.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -83,38 +84,59 @@ class Capture:
 
     Everything recorded is a copy: a later in-place op (``ReLU(inplace=True)``)
     must not rewrite it.  A call's input is usually an earlier call's output,
-    unchanged since: that copy is reused rather than made twice.
+    unchanged since: that copy is reused rather than made twice.  The copies of
+    one forward are written into the buffers of the previous one when shapes
+    agree, so after the first batch recording allocates nothing (no page faults,
+    no heap fragmentation): records are valid until the next ``clear()``;
+    ``release()`` drops the buffers.
     """
 
     keep_inputs: bool = True
     records: dict[str, Record] = field(default_factory=dict)
     # id(original) -> (weak reference to it, its version when copied, the copy)
     _copies: dict[int, tuple] = field(default_factory=dict, repr=False)
+    # (call name, part, index) -> the buffer that slot was copied into last time
+    _buffers: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __call__(self, event: Event) -> None:
         call = event.call
-        self.records[call.name] = Record(
-            call.name,
+        name = call.name
+        self.records[name] = Record(
+            name,
             call.op,
             call.category,
-            map_tensors(event.args, self._copy) if self.keep_inputs else (),
-            map_tensors(event.kwargs, self._copy) if self.keep_inputs else {},
-            map_tensors(event.out, self._copy),
+            self._copies_of(event.args, (name, "args")) if self.keep_inputs else (),
+            self._copies_of(event.kwargs, (name, "kwargs")) if self.keep_inputs else {},
+            self._copies_of(event.out, (name, "out")),
         )
 
-    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+    def _copies_of(self, obj: Any, slot: tuple) -> Any:
+        index = itertools.count()
+        return map_tensors(obj, lambda t: self._copy(t, (*slot, next(index))))
+
+    def _copy(self, t: torch.Tensor, slot: tuple) -> torch.Tensor:
         entry = self._copies.get(id(t))
         if entry is not None:
             ref, version, copy = entry
             if ref() is t and t._version == version:  # the same tensor, not modified in place since
                 return copy
-        copy = t.detach().clone()
+        buffer = self._buffers.get(slot)
+        if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype and buffer.device == t.device:
+            copy = buffer.copy_(t.detach())
+        else:
+            copy = self._buffers[slot] = t.detach().clone()
         self._copies[id(t)] = (weakref.ref(t), t._version, copy)
         return copy
 
     def clear(self) -> None:
+        """Forget the records (their buffers are reused by the next forward)."""
         self.records.clear()
         self._copies.clear()
+
+    def release(self) -> None:
+        """Forget the records and free the buffers."""
+        self.clear()
+        self._buffers.clear()
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:

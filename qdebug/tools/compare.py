@@ -281,7 +281,7 @@ def compare(
             model.train(was_training)
         for point in counting:
             point.count_clipped, point.clipped = False, None
-        capture.clear()
+        capture.release()
     if count == 0:
         raise QDebugError("compare got no batches", "pass --data with at least one batch")
 
