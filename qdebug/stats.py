@@ -12,8 +12,10 @@ e = y - x, sums over every element of every batch):
     max_abs         max |e|;  mean_abs = sum|e| / n
     max_abs_scales  max_abs / s_out (the layer's output scale: Horizon's "N out_qscale")
     kl              mean over positions of KL(softmax(x) || softmax(y)) along the channel axis (axis 1)
-    saturation      fraction of values clipped by the output point: before quantization they
-                    lay more than half a step beyond its qmin or qmax code
+    saturation      fraction of values clipped by the output point: their code round(v/s) + z
+                    fell outside [qmin, qmax], i.e. before quantization (v) they lay more than
+                    half a step beyond the range (counted by the point's own kernel, or here
+                    from the raw values)
     nonfinite       number of NaN/Inf values in y (never averaged away: metrics become NaN/inf)
     per channel (axis 1):  min_channel_sqnr_db, median_channel_sqnr_db, and
     channel_range_ratio = max over channels of (max - min of x) / median of it.

@@ -13,6 +13,7 @@ import json
 import math
 import weakref
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -616,3 +617,31 @@ def test_compare_leaves_no_counting_switched_on(stages, stage_batches):
     with pytest.raises(Exception):
         compare([("float", fp), ("calibrated", cal)], [torch.randn(2, 3, 5)])  # wrong input shape
     assert not any(p.count_clipped for p in points)
+
+
+def _summary_frame(rows):
+    base = {**{m: math.nan for m in METRICS}, "cosine": 0.999, "nonfinite": 0.0, "note": "", "target": "qat"}
+    frame = pd.DataFrame([{**base, **row} for row in rows])
+    frame["diagnosis"] = [compare_module.diagnose(r, compare_module.DEFAULT_THRESHOLDS) for r in frame.to_dict("records")]
+    return compare_module.summarize(frame, compare_module.DEFAULT_THRESHOLDS, "float")
+
+
+def test_summary_when_every_flagged_layer_only_inherits_its_error():
+    text = _summary_frame([
+        {"layer": "a", "sqnr_db": 30.0, "isolated_sqnr_db": 31.0},
+        {"layer": "b", "sqnr_db": 18.0, "isolated_sqnr_db": 27.0},  # flagged, own error fine
+        {"layer": "c", "sqnr_db": 15.0, "isolated_sqnr_db": 40.0},
+    ])
+    assert "Error first crosses the thresholds at b (propagated)" in text
+    assert "at fault itself" not in text
+    assert "builds up over many layers" in text and "largest own error is b (27.0 dB own SQNR)" in text
+    assert "2 flagged row(s)" in text
+
+
+def test_summary_names_the_first_layer_at_fault():
+    text = _summary_frame([
+        {"layer": "a", "sqnr_db": 19.0, "isolated_sqnr_db": 30.0},  # propagated
+        {"layer": "b", "sqnr_db": 12.0, "isolated_sqnr_db": 14.0},  # rounding
+    ])
+    assert "first crosses the thresholds at a (propagated)" in text
+    assert "the first layer at fault itself is b (rounding)" in text and "int16 candidate" in text

@@ -360,7 +360,6 @@ _ADVICE = {
     "rounding": "the range is fine but too coarse: an int16 candidate (expected gain ~{gain:.0f} dB SQNR)",
     "outlier_channels": "a few channels stretch a per-tensor range and crush the rest: per-channel "
     "quantization, int16, or rebalancing the channels (cross-layer equalization)",
-    "propagated": "its own error is small: look upstream",
     "nonfinite": "NaN/Inf appears here: run qdebug nan-trace",
 }
 
@@ -380,15 +379,25 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str) -> 
         else:
             first = flagged.iloc[0]
             cause = flagged[flagged["diagnosis"] != "propagated"]
-            origin = cause.iloc[0] if not cause.empty else first
-            diag = origin["diagnosis"]
-            gain = 6.02 * 8
-            text += (
-                f" Error first crosses the thresholds at {first['layer']} ({first['diagnosis']});"
-                f" the first layer at fault itself is {origin['layer']} ({diag}): "
-                + _ADVICE[diag].format(gain=gain)
-                + f". {len(flagged)} flagged row(s)."
-            )
+            text += f" Error first crosses the thresholds at {first['layer']} ({first['diagnosis']});"
+            if cause.empty:
+                # Every flagged row only inherits its error: no single layer is to blame.
+                own = measured.sort_values("isolated_sqnr_db", na_position="last").iloc[0]
+                text += (
+                    f" no flagged layer's own error crosses {limits['isolated_sqnr_db']:g} dB: the loss builds up"
+                    f" over many layers, each within its threshold. The layer with the largest own error is"
+                    f" {own['layer']} ({_fmt_db(own['isolated_sqnr_db'])} own SQNR); --sort isolated_sqnr_db lists"
+                    f" the others (int16 candidates)."
+                )
+            else:
+                origin = cause.iloc[0]
+                diag = origin["diagnosis"]
+                text += (
+                    f" the first layer at fault itself is {origin['layer']} ({diag}): "
+                    + _ADVICE[diag].format(gain=6.02 * 8)
+                    + "."
+                )
+            text += f" {len(flagged)} flagged row(s)."
         parts.append(text)
     return " ".join(parts)
 
