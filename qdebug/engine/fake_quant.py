@@ -223,6 +223,8 @@ def fake_quantize(
 
 
 _ENABLED = torch.ones(1, dtype=torch.long)
+# The kernel torch.fake_quantize_per_tensor_affine runs, with its in-range mask kept.
+HAS_COUNTING_KERNEL = hasattr(torch.ops.aten, "_fake_quantize_per_tensor_affine_cachemask_tensor_qparams")
 
 
 def fake_quantize_counting(
