@@ -285,7 +285,7 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
             point.frozen = bool(attrs.get("frozen", point.frozen))
             point.observe_in_fake = bool(attrs.get("observe_in_fake", False))
             point.alpha = float(attrs.get("alpha", 1.0))
-            point._cache_key = None
+            point.forget_cached()
     info = CheckpointInfo(
         path, stage, spec, qconfig, obj.get("qat_mode"), obj.get("sample_inputs"), dict(obj.get("meta") or {})
     )

@@ -236,3 +236,18 @@ def test_a_point_counts_only_in_eval_without_autograd():
     with torch.no_grad():
         point.apply(x)
     assert point.clipped is None
+
+
+def test_refresh_after_an_edit_through_data_drops_the_cached_weight():
+    from qdebug.engine import refresh_weight_qparams
+
+    qm, x = _prepared("with_bn_reverse_fold")
+    conv = qm.get_submodule("0")
+    with torch.no_grad():
+        before = qm(x)
+        conv.weight.data.mul_(-1.0)  # invisible to version counters
+        refresh_weight_qparams(qm)
+        after = qm(x)
+        conv.weight_point._fq_cache = None
+        fresh = qm(x)
+    assert torch.equal(after, fresh) and not torch.equal(after, before)

@@ -5,7 +5,9 @@
 
 from qdebug.engine.convert import convert
 from qdebug.engine.fusebn import FuseBN
-from qdebug.engine.prepare import absorb_bn, calibrate, engine_state, is_prepared, prepare, quant_points, set_mode
+from qdebug.engine.prepare import (
+    absorb_bn, calibrate, engine_state, is_prepared, prepare, quant_points, refresh_weight_qparams, set_mode,
+)
 from qdebug.engine.spec import QConfig, QuantSpec
 
 __all__ = [
@@ -20,4 +22,5 @@ __all__ = [
     "FuseBN",
     "engine_state",
     "is_prepared",
+    "refresh_weight_qparams",
 ]

@@ -134,7 +134,7 @@ class _QWeighted(nn.Module):
         with torch.no_grad():
             weight, _ = self.quantized_input_weight()
             point.compute_from(weight)
-        point._cache_key = None
+        point.forget_cached()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stage == "quantized":
@@ -222,7 +222,7 @@ class _QWeighted(nn.Module):
             # A learned scale was fit to W, not W f: restart it from the folded weight.
             point.compute_from(self.weight)
         if point is not None:
-            point._cache_key = None
+            point.forget_cached()
 
 
 class QConv(_QWeighted):

@@ -129,6 +129,15 @@ class QuantPoint(nn.Module):
         derived = not (self.frozen or (self.spec.learnable_scale and self.initialized))
         return None if derived and key != self._cache_key else out
 
+    def forget_cached(self) -> None:
+        """Drop the cached qparams key and fake-quantized weight: the next call recomputes both.
+
+        Needed only after changing a weight in a way its version counter does not
+        see (``param.data = ...`` or in-place ops on ``param.data``).
+        """
+        self._cache_key = None
+        self._fq_cache = None
+
     def _can_count(self, x: torch.Tensor) -> bool:
         """The counting kernel gives this call's exact output: an eval forward without autograd
         of a float32 activation, per tensor (every estimator's eval forward is plain fake quant)."""

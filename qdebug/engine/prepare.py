@@ -362,7 +362,7 @@ def _refresh_weight_points(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, _QWeighted) and module.weight_point is not None:
             point = module.weight_point
-            point._cache_key = None
+            point.forget_cached()
             if not point.spec.learnable_scale or not point.initialized:
                 # Learnable scales are initialised once here and then belong to the optimizer.
                 was_frozen = point.frozen
@@ -372,9 +372,12 @@ def _refresh_weight_points(model: nn.Module) -> None:
 
 
 def refresh_weight_qparams(model: nn.Module) -> None:
-    """Bring every dynamic weight point's qparams up to date with its weight (done before saving)."""
+    """Bring every dynamic weight point's qparams up to date with its weight (done before saving),
+    and drop every cached fake-quantized weight (call it after editing weights through ``.data``)."""
     for module in model.modules():
         if isinstance(module, _QWeighted):
+            if module.weight_point is not None:
+                module.weight_point.forget_cached()
             module.refresh_weight_qparams()
 
 
