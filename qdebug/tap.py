@@ -25,8 +25,6 @@ from qdebug.engine.context import Event, ForwardContext, active_context
 from qdebug.engine.ops import map_tensors, tensors_in
 
 
-
-
 @contextlib.contextmanager
 def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
     """While active, ``listener`` sees every value call of ``model``'s forward passes."""

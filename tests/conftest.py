@@ -25,8 +25,7 @@ import qdebug
 from qdebug.engine import QConfig, calibrate, convert, prepare
 from qdebug.modelspec import ModelSpec, build
 
-RESNET = "qdebug.zoo.resnet:ResNet"
-SMALL = {"layers": [1, 1], "widths": [8, 16], "num_classes": 10, "in_channels": 1, "stem": "small"}
+from small_models import RESNET, SMALL_RESNET as SMALL
 
 
 def _randomize_bn(model: nn.Module, seed: int) -> None:

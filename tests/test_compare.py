@@ -26,8 +26,7 @@ from qdebug.modelspec import ModelSpec, build
 from qdebug.stats import ErrorStats
 from qdebug.tools.compare import METRICS, compare
 
-RESNET = "qdebug.zoo.resnet:ResNet"
-SMALL = {"layers": [1, 1], "widths": [8, 16], "num_classes": 10, "in_channels": 1, "stem": "small"}
+from small_models import RESNET, SMALL_RESNET as SMALL
 # float32 feature maps are reduced in float32 blocks (qdebug.stats: relative error ~1e-7).
 STATS_REL = 1e-6
 # Every value call of the small ResNet's forward, in execution order, written out from its code:
@@ -73,10 +72,14 @@ def _first_flagged(result):
     return flagged.iloc[0] if len(flagged) else None
 
 
-def _outputs(model: nn.Module, module: nn.Module, batches) -> list[torch.Tensor]:
-    """What ``module`` returns at each call while ``model`` runs the batches (a plain forward hook)."""
+def _recorded(model: nn.Module, module: nn.Module, batches, outputs: bool) -> list[torch.Tensor]:
+    """What ``module`` returns (or its first argument) at each call while ``model`` runs the batches,
+    seen by a plain hook."""
     seen: list[torch.Tensor] = []
-    handle = module.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    if outputs:
+        handle = module.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    else:
+        handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
     try:
         with torch.no_grad():
             for b in batches:
@@ -84,19 +87,14 @@ def _outputs(model: nn.Module, module: nn.Module, batches) -> list[torch.Tensor]
     finally:
         handle.remove()
     return seen
+
+
+def _outputs(model: nn.Module, module: nn.Module, batches) -> list[torch.Tensor]:
+    return _recorded(model, module, batches, outputs=True)
 
 
 def _inputs(model: nn.Module, module: nn.Module, batches) -> list[torch.Tensor]:
-    """The first argument of each call of ``module`` while ``model`` runs the batches."""
-    seen: list[torch.Tensor] = []
-    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
-    try:
-        with torch.no_grad():
-            for b in batches:
-                model(b)
-    finally:
-        handle.remove()
-    return seen
+    return _recorded(model, module, batches, outputs=False)
 
 
 def _fake_quant(x: torch.Tensor, point) -> torch.Tensor:

@@ -22,6 +22,7 @@ import qdebug.engine.integer as integer
 from qdebug.engine import QConfig, QuantSpec, calibrate, convert, prepare, quant_points
 from qdebug.engine.modules import QConv, QLinear
 from qdebug.zoo import MobileNetV2, ResNet, ShuffleNetV2
+from small_models import SMALL_MOBILENETV2, SMALL_RESNET, SMALL_SHUFFLENETV2
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
 
@@ -211,29 +212,9 @@ def test_integer_model_matches_torch_quantized_modules(relu):
 
 # -- zoo models: quantized stage vs fake-quant stage ---------------------------------------
 ZOO = {
-    "resnet": (ResNet, {"layers": [1, 1], "widths": [8, 16], "num_classes": 10, "in_channels": 1, "stem": "small"}),
-    "mobilenetv2": (
-        MobileNetV2,
-        {
-            "num_classes": 10,
-            "in_channels": 1,
-            "width_mult": 0.5,
-            "setting": [[1, 8, 1, 1], [6, 16, 2, 2], [6, 24, 2, 2]],
-            "stem_stride": 1,
-            "dropout": 0.1,
-            "last_channel": 64,
-        },
-    ),
-    "shufflenetv2": (
-        ShuffleNetV2,
-        {
-            "stages_repeats": [2, 2, 1],
-            "stages_out_channels": [8, 16, 32, 64, 128],
-            "num_classes": 10,
-            "in_channels": 1,
-            "stem_stride": 1,
-        },
-    ),
+    "resnet": (ResNet, SMALL_RESNET),
+    "mobilenetv2": (MobileNetV2, SMALL_MOBILENETV2),
+    "shufflenetv2": (ShuffleNetV2, SMALL_SHUFFLENETV2),
 }
 
 

@@ -22,6 +22,7 @@ from qdebug.zoo import (
     channel_shuffle,
     resnet18,
 )
+from small_models import SMALL_MOBILENETV2, SMALL_SHUFFLENETV2
 
 # Small configurations for 1x28x28 inputs: (checkpoint target string, kwargs).
 SMALL = {
@@ -29,28 +30,8 @@ SMALL = {
         "qdebug.zoo.resnet:ResNet",
         {"layers": [1, 1, 1], "widths": [8, 16, 32], "num_classes": 10, "in_channels": 1, "stem": "small"},
     ),
-    "mobilenetv2": (
-        "qdebug.zoo.mobilenetv2:MobileNetV2",
-        {
-            "num_classes": 10,
-            "in_channels": 1,
-            "width_mult": 0.5,
-            "setting": [[1, 8, 1, 1], [6, 16, 2, 2], [6, 24, 2, 2]],
-            "stem_stride": 1,
-            "dropout": 0.1,
-            "last_channel": 64,
-        },
-    ),
-    "shufflenetv2": (
-        "qdebug.zoo.shufflenetv2:ShuffleNetV2",
-        {
-            "stages_repeats": [2, 2, 1],
-            "stages_out_channels": [8, 16, 32, 64, 128],
-            "num_classes": 10,
-            "in_channels": 1,
-            "stem_stride": 1,
-        },
-    ),
+    "mobilenetv2": ("qdebug.zoo.mobilenetv2:MobileNetV2", SMALL_MOBILENETV2),
+    "shufflenetv2": ("qdebug.zoo.shufflenetv2:ShuffleNetV2", SMALL_SHUFFLENETV2),
     "multitask": (
         "qdebug.zoo.multitask:MultiTaskNet",
         {"num_classes": 10, "num_aux_classes": 2, "in_channels": 1, "width": 8},

@@ -57,8 +57,8 @@ class QuantPoint(nn.Module):
         # True once scale/zero_point hold real values (calibrated, computed or loaded).
         self.register_buffer("qparams_set", torch.zeros((), dtype=torch.bool))
         self._cache_key: Any = None
-        # (key, scale, scale version, zero point, output) of the last eval-mode weight
-        # quantization without autograd: see ``cached_weight``.
+        # (key, ids of scale and zero point, their versions, output) of the last eval-mode
+        # weight quantization without autograd: see ``cached_weight``.
         self._fq_cache: tuple | None = None
         # Set by tools that measure saturation (compare): each eval-mode, no-grad,
         # per-tensor fake quantization then leaves in ``clipped`` how many values its
@@ -114,7 +114,7 @@ class QuantPoint(nn.Module):
         inference pass): the weight, its BN factor and the qparams are then the
         same from batch to batch, and re-quantizing them is pure cost.  Any change
         -- a new key (weight or BN versions), new or in-place-updated qparams, a
-        mode change, ``_cache_key`` reset by a refresh -- misses.  Memory: one
+        mode change, ``forget_cached`` -- misses.  Memory: one
         fake-quantized copy of each weight.
         """
         entry = self._fq_cache

@@ -81,11 +81,8 @@ def _pairs(model: nn.Module) -> dict[str, str]:
     return dict(engine_state(model).plan.pairs) if is_prepared(model) else {}
 
 
-def _grid(model: nn.Module, name: str) -> tuple[float, int, int, int] | None:
-    """(scale, zero_point, qmin, qmax) of the point quantizing this call's own output."""
-    if not is_prepared(model):
-        return None
-    point = engine_state(model).points.get(name)
+def _grid(point: QuantPoint | None) -> tuple[float, int, int, int] | None:
+    """(scale, zero_point, qmin, qmax) of the point quantizing a call's own output."""
     if point is None or point.mode != "fake" or not point.initialized or point.scale.numel() != 1:
         return None
     return float(point.scale), int(point.zero_point), point.spec.qmin, point.spec.qmax
@@ -157,7 +154,7 @@ class _Listener:
         raw = first_tensor(event.raw) if event.raw is not None else None
         point = self.points.get(name)
         clipped = point.clipped if point is not None and isinstance(event.out, torch.Tensor) else None
-        stats[0].update(x, y, grid=_grid(self.model, name), raw=None if clipped is not None else raw, clipped=clipped)
+        stats[0].update(x, y, grid=_grid(point), raw=None if clipped is not None else raw, clipped=clipped)
         if self.first_batch and key not in self.samples:
             self.samples[key] = (_sample(x), _sample(y))
         if self.isolated and event.call.category != "input":
