@@ -55,7 +55,7 @@ def parse_metrics(spec: Optional[str]) -> list[str]:
         return list(METRICS)
     unknown = [m for m in names if m not in METRICS]
     if unknown:
-        raise QDebugError(f"unknown metric(s): {', '.join(unknown)}", f"choose from {', '.join(METRICS)}")
+        raise QDebugError(f"unknown metric(s): {', '.join(unknown)}", f"choose from {', '.join(METRICS)}, or 'all' alone")
     return names
 
 
