@@ -12,13 +12,20 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
+from qdebug.errors import QDebugError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path in the target's directory; rename it onto ``path`` on success."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        # Named after the file the user asked for, not the temp file beside it.
+        raise QDebugError(f"cannot write {target}: {exc.strerror or exc}",
+                          "check the path, its permissions and the free disk space") from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:

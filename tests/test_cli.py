@@ -243,6 +243,10 @@ def _bad_files(tmp_path, stages):
          ("unknown QAT mode 'fused'",)),
         (("calibrate", "{float}", "--data", "nowhere.pt", "--out", "x.pt"), ("no such file",)),
         (("calibrate", "{float}", "--data", "random:2x1x16x16", "--batches", "0", "--out", "x.pt"), ("--batches",)),
+        (("calibrate", "{float}", "--batches", "0", "--out", "x.pt"), ("--batches must be a whole number >= 1",)),
+        (("calibrate", "{float}", "--out", "truncated.pt/x.pt"), ("cannot create output directory truncated.pt",)),
+        (("convert", "{qat}", "--out", "."), ("output . is a directory",)),
+        (("convert", "{qat}", "--out", "truncated.pt/x.pt"), ("cannot create output directory truncated.pt",)),
     ],
 )
 def test_errors_are_one_line_exit_2(cli, tmp_path, stages, args, fragments):
@@ -261,6 +265,20 @@ def test_state_dict_errors_name_keys_and_shapes(cli, tmp_path, stages):
     cli("inspect", "sd.pt", "--model", stages.spec).assert_error("missing 1 key(s)", "layer2.0.bn1.running_var")
     torch.save(stages.models["float"].state_dict(), tmp_path / "full.pt")
     cli("inspect", "full.pt", "--model", stages.spec).assert_error("'fc.weight'", "[10, 16]", "[7, 16]")
+
+
+def test_a_failing_write_is_one_error_and_leaves_no_file(cli, tmp_path, stages, monkeypatch):
+    """A full disk (or any refusal of the file system) mid-write: one error line, no partial file."""
+    import qdebug.checkpoint
+
+    def full_disk(obj, path, *args, **kwargs):
+        with open(path, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(qdebug.checkpoint.torch, "save", full_disk)
+    cli("convert", stages.qat, "--out", "q.pt").assert_error("No space left on device", "hint: check the path")
+    assert os.listdir(tmp_path) == []
 
 
 def test_debug_shows_the_traceback(cli, stages):

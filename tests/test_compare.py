@@ -563,6 +563,30 @@ def test_cli_different_architectures_is_one_error(cli, tmp_path, stages):
     cli("compare", stages.float).assert_error("two or more checkpoints")
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (("--ref", "5"), "index below 2"),
+    (("--top", "0"), "--top must be >= 1"),
+    (("--top", "-3"), "--top must be >= 1"),
+    (("--batches", "0"), "--batches must be a whole number >= 1"),
+    (("--batches", "-2"), "--batches must be a whole number >= 1"),
+    (("--batch-size", "0"), "--batch-size must be a whole number >= 1"),
+    (("--metrics", ","), "names no metric"),
+    (("--threshold", "sqnr_db=abc"), "'abc' is not a number"),
+    (("--format", "xml"), "is not json or csv"),
+])
+def test_cli_bad_options_are_one_error_with_a_hint(cli, stages, args, fragment):
+    line = cli("compare", stages.float, stages.qat, *args).assert_error(fragment)
+    assert line  # and assert_error checked: exit 2, one error line, no traceback
+    assert "hint: " in cli("compare", stages.float, stages.qat, *args).err
+
+
+def test_cli_unwritable_out_fails_before_comparing(cli, tmp_path, stages):
+    (tmp_path / "afile").write_text("x")
+    # A directory under a regular file can never be created, whoever runs the test (root too).
+    cli("compare", stages.float, stages.qat, "--out", "afile/sub").assert_error("cannot create output directory afile/sub")
+    assert not (tmp_path / "afile" / "sub").exists()
+
+
 def test_cli_help_has_an_example(cli):
     result = cli("compare", "--help")
     assert result.code == 0, result.err

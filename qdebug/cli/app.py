@@ -80,6 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         err_console.print("error: interrupted", markup=False)
         sys.exit(130)
+    except OSError as exc:  # the file system refused (a full disk, a read-only mount, permissions)
+        if debug:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename else ""
+        err_console.print(f"error: {where}{exc.strerror or exc}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print("hint: check the path, its permissions and the free disk space", markup=False)
+        sys.exit(2)
     except Exception as exc:  # click usage errors and genuine bugs
         if isinstance(exc, _click_exceptions("UsageError")):
             err_console.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)

@@ -12,7 +12,7 @@ import typer
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, STATE, console, err_console, load_checkpoint, print_json,
-    resolve_batches,
+    resolve_batches, writable_file,
 )
 from qdebug.errors import QDebugError
 from qdebug.metrics import metric_direction, resolve_metric, run_metric_with_samples
@@ -28,19 +28,19 @@ _STYLE = {"pass": "green", "fail": "bold red", "inconclusive": "yellow"}
 
 def _read_json_metrics(path: Path) -> dict[str, float]:
     if not path.is_file():
-        raise QDebugError(f"no such file: {path}")
+        raise QDebugError(f"no such file: {path}", "check the path")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise QDebugError(f"{path} is not valid JSON: {exc}") from None
+        raise QDebugError(f"{path} is not valid JSON: {exc}", 'write {"task": value, ...} or a single number') from None
     if isinstance(data, (int, float)) and not isinstance(data, bool):
         return {"metric": float(data)}
     if not isinstance(data, dict) or not data:
-        raise QDebugError(f"{path} must hold a number or an object task -> number")
+        raise QDebugError(f"{path} must hold a number or an object task -> number", 'e.g. {"top1": 0.91, "top5": 0.99}')
     out = {}
     for task, value in data.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise QDebugError(f"{path}: task {task!r} is not a number ({value!r})")
+            raise QDebugError(f"{path}: task {task!r} is not a number ({value!r})", "every value must be a number")
         out[str(task)] = float(value)
     return out
 
@@ -85,10 +85,12 @@ def baseline(
     as_json: bool = typer.Option(False, "--json", help="Print JSON {meta, rows} instead of a table."),
     model: Optional[str] = MODEL_OPTION,
 ) -> None:
+    if junit is not None:
+        writable_file(junit)
     cfg = STATE.config()
     default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
     if direction not in (None, "higher", "lower"):
-        raise QDebugError(f"--direction {direction!r} must be higher or lower")
+        raise QDebugError(f"--direction {direction!r} must be higher or lower", "e.g. --direction lower for an error metric")
     precomputed = [v is not None for v in (float_metric, quant_metric)] + [v is not None for v in (float_json, quant_json)]
     float_samples = quant_samples = None
     paths: list[str] = []
@@ -96,11 +98,11 @@ def baseline(
     if any(precomputed):
         if float_metric is not None or quant_metric is not None:
             if float_metric is None or quant_metric is None:
-                raise QDebugError("give both --float-metric and --quant-metric")
+                raise QDebugError("give both --float-metric and --quant-metric", "e.g. --float-metric 0.91 --quant-metric 0.905")
             float_values, quant_values = {"metric": float_metric}, {"metric": quant_metric}
         else:
             if float_json is None or quant_json is None:
-                raise QDebugError("give both --float-json and --quant-json")
+                raise QDebugError("give both --float-json and --quant-json", "e.g. --float-json float.json --quant-json quant.json")
             float_values, quant_values = _read_json_metrics(float_json), _read_json_metrics(quant_json)
     else:
         paths = list(checkpoints or [])

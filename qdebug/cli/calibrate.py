@@ -11,7 +11,7 @@ from qdebug.checkpoint import save
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, console, load_checkpoint, load_qconfig_file, model_errors, print_json, progress_bar, resolve_batches,
+    STATE, console, load_checkpoint, load_qconfig_file, model_errors, print_json, progress_bar, resolve_batches, writable_file,
     stage_path,
 )
 from qdebug.engine import QConfig, calibrate as run_calibration, prepare
@@ -85,6 +85,7 @@ def calibrate(
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer table as JSON."),
 ) -> None:
+    writable_file(out)
     path = stage_path(checkpoint, "float", what="float")
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="calibrate")
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)

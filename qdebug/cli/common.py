@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,11 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
     cfg = STATE.config()
     spec = data or cfg.get("data")
     limit = batches if batches is not None else cfg.get("batches")
-    size = batch_size or cfg.get("batch_size")
+    size = batch_size if batch_size is not None else cfg.get("batch_size")
+    for flag, value in (("--batches", limit), ("--batch-size", size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise QDebugError(f"{flag} must be a whole number >= 1, got {value!r}",
+                              f"e.g. {flag} 8 (or {flag.lstrip('-').replace('-', '_')} = 8 in qdebug.toml)")
     if spec:
         return load_batches(spec, batch_size=size, batches=limit)
     if info is not None and info.sample_inputs is not None:
@@ -141,6 +146,28 @@ def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
         ) from exc
 
 
+def writable_dir(path: Path) -> Path:
+    """``path`` as a directory output can be written to, created if needed: checked before
+    the work starts, so a bad --out fails at once, not after minutes of computing."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QDebugError(f"cannot create output directory {path}: {exc.strerror or exc}",
+                          "choose a directory you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise QDebugError(f"cannot write to output directory {path}: permission denied",
+                          "choose a directory you can write to")
+    return path
+
+
+def writable_file(path: Path) -> Path:
+    """``path`` as an output file whose directory exists (created if needed) and is writable."""
+    if path.is_dir():
+        raise QDebugError(f"output {path} is a directory", "give a file name, e.g. -o model.pt")
+    writable_dir(path.parent if str(path.parent) else Path("."))
+    return path
+
+
 def print_json(payload: str) -> None:
     sys.stdout.write(payload + "\n")
     sys.stdout.flush()
@@ -150,7 +177,7 @@ def load_qconfig_file(path: Optional[Path]) -> dict[str, Any]:
     if path is None:
         return {}
     if not path.is_file():
-        raise QDebugError(f"qconfig file not found: {path}")
+        raise QDebugError(f"qconfig file not found: {path}", "check the --qconfig path")
     text = path.read_text()
     try:
         if path.suffix == ".toml":

@@ -11,7 +11,7 @@ import typer
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, console, load_checkpoint, model_errors, print_json, progress_bar, resolve_batches,
+    STATE, console, load_checkpoint, model_errors, print_json, progress_bar, resolve_batches, writable_dir,
 )
 from qdebug.errors import QDebugError
 from qdebug.report.output import to_json, write_csv, write_json
@@ -43,7 +43,7 @@ def parse_thresholds(items: list[str]) -> dict[str, float]:
         try:
             out[name] = float(value)
         except ValueError:
-            raise QDebugError(f"--threshold {item!r}: {value!r} is not a number") from None
+            raise QDebugError(f"--threshold {item!r}: {value!r} is not a number", "e.g. --threshold sqnr_db=25") from None
     return out
 
 
@@ -51,6 +51,8 @@ def parse_metrics(spec: Optional[str]) -> list[str]:
     if not spec:
         return list(DEFAULT_SHOW)
     names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names:
+        raise QDebugError(f"--metrics {spec!r} names no metric", f"e.g. --metrics {','.join(DEFAULT_SHOW[:3])}, or all")
     if names == ["all"]:
         return list(METRICS)
     unknown = [m for m in names if m not in METRICS]
@@ -138,19 +140,26 @@ def compare(
     if len(paths) < 2:
         raise QDebugError("compare needs two or more checkpoints", "e.g. qdebug compare float.pt qat.pt (or set float and qat in qdebug.toml)")
     if fmt not in (None, "json", "csv"):
-        raise QDebugError(f"--format {fmt!r} is not json or csv")
+        raise QDebugError(f"--format {fmt!r} is not json or csv", "--format json, --format csv, or no --format for a table")
+    if top is not None and top < 1:
+        raise QDebugError(f"--top must be >= 1, got {top}", "e.g. --top 20 (leave it out for every row)")
     shown = parse_metrics(metrics)
     limits = parse_thresholds(threshold or [])
+    if out is not None:
+        writable_dir(out)
     loaded = [load_checkpoint(p, model=model, unsafe=unsafe_load, command="compare") for p in paths]
     labels = _labels([info for _, info in loaded], paths)
     ref_index = 0
     if ref is not None:
-        if ref.isdigit():
-            ref_index = int(ref)
-        elif ref in labels:
+        if ref in labels:
             ref_index = labels.index(ref)
+        elif ref.isdigit() and int(ref) < len(labels):
+            ref_index = int(ref)
         else:
-            raise QDebugError(f"--ref {ref!r} is neither a label ({', '.join(labels)}) nor an index")
+            raise QDebugError(
+                f"--ref {ref!r} is neither a label ({', '.join(labels)}) nor an index below {len(labels)}",
+                f"e.g. --ref {labels[0]} or --ref 0",
+            )
     infos = [info for _, info in loaded]
     batch_list = resolve_batches(data, batches, infos[ref_index], batch_size=batch_size)
     pairs = [(label, net) for label, (net, _) in zip(labels, loaded)]

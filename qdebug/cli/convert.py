@@ -9,7 +9,7 @@ import typer
 
 from qdebug.checkpoint import save
 from qdebug.cli.app import app
-from qdebug.cli.common import console, load_checkpoint, print_json, stage_path
+from qdebug.cli.common import console, load_checkpoint, print_json, stage_path, writable_file
 from qdebug.engine import convert as run_convert
 from qdebug.report.output import to_json
 from qdebug.report.table import render_table
@@ -29,6 +29,7 @@ def convert(
     model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, overriding the file's."),
     as_json: bool = typer.Option(False, "--json", help="Print the per-layer table as JSON."),
 ) -> None:
+    writable_file(out)
     path = stage_path(checkpoint, "qat", "calibrated", what="QAT or calibrated")
     net, info = load_checkpoint(path, model=model, expect=("calibrated", "qat"), command="convert")
     quantized = run_convert(net)
