@@ -258,6 +258,8 @@ class ErrorStats:
                 clip = ((qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale)
         per_channel = x.dim() >= 2 and x.shape[1] > 1
         channels, want_kl = self.want_channels and per_channel, self.want_kl and per_channel
+        if y is x and clip is None and not (channels or want_kl) and self._fold_identical(x):
+            return
         # Block by block (see BLOCK, _fold): float32 block sums accumulated in float64.
         layout = (x.shape[0], x.shape[1], -1) if channels or want_kl else (-1,)
         xv, yv = x.detach().reshape(layout), y.detach().reshape(layout)
@@ -296,6 +298,26 @@ class ErrorStats:
                 self.ch_ee += ee
                 self.ch_min = torch.minimum(self.ch_min, lo)
                 self.ch_max = torch.maximum(self.ch_max, hi)
+
+    def _fold_identical(self, x: torch.Tensor) -> bool:
+        """Fold a batch whose y is x itself (an exact match): only sum(x^2) needs a pass.
+
+        Returns False, folding nothing, when x is not finite (the general path counts and
+        propagates NaN/Inf, and redoes float32 overflow in float64).
+        """
+        flat = x.detach().reshape(-1)
+        dtype = work_dtype(x, x)
+        total = 0.0
+        for (block,) in _blocks(x.shape, False):
+            xb = flat[block].to(dtype)
+            total += float(torch.mul(xb, xb, out=_scratch(1, xb)).sum())
+        if not math.isfinite(total):
+            return False
+        self.n += x.numel()
+        self.sxx += total
+        self.syy += total
+        self.sxy += total
+        return True
 
     def result(self, prefix: str = "") -> dict[str, float]:
         if self.n == 0:

@@ -74,6 +74,8 @@ class Record:
     inputs: tuple  # detached clones of the call's args (for isolated replays)
     kwargs: dict
     output: Any
+    func: Callable | None = None  # the torch function of an inline op (None for modules and inputs)
+    module: nn.Module | None = None  # the module called (None for inline ops and inputs)
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Capture:
             self._copies_of(event.args, (name, "args")) if self.keep_inputs else (),
             self._copies_of(event.kwargs, (name, "kwargs")) if self.keep_inputs else {},
             self._copies_of(event.out, (name, "out")),
+            event.func,
+            call.module,
         )
 
     def _copies_of(self, obj: Any, slot: tuple) -> Any:

@@ -334,3 +334,24 @@ def test_cosine_never_leaves_its_range():
         x = torch.randn(1000, generator=gen)
         for y in (x.clone(), -x, x * 1.0000001):
             assert -1.0 <= _fold([x], [y]).result()["cosine"] <= 1.0
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 8, 300, 300)])  # one block, several blocks
+def test_the_same_tensor_as_y_folds_like_an_equal_copy(shape):
+    """update(x, x) reads x once (an exact match); its metrics equal those of an equal copy."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    fast, general = ErrorStats(want_channels=False, want_kl=False), ErrorStats(want_channels=False, want_kl=False)
+    for _ in range(2):
+        fast.update(x, x)
+        general.update(x, x.clone())
+    assert fast.result() == general.result()
+    assert fast.result()["sqnr_db"] == math.inf and fast.result()["cosine"] == 1.0
+    assert fast.sxx == pytest.approx(float(x.double().square().sum()) * 2, rel=REL)
+
+
+def test_the_same_tensor_with_nan_still_counts_it():
+    x = torch.randn(4, 6)
+    x[1, 2] = math.nan
+    stats = ErrorStats(want_channels=False, want_kl=False)
+    stats.update(x, x)
+    assert stats.result()["nonfinite"] == 1.0 and math.isnan(stats.result()["sqnr_db"])

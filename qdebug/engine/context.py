@@ -19,14 +19,20 @@ an inline op is ``<container path>.<op>`` (``layer1.0.add``), a model input is
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+
+try:  # private helpers of torch.overrides (present since torch 2.0); without them listeners run slower
+    from torch.overrides import _get_current_function_mode as _current_mode, _pop_mode, _push_mode
+except ImportError:  # pragma: no cover
+    _current_mode = _pop_mode = _push_mode = None
 
 from qdebug.engine.ops import (
     canonical_op_name,
@@ -72,6 +78,10 @@ class Handler:
         return func(*args, **kwargs)
 
     def on_fallback(self, ctx: "ForwardContext", call: Call, func: Callable, args: tuple, output: Any) -> Any:
+        return output
+
+    def on_float_output(self, ctx: "ForwardContext", call: Call, output: Any) -> Any:
+        """What happens to a call's output computed in float elsewhere (its quant point, if any)."""
         return output
 
     def on_passthrough(self, ctx: "ForwardContext", func: Callable | None, args: tuple, output: Any) -> Any:
@@ -166,16 +176,47 @@ class ForwardContext(TorchFunctionMode):
             event = Event(call, args, kwargs, func, raw, out)
             self.busy += 1
             try:
-                for listener in self.listeners:
-                    listener(event)
+                with self._off_the_mode_stack():
+                    for listener in self.listeners:
+                        listener(event)
             finally:
                 self.busy -= 1
 
-    def replay(self, event: Event, args: tuple, kwargs: dict | None = None) -> Any:
+    @contextlib.contextmanager
+    def _off_the_mode_stack(self) -> Iterator[None]:
+        """This mode taken off torch's mode stack while listeners run.
+
+        Listeners (statistics, recording, replays) make thousands of torch calls per
+        forward; with the mode on the stack each one detours through Python into
+        ``__torch_function__`` only to be passed through (``busy``), which costs more than
+        the op itself on small tensors.  Only done when this mode is the top one (another
+        mode above it stays untouched) and torch has the helpers.
+        """
+        if _pop_mode is None or _current_mode() is not self:
+            yield
+            return
+        _pop_mode()
+        try:
+            yield
+        finally:
+            _push_mode(self)
+
+    def replay(self, event: Event, args: tuple, kwargs: dict | None = None, *, float_output: Any = None) -> Any:
         """Run the call of ``event`` again on other inputs, with the same handler treatment
-        (quant point, integer kernel).  Used for isolated errors; counts nothing."""
+        (quant point, integer kernel).  Used for isolated errors; counts nothing.
+
+        ``float_output``: the call's float result on these inputs, already known (the caller
+        proved the call computes the same float function as the one that produced it): only
+        the handler's treatment of the output runs.  Not for calls with integer kernels.
+        """
         kwargs = kwargs or {}
         call = event.call
+        if float_output is not None:
+            self.busy += 1
+            try:
+                return self.handler.on_float_output(self, call, float_output)
+            finally:
+                self.busy -= 1
         if _writes_its_inputs(event):
             # The caller's tensors (recorded reference values) must survive an in-place op.
             args, kwargs = map_tensors(args, torch.clone), map_tensors(kwargs, torch.clone)

@@ -86,6 +86,9 @@ class QuantHandler(Handler):
     def on_fallback(self, ctx, call, func, args, output):
         return self._apply(call, output)
 
+    def on_float_output(self, ctx, call, output):
+        return self._apply(call, output)
+
     def on_passthrough(self, ctx, func, args, output):
         sources = [t for t in tensors_in(args) if isinstance(t, torch.Tensor)]
         point = grid_of(sources[0]) if sources else None

@@ -9,7 +9,9 @@ are kept; each other model is then tapped and, at every call with the same name:
 - isolated error: the same call replayed on the reference's inputs (same quant
   point, same integer kernel) vs the reference output -- the layer's own error.
   A quantized (integer) model's kernels consume integer codes, so for it the
-  reference inputs are first projected onto its input grid.
+  reference inputs are first projected onto its input grid.  A call computing
+  the same float function as the reference's only has its quant point applied
+  to the reference output (``qdebug.tools.isolated``).
 
 Statistics stream into float64 sums (``qdebug.stats``); nothing is stored across
 batches, so memory does not grow with the number of batches.  Flagged rows get a
@@ -28,13 +30,13 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
-from qdebug.engine.context import Event, active_context, run_model
+from qdebug.engine.context import Event, run_model
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.ops import map_tensors, tensors_in
-from qdebug.engine.point import QuantPoint, grid_of
+from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
 from qdebug.stats import ErrorStats
 from qdebug.tap import Capture, first_tensor, tap
+from qdebug.tools.isolated import IsolatedReplay
 
 # Metric columns, in display order.
 METRICS = [
@@ -88,20 +90,6 @@ def _grid(point: QuantPoint | None) -> tuple[float, int, int, int] | None:
     return float(point.scale), int(point.zero_point), point.spec.qmin, point.spec.qmax
 
 
-def _project(ref_args: Any, own_args: Any) -> Any:
-    """Reference inputs moved onto the grids the model's own inputs lie on (integer kernels)."""
-    own = iter(tensors_in(own_args))
-
-    def one(t: torch.Tensor) -> torch.Tensor:
-        mine = next(own, None)
-        point: QuantPoint | None = grid_of(mine) if isinstance(mine, torch.Tensor) else None
-        if point is None or not torch.is_floating_point(t):
-            return t
-        return point.apply(t)
-
-    return map_tensors(ref_args, one)
-
-
 def _sample(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1).float()
     step = max(1, flat.numel() // HISTOGRAM_SAMPLES)
@@ -111,19 +99,15 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 class _Listener:
     """Accumulates one compared model's statistics against the current reference capture."""
 
-    def __init__(self, label: str, model: nn.Module, capture: Capture, skip: dict[str, str], isolated: bool,
-                 stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False):
+    def __init__(self, label: str, model: nn.Module, reference: nn.Module, capture: Capture, skip: dict[str, str],
+                 isolated: bool, stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False):
         self.label, self.model, self.capture, self.skip = label, model, capture, skip
         self.isolated = isolated
         self.kl_feature_maps = kl_feature_maps
-        self.quantized = is_prepared(model) and engine_state(model).stage == "quantized"
         self.stats, self.notes, self.samples, self.kinds = stats, notes, samples, kinds
         self.seen: set[str] = set()
         self.first_batch = True
-        # A conv skipped because BN is folded in one model only: its event, kept to replay the
-        # conv+BN chain for the BN's isolated error.
-        self.skipped_convs: dict[str, Event] = {}
-        self.bn_of_pair = {bn: conv for conv, bn in {**_pairs(model)}.items()}
+        self.replay = IsolatedReplay(model, reference, _pairs(model))
         self.points = engine_state(model).points if is_prepared(model) else {}
 
     def __call__(self, event: Event) -> None:
@@ -138,7 +122,7 @@ class _Listener:
         if name in self.skip:
             self.notes[key] = self.skip[name]
             if event.call.category == "conv":
-                self.skipped_convs[name] = event
+                self.replay.skipped_convs[name] = event
             return
         x, y = first_tensor(record.output), first_tensor(event.out)
         if x is None or y is None:
@@ -158,23 +142,9 @@ class _Listener:
         if self.first_batch and key not in self.samples:
             self.samples[key] = (_sample(x), _sample(y))
         if self.isolated and event.call.category != "input":
-            iso_y = first_tensor(self._isolated(event, record))
+            iso_y = first_tensor(self.replay.output(event, record, self.capture.records))
             if iso_y is not None:
                 stats[1].update(x, iso_y)
-
-    def _isolated(self, event: Event, record) -> Any:
-        """This call of the model, on the reference's inputs (see module docstring)."""
-        ctx = active_context()
-        conv = self.bn_of_pair.get(event.call.name)
-        with torch.no_grad():
-            if conv in self.skipped_convs and conv in self.capture.records:
-                # BN folded in one model only: run the conv+BN chain from the conv's reference input.
-                conv_event, conv_record = self.skipped_convs[conv], self.capture.records[conv]
-                args = _project(conv_record.inputs, conv_event.args) if self.quantized else conv_record.inputs
-                inner = ctx.replay(conv_event, args, conv_record.kwargs)
-                return ctx.replay(event, (inner,), {})
-            args = _project(record.inputs, event.args) if self.quantized else record.inputs
-            return ctx.replay(event, args, record.kwargs)
 
 
 def _fused_in_integer_kernels(model: nn.Module) -> dict[str, str]:
@@ -241,7 +211,7 @@ def compare(
     kinds: dict = {}
     order: list[str] = []
     listeners = [
-        _Listener(label, model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples,
+        _Listener(label, model, ref_model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples,
                   kinds, kl_feature_maps)
         for label, model in others
     ]
