@@ -634,3 +634,29 @@ def test_zoo_models_fully_supported_in_execution_order(name):
         assert all(listed.index(n) < listed.index(w) for n in before), w
         assert all(listed.index(n) > listed.index(w) for n in after), w
     assert all(p.initialized for p in pts.values() if p.kind == "activation")
+
+
+def test_listeners_run_with_the_naming_mode_off_the_stack():
+    """A listener's own torch calls (statistics, replays) are not detoured through the naming
+    mode (a Python round trip per op); a user's mode above it is left alone."""
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode
+
+    from qdebug.engine.context import ForwardContext
+
+    seen = []
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+    ctx = ForwardContext(net, listeners=[lambda event: seen.append((event.call.name, _get_current_function_mode()))])
+    with torch.no_grad(), ctx:
+        ctx.run(net, torch.randn(1, 1, 5, 5))
+        assert _get_current_function_mode() is ctx  # back on the stack after every listener
+    assert [name for name, _ in seen] == ["input", "0", "1"]
+    assert all(mode is not ctx for _, mode in seen)
+
+    class Outer(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen.clear()
+    with torch.no_grad(), ctx, Outer() as outer:
+        ctx.run(net, torch.randn(1, 1, 5, 5))
+    assert [mode for _, mode in seen] == [outer] * 3  # not ours to pop: nothing popped
