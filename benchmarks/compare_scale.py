@@ -9,10 +9,14 @@ drawn from a seeded generator.
 
 (a) Time.  ``compare([("float", float), ("calibrated", calibrated)], batches)`` against the
     two models' plain forwards over the same batches (float forward + calibrated forward, no
-    tapping).  Target: ratio <= 1.5.  Reported with isolated errors off and on: the isolated
-    replays run every layer of the compared model once more, on the reference's inputs, so
-    with them on the ratio cannot go below 1 + t(calibrated) / (t(float) + t(calibrated))
-    (the "floor" row, ~1.6 here) whatever the statistics cost.
+    tapping).  Target: ratio <= 1.5.  Reported with isolated errors off and on.  The isolated
+    errors run every layer of the compared model once more, on the reference's inputs (calls
+    computing the reference's own float function only re-apply their quant point): work that
+    is not in the baseline.  Its convolutions alone are most of a calibrated forward, so with
+    isolated errors on the ratio stays above 1.5 however cheap the statistics get; the "naive
+    floor" row (the forwards + one more calibrated forward, no statistics: ~1.6) shows it.
+    Beside it, (a') compares the same run with the three forwards isolated errors imply
+    (float + calibrated + calibrated again): the target we propose for isolated errors on.
 (b) Memory.  Peak RSS of ``compare`` over 32 batches / over 2 batches, each in a fresh
     subprocess (``--child``) whose batches are generated on the fly, so input data does not
     accumulate.  Target: <= 1.1.  The children run first, while this process is small, and
@@ -28,8 +32,6 @@ drawn from a seeded generator.
     cover, compare's cosine and SQNR equal the values computed from NS's stored outputs
     (concatenated over batches, float64) within 1e-5.
 
-Also reported: the floor of (a) with isolated errors -- the two forwards plus one more
-calibrated forward, which the isolated replays amount to -- so overhead above it is qdebug's.
 
 Usage:  python benchmarks/compare_scale.py [--size 224] [--batch 8] [--batches 8] [--repeats 3]
             [--mem-batches 2 32] [--mem-size 112] [--check-batches 2] [--parts abc]
@@ -408,14 +410,18 @@ def main() -> None:
     if "a" in parts:
         t_plain, t_cmp, t_noiso, t_cal = times["plain"], times["compare"], times["compare_noiso"], times["calibrated_only"]
         results.update(compare_over_plain=t_cmp / t_plain, compare_noiso_over_plain=t_noiso / t_plain,
-                       replay_floor_over_plain=(t_plain + t_cal) / t_plain)
+                       replay_floor_over_plain=(t_plain + t_cal) / t_plain,
+                       compare_over_three_forwards=t_cmp / (t_plain + t_cal))
         base = f"float + calibrated forward {t_plain:.2f} s"
         rows += [
             (f"(a) compare time, {args.batches} batches of {args.batch}x{args.size}px, isolated on",
              base, f"{t_cmp:.2f} s", f"{t_cmp / t_plain:.2f}", "<= 1.5"),
             ("(a) compare time, same, isolated off", base, f"{t_noiso:.2f} s", f"{t_noiso / t_plain:.2f}", "<= 1.5"),
-            ("(a) floor of isolated on: the forwards + 1 more calibrated forward (its replays), no statistics",
+            ("(a) naive floor of isolated on: the forwards + 1 more calibrated forward, no statistics",
              base, f"{t_plain + t_cal:.2f} s", f"{(t_plain + t_cal) / t_plain:.2f}", "(info)"),
+            ("(a') compare time, isolated on, vs the three forwards it implies",
+             f"float + calibrated + calibrated forward {t_plain + t_cal:.2f} s", f"{t_cmp:.2f} s",
+             f"{t_cmp / (t_plain + t_cal):.2f}", "<= 1.5 (proposed)"),
         ]
     if "b" in parts:
         rss_few, rss_many = mem[f"compare_{few}"]["peak_rss_mb"], mem[f"compare_{many}"]["peak_rss_mb"]
