@@ -142,6 +142,14 @@ def test_same_module_function():
     assert not same_module_function(bn, hooked)
     wide = nn.MaxPool2d(3, stride=2)
     assert not same_module_function(nn.MaxPool2d(2), wide)
+    assert not same_module_function(nn.Softmax(dim=1), nn.Softmax(dim=-1))
+    # an attribute that is not a plain value counts only as the very same object
+    a, b = nn.ReLU(), nn.ReLU()
+    a.table, b.table = torch.ones(3), torch.ones(3)
+    assert not same_module_function(a, b)
+    b.table = a.table
+    assert same_module_function(a, b)
+    assert not same_module_function(nn.Dropout(0.5), nn.Dropout(1))  # 0.5 vs int 1: types differ too
 
 
 def test_quantized_weighted_layers_never_count_as_the_same_function(pair):

@@ -16,7 +16,8 @@ compared model's quant point is applied to it.  That holds, exactly, when
 - an inline op is the same torch function (``record.func is event.func``; the
   replay would call it on the very same recorded arguments);
 - a module is of the same class, not a quantized weighted layer, in the same
-  train/eval mode, with equal plain attributes and bitwise-equal parameters and
+  train/eval mode, with equal settings (plain attributes by value, any other
+  attribute only if it is the same object), bitwise-equal parameters and
   buffers, and no per-module hooks: BN of a calibrated model, ReLU, pooling.
 
 So a calibrated model's BN, ReLU and add cost one quantization (or nothing) instead
@@ -54,8 +55,21 @@ def project(ref_args: Any, own_args: Any) -> Any:
     return map_tensors(ref_args, one)
 
 
-def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _PLAIN)}
+def _same_settings(a: nn.Module, b: nn.Module) -> bool:
+    """Public attributes equal: plain values (sizes, flags, eps, modes) by value, anything
+    else (a function, a tensor that is not a buffer) only if it is the very same object."""
+    sa = {k: v for k, v in vars(a).items() if not k.startswith("_")}
+    sb = {k: v for k, v in vars(b).items() if not k.startswith("_")}
+    if sa.keys() != sb.keys():
+        return False
+    for key, va in sa.items():
+        vb = sb[key]
+        if isinstance(va, _PLAIN) and isinstance(vb, _PLAIN):
+            if type(va) is not type(vb) or va != vb:
+                return False
+        elif va is not vb:
+            return False
+    return True
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,7 +87,7 @@ def same_module_function(a: nn.Module | None, b: nn.Module | None) -> bool:
         return False
     if a.training != b.training or _has_hooks(a) or _has_hooks(b):
         return False
-    if _plain_attributes(a) != _plain_attributes(b):
+    if not _same_settings(a, b):
         return False
     sa, sb = _state(a), _state(b)
     if sa.keys() != sb.keys():
