@@ -140,7 +140,7 @@ def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
     if not p.exists():
         raise QDebugError(f"no such file: {p}", "check the path")
     if p.is_dir():
-        raise QDebugError(f"{p} is a directory, not a checkpoint file")
+        raise QDebugError(f"{p} is a directory, not a checkpoint file", "pass the checkpoint file, not its directory")
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -166,7 +166,8 @@ def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=False)
     except Exception as exc:
-        raise QDebugError(f"{p} could not be unpickled: {exc}") from None
+        raise QDebugError(f"{p} could not be unpickled: {exc}",
+                          "the file is damaged or was written by another program: save the model again") from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -238,10 +239,12 @@ def load(
 def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tuple[str, ...]):
     version = obj.get("version")
     if not isinstance(version, int) or version > VERSION:
-        raise QDebugError(f"{path} has checkpoint version {version!r}; this qdebug reads up to {VERSION}", "upgrade qdebug")
+        raise QDebugError(f"{path} has checkpoint version {version!r}; this qdebug reads up to {VERSION}",
+                          "upgrade qdebug")
     stage = obj.get("stage")
     if stage not in STAGES:
-        raise QDebugError(f"{path} has an unknown stage {stage!r}")
+        raise QDebugError(f"{path} has an unknown stage {stage!r}",
+                          "stages: float, calibrated, qat, quantized; save with qdebug.save(model, path, stage=...)")
     for key in ("model", "state"):
         if key not in obj:
             raise QDebugError(f"{path} lacks the {key!r} field", "the file is not a complete qdebug checkpoint")
@@ -301,7 +304,8 @@ def _make_integer_buffers(net: nn.Module, state: dict) -> None:
 def _load_state(net: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
     """load_state_dict with missing/unexpected keys and shape mismatches named."""
     if not isinstance(state, dict):
-        raise QDebugError(f"{path}: 'state' is not a dict of tensors")
+        raise QDebugError(f"{path}: 'state' is not a dict of tensors",
+                          "the file is damaged or not from qdebug.save: save the model again")
     own = net.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]

@@ -80,7 +80,8 @@ def _read(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise QDebugError(f"{path} is not valid TOML: {exc}", "fix the syntax error at the position given") from None
     except OSError as exc:
-        raise QDebugError(f"cannot read {path}: {exc.strerror}") from None
+        raise QDebugError(f"cannot read {path}: {exc.strerror}",
+                          "check the config file's path and permissions") from None
 
 
 def load_config(path: str | Path | None = None, *, start: Path | None = None) -> Config:
@@ -109,9 +110,11 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
     for key, value in data.items():
         expected = VALID_KEYS[key]
         if isinstance(value, bool) and expected is not bool:
-            raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, not a boolean")
+            raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, not a boolean",
+                              "fix the value in the config (docs/config.md lists every key and its type)")
         if not isinstance(value, expected):
-            raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, got {type(value).__name__}")
+            raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, got {type(value).__name__}",
+                              "fix the value in the config (docs/config.md lists every key and its type)")
         values[key] = value
     base = source.parent.resolve()
     for key in PATH_KEYS:
@@ -122,12 +125,14 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
         values["data"] = str((base / data_spec).resolve())
     for task, entry in (values.get("tasks") or {}).items():
         if not isinstance(entry, dict):
-            raise QDebugError(f"{source}: tasks.{task} must be a table with direction and/or ratio")
+            raise QDebugError(f"{source}: tasks.{task} must be a table with direction and/or ratio",
+                              'e.g. [tasks.top1] with direction = "higher" and ratio = 0.99')
         bad = sorted(set(entry) - set(TASK_KEYS))
         if bad:
             raise QDebugError(f"{source}: tasks.{task} has unknown key(s) {', '.join(bad)}", "valid: direction, ratio")
         if entry.get("direction", "higher") not in ("higher", "lower"):
-            raise QDebugError(f"{source}: tasks.{task}.direction must be 'higher' or 'lower'")
+            raise QDebugError(f"{source}: tasks.{task}.direction must be 'higher' or 'lower'",
+                              'direction = "higher" (an accuracy) or "lower" (an error)')
     return values
 
 

@@ -48,10 +48,10 @@ class Batch:
 def load_batches(spec: str, *, batch_size: int | None = None, batches: int | None = None) -> list[Batch]:
     """Resolve a data spec (see module docstring) into at most ``batches`` batches."""
     if batches is not None and batches < 1:
-        raise QDebugError(f"--batches must be >= 1, got {batches}")
+        raise QDebugError(f"--batches must be >= 1, got {batches}", "e.g. --batches 8")
     size = batch_size or DEFAULT_BATCH_SIZE
     if size < 1:
-        raise QDebugError(f"batch size must be >= 1, got {size}")
+        raise QDebugError(f"batch size must be >= 1, got {size}", "e.g. --batch-size 8")
     if spec.startswith("random:"):
         result = _random(spec, batches)
     elif spec.endswith((".pt", ".pth")) or Path(spec).is_file():
@@ -65,7 +65,7 @@ def load_batches(spec: str, *, batch_size: int | None = None, batches: int | Non
     if batches is not None:
         result = result[:batches]
     if not result:
-        raise QDebugError(f"data {spec!r} holds no batches")
+        raise QDebugError(f"data {spec!r} holds no batches", "check the data file or function: it yielded nothing")
     return result
 
 
@@ -79,7 +79,8 @@ def batches_from_inputs(sample_inputs: Any) -> list[Batch]:
 def _random(spec: str, batches: int | None) -> list[Batch]:
     match = re.fullmatch(r"random:(\d+(?:x\d+)*)(?::seed=(\d+))?", spec)
     if not match:
-        raise QDebugError(f"bad random data spec {spec!r}", "write it like random:8x3x224x224 or random:8x3x32x32:seed=1")
+        raise QDebugError(f"bad random data spec {spec!r}",
+                          "write it like random:8x3x224x224 or random:8x3x32x32:seed=1")
     shape = [int(d) for d in match.group(1).split("x")]
     generator = torch.Generator().manual_seed(int(match.group(2) or 0))
     count = batches or DEFAULT_RANDOM_BATCHES
@@ -164,4 +165,5 @@ def _from_function(spec: str) -> list[Batch]:
     except QDebugError:
         raise
     except Exception as exc:
-        raise QDebugError(f"data function {spec} raised {type(exc).__name__}: {exc}", "run it in Python to debug it") from None
+        raise QDebugError(f"data function {spec} raised {type(exc).__name__}: {exc}",
+                          "run it in Python to debug it") from None

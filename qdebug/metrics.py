@@ -98,7 +98,8 @@ def top5(model, batches):
 
 def agreement(model, batches, reference=None) -> float:
     if reference is None:
-        raise QDebugError("the agreement metric needs the float model as reference")
+        raise QDebugError("the agreement metric needs the float model as reference",
+                          "agreement compares with the float model: use it through qdebug baseline, or pass reference=")
     same = total = 0
     ref_outputs = [out for _, out in _outputs(reference, batches)]
     for (_, out), ref in zip(_outputs(model, batches), ref_outputs):
@@ -133,7 +134,8 @@ def resolve_metric(spec: str | Metric) -> Metric:
 
     fn = resolve(spec, from_user=True)
     if not callable(fn):
-        raise QDebugError(f"metric {spec!r} is not callable")
+        raise QDebugError(f"metric {spec!r} is not callable",
+                          "name a function metric(model, batches) as package.module:function")
     return fn
 
 

@@ -38,10 +38,12 @@ class ModelSpec:
         if isinstance(data, str):
             return cls(data, {})
         if not isinstance(data, dict) or not isinstance(data.get("class"), str):
-            raise QDebugError("the checkpoint's model spec is malformed", "expected {'class': 'pkg.module:Class', 'kwargs': {...}}")
+            raise QDebugError("the checkpoint's model spec is malformed",
+                              "expected {'class': 'pkg.module:Class', 'kwargs': {...}}")
         kwargs = data.get("kwargs") or {}
         if not isinstance(kwargs, dict):
-            raise QDebugError("the checkpoint's model kwargs are not a table")
+            raise QDebugError("the checkpoint's model kwargs are not a table",
+                              "model kwargs are a table, e.g. model_kwargs = {num_classes = 10}")
         return cls(data["class"], dict(kwargs))
 
     @property
@@ -73,7 +75,8 @@ def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = 
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise QDebugError(f"cannot import {module_name!r}: {exc}", "is the package installed / on PYTHONPATH?") from None
+        raise QDebugError(f"cannot import {module_name!r}: {exc}",
+                          "is the package installed / on PYTHONPATH?") from None
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -91,13 +94,16 @@ def build(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, ...] 
     """Construct the model of ``spec`` and remember the spec on it."""
     factory = resolve(spec.target, from_user=from_user, trusted_modules=trusted_modules)
     if not callable(factory):
-        raise QDebugError(f"{spec.target!r} is not callable")
+        raise QDebugError(f"{spec.target!r} is not callable",
+                          "name a class or a function that builds the model, as package.module:Name")
     try:
         model = factory(**spec.kwargs)
     except TypeError as exc:
-        raise QDebugError(f"cannot build {spec.target} with kwargs {spec.kwargs}: {exc}", "check the model kwargs") from None
+        raise QDebugError(f"cannot build {spec.target} with kwargs {spec.kwargs}: {exc}",
+                          "check the model kwargs") from None
     if not isinstance(model, nn.Module):
-        raise QDebugError(f"{spec.target} returned {type(model).__name__}, not an nn.Module")
+        raise QDebugError(f"{spec.target} returned {type(model).__name__}, not an nn.Module",
+                          "the factory must return the model itself (an nn.Module)")
     remember(model, spec)
     return model
 

@@ -329,3 +329,18 @@ def test_console_script_error_contract(tmp_path, stages):
     assert lines[0].startswith("error: convert expects a calibrated or qat checkpoint"), proc.stderr
     assert len(lines) == 2 and lines[1].startswith("hint: ")
     assert proc.stdout == "" and not (tmp_path / "x.pt").exists()
+
+
+def test_every_error_qdebug_raises_carries_a_hint():
+    """The error contract is an ``error:`` line and a ``hint:`` line: every QDebugError written in
+    the package passes a hint (read from the source, so a new one without a hint fails here)."""
+    import ast
+    from pathlib import Path
+
+    missing = []
+    for path in Path(qdebug.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "QDebugError":
+                if len(node.args) + len(node.keywords) < 2:
+                    missing.append(f"{path.name}:{node.lineno}")
+    assert missing == []

@@ -23,7 +23,8 @@ from qdebug.errors import QDebugError
 class FuseBN:
     def __init__(self, modules: Sequence[Sequence[str]], step_or_epoch: Sequence[int], update_by: str = "step"):
         if update_by not in ("step", "epoch"):
-            raise QDebugError(f"update_by={update_by!r} is not 'step' or 'epoch'")
+            raise QDebugError(f"update_by={update_by!r} is not 'step' or 'epoch'",
+                              "use update_by='step' or update_by='epoch'")
         if len(modules) != len(step_or_epoch):
             raise QDebugError(
                 f"FuseBN got {len(modules)} module groups but {len(step_or_epoch)} steps",

@@ -72,7 +72,8 @@ class Observer(torch.nn.Module):
     def __init__(self, spec: QuantSpec):
         super().__init__()
         if not isinstance(spec, QuantSpec):
-            raise QDebugError(f"an observer needs a QuantSpec, got {type(spec).__name__}")
+            raise QDebugError(f"an observer needs a QuantSpec, got {type(spec).__name__}",
+                              "e.g. make_observer(QuantSpec())")
         self.last_batch_finite = False  # set by each batch: True when it held no NaN/Inf
         self.spec = spec
         # Names of buffers whose shape depends on the data (resized on load / first batch).

@@ -58,19 +58,21 @@ class QuantSpec:
             raise QDebugError(f"bits={self.bits!r} is not supported", f"use an integer from {MIN_BITS} to {MAX_BITS}")
         for name in ("signed", "symmetric", "per_channel"):
             if not isinstance(getattr(self, name), bool):
-                raise QDebugError(f"{name}={getattr(self, name)!r} must be true or false")
+                raise QDebugError(f"{name}={getattr(self, name)!r} must be true or false", "write true or false")
         if self.observer not in OBSERVERS:
             raise QDebugError(f"unknown observer {self.observer!r}", f"choose one of {', '.join(OBSERVERS)}")
         if self.estimator not in ESTIMATORS:
             raise QDebugError(f"unknown estimator {self.estimator!r}", f"choose one of {', '.join(ESTIMATORS)}")
         if isinstance(self.ch_axis, bool) or not isinstance(self.ch_axis, int):
-            raise QDebugError(f"ch_axis={self.ch_axis!r} must be an integer axis")
+            raise QDebugError(f"ch_axis={self.ch_axis!r} must be an integer axis",
+                              "e.g. ch_axis = 0 (the output channels of a weight)")
         if not 0.0 < float(self.averaging_constant) <= 1.0:
-            raise QDebugError(f"averaging_constant={self.averaging_constant} must be in (0, 1]")
+            raise QDebugError(f"averaging_constant={self.averaging_constant} must be in (0, 1]",
+                              "e.g. averaging_constant = 0.01")
         if not 50.0 < float(self.percentile) <= 100.0:
-            raise QDebugError(f"percentile={self.percentile} must be in (50, 100]")
+            raise QDebugError(f"percentile={self.percentile} must be in (50, 100]", "e.g. percentile = 99.99")
         if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 16:
-            raise QDebugError(f"bins={self.bins!r} must be an integer >= 16")
+            raise QDebugError(f"bins={self.bins!r} must be an integer >= 16", "e.g. bins = 2048")
 
     @property
     def qmin(self) -> int:
@@ -100,7 +102,8 @@ class QuantSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QuantSpec":
         if data is not None and not isinstance(data, Mapping):
-            raise QDebugError(f"a quant spec must be a table of settings, got {data!r}")
+            raise QDebugError(f"a quant spec must be a table of settings, got {data!r}",
+                              'e.g. {bits = 8, observer = "ema"}')
         return cls().replace(**dict(data or {}))
 
     def replace(self, **changes: Any) -> "QuantSpec":
@@ -144,12 +147,15 @@ class QConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.weight, QuantSpec) or not isinstance(self.activation, QuantSpec):
-            raise QDebugError("QConfig weight/activation must be QuantSpec objects")
+            raise QDebugError("QConfig weight/activation must be QuantSpec objects",
+                              "build them with QuantSpec(...) or QuantSpec.from_dict({...})")
         if not isinstance(self.overrides, Mapping):
-            raise QDebugError("QConfig overrides must be a table mapping module globs to settings")
+            raise QDebugError("QConfig overrides must be a table mapping module globs to settings",
+                              'e.g. overrides = {"layer1.*" = {activation = {bits = 16}}}')
         for glob, entry in self.overrides.items():
             if not isinstance(entry, Mapping):
-                raise QDebugError(f"override {glob!r} must be a table of weight/activation settings")
+                raise QDebugError(f"override {glob!r} must be a table of weight/activation settings",
+                                  'e.g. overrides = {"layer1.*" = {activation = {bits = 16}}}')
             unknown = sorted(set(entry) - set(_OVERRIDE_KINDS))
             if unknown:
                 raise QDebugError(
@@ -194,11 +200,13 @@ class QConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QConfig":
         if data is not None and not isinstance(data, Mapping):
-            raise QDebugError(f"a qconfig must be a table of settings, got {data!r}")
+            raise QDebugError(f"a qconfig must be a table of settings, got {data!r}",
+                              'e.g. {weight = {bits = 8}, activation = {observer = "ema"}}')
         data = dict(data or {})
         for key in ("weight", "activation", "overrides"):
             if data.get(key) is not None and not isinstance(data[key], Mapping):
-                raise QDebugError(f"qconfig {key} must be a table of settings, got {data[key]!r}")
+                raise QDebugError(f"qconfig {key} must be a table of settings, got {data[key]!r}",
+                                  "e.g. weight = {bits = 8, per_channel = true}")
         unknown = sorted(set(data) - {"weight", "activation", "overrides"})
         if unknown:
             raise QDebugError(

@@ -53,7 +53,8 @@ class BaselineResult:
 def _check_values(name: str, values: dict[str, float]) -> None:
     for task, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise QDebugError(f"{name} metric for task {task!r} is not a number: {value!r}")
+            raise QDebugError(f"{name} metric for task {task!r} is not a number: {value!r}",
+                              "the metric must return a number (or a dict of task -> number)")
         if not math.isfinite(value):
             raise QDebugError(f"{name} metric for task {task!r} is {value}", "the metric must be a finite number")
 
@@ -150,7 +151,8 @@ def gate(
     for task, f in float_metrics.items():
         rule = rules.get(task) or TaskRule(ratio=ratio)
         if rule.direction not in ("higher", "lower"):
-            raise QDebugError(f"task {task!r}: direction must be 'higher' or 'lower'")
+            raise QDebugError(f"task {task!r}: direction must be 'higher' or 'lower'",
+                              "direction is 'higher' (an accuracy) or 'lower' (an error)")
         q = quant_metrics[task]
         score, required, margin, passed = evaluate_rule(f, q, rule)
         row = {"task": task, "direction": rule.direction, "float": f, "quantized": q, "score": score,

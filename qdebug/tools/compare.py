@@ -191,7 +191,8 @@ def compare(
     if len(models) < 2:
         raise QDebugError("compare needs at least two models", "e.g. qdebug compare float.pt qat.pt")
     if not 0 <= ref < len(models):
-        raise QDebugError(f"reference index {ref} is out of range for {len(models)} models")
+        raise QDebugError(f"reference index {ref} is out of range for {len(models)} models",
+                          "ref is an index into models: 0 up to one less than their number")
     limits = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     unknown = sorted(set(limits) - set(METRICS))
     if unknown:
