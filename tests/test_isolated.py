@@ -157,3 +157,29 @@ def test_quantized_weighted_layers_never_count_as_the_same_function(pair):
     qconv = cal.get_submodule("conv1")
     assert isinstance(qconv, _QWeighted)
     assert not same_module_function(qconv, qconv)
+
+
+@pytest.mark.parametrize("name", ["mobilenetv2", "shufflenetv2", "multitask"])
+@pytest.mark.parametrize("mode", ["with_bn_reverse_fold", "fuse_bn"])
+def test_reuse_matches_the_full_replay_on_every_zoo_model(name, mode, monkeypatch):
+    """Inline ops (channel shuffle, cat, chunk, mean, hardswish, several outputs) and both BN
+    modes: the reused isolated outputs give exactly the full replay's numbers."""
+    from qdebug.zoo import MobileNetV2, MultiTaskNet, ShuffleNetV2
+
+    from small_models import SMALL_MOBILENETV2, SMALL_SHUFFLENETV2
+
+    build_model = {
+        "mobilenetv2": lambda: MobileNetV2(**SMALL_MOBILENETV2),
+        "shufflenetv2": lambda: ShuffleNetV2(**SMALL_SHUFFLENETV2),
+        "multitask": lambda: MultiTaskNet(num_classes=10, num_aux_classes=2, in_channels=1, width=8),
+    }[name]
+    torch.manual_seed(1)
+    fp = build_model().eval()
+    batches = [_images(3, 50), _images(3, 51)]
+    cal = prepare(fp, QConfig(), mode=mode, example_inputs=batches[0])
+    calibrate(cal, [_images(6, 52)])
+    models = [("float", fp), ("calibrated", cal.eval())]
+    fast, reused = _run(models, batches, monkeypatch)
+    slow, _ = _run(models, batches, monkeypatch, force_replay=True)
+    assert reused  # something was reused on every model
+    pd.testing.assert_frame_equal(fast, slow, check_exact=True)
