@@ -196,19 +196,25 @@ def alternate(fns: dict[str, tuple[Callable[[], object], Callable[[object], None
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _proc_mb(path: str, field: str) -> float | None:
+    """A ``field:  N kB`` line of a /proc file, in MB (None where /proc lacks it)."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_mb() -> float:
     """This process's peak RSS: VmHWM where /proc has it, else ru_maxrss.  (Linux keeps ru_maxrss
     across fork and execve, so a child's ru_maxrss is at least its parent's RSS when it was
     spawned; VmHWM belongs to the child's own address space.  ``main`` also spawns the
     children before it grows, so both agree.)"""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return maxrss_mb()
+    hwm = _proc_mb("/proc/self/status", "VmHWM")
+    return maxrss_mb() if hwm is None else hwm
 
 
 def maxrss_mb() -> float:
@@ -228,14 +234,7 @@ def output_mb_per_batch(batch: int, size: int) -> float:
 
 
 def mem_available_mb() -> float | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
+    return _proc_mb("/proc/meminfo", "MemAvailable")
 
 
 # -- subprocess children for peak RSS ----------------------------------------------------------

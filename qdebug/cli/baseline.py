@@ -165,10 +165,7 @@ def baseline(
             if indices:
                 console.print(f"{task}: first samples right in float but wrong quantized: {indices}")
     if not result.passed:
-        if not paths:
-            err_console.print("hint: find where accuracy is lost: qdebug compare FLOAT.pt QUANT.pt --data EVAL",
-                              markup=False, soft_wrap=True, highlight=False)
-        if paths:
-            err_console.print(f"hint: find where accuracy is lost: qdebug compare {paths[0]} {paths[1]}"
-                              + (f" --data {data}" if data else ""), markup=False, highlight=False, soft_wrap=True)
+        where = (f"{paths[0]} {paths[1]}" + (f" --data {data}" if data else "")) if paths else "FLOAT.pt QUANT.pt --data EVAL"
+        err_console.print(f"hint: find where accuracy is lost: qdebug compare {where}",
+                          markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)

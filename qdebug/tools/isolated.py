@@ -137,10 +137,12 @@ class IsolatedReplay:
             if conv in self.skipped_convs and conv in records:
                 # BN folded in one model only: run the conv+BN chain from the conv's reference input.
                 conv_event, conv_record = self.skipped_convs[conv], records[conv]
-                args = project(conv_record.inputs, conv_event.args) if self.quantized else conv_record.inputs
-                inner = ctx.replay(conv_event, args, conv_record.kwargs)
+                inner = ctx.replay(conv_event, self._inputs(conv_event, conv_record), conv_record.kwargs)
                 return ctx.replay(event, (inner,), {})
             if self.reuses_reference(event, record):
                 return ctx.replay(event, record.inputs, record.kwargs, float_output=record.output)
-            args = project(record.inputs, event.args) if self.quantized else record.inputs
-            return ctx.replay(event, args, record.kwargs)
+            return ctx.replay(event, self._inputs(event, record), record.kwargs)
+
+    def _inputs(self, event: Event, record: Record) -> Any:
+        """The reference's inputs of the call, on the model's input grids if it runs integer kernels."""
+        return project(record.inputs, event.args) if self.quantized else record.inputs
