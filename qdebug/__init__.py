@@ -6,10 +6,40 @@ Python API (the CLI is a thin layer over the same functions):
     model, info = qdebug.load("qat.pt")          # any of the four stages, safely
     qdebug.save(model, "calibrated.pt", stage="calibrated")
     frame = qdebug.compare("float.pt", "qat.pt", data="eval.pt")   # per-layer DataFrame
+
+``import qdebug`` is cheap: torch and pandas load when one of these names is first used.
 """
 
-from qdebug.api import compare
-from qdebug.checkpoint import load, save
+from __future__ import annotations
+
+from importlib import import_module
+
 from qdebug.errors import QDebugError
 
-__all__ = ["load", "save", "compare", "QDebugError"]
+_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api"}
+
+__all__ = ["load", "save", "compare", "QDebugError", "__version__"]
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("qdebug")
+    except Exception:  # not installed (a source tree on sys.path)
+        return "0+unknown"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # resolved once
+        return value
+    if name == "__version__":
+        globals()["__version__"] = value = _version()
+        return value
+    raise AttributeError(f"module 'qdebug' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

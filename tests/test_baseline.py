@@ -18,6 +18,7 @@ import torch
 
 import qdebug
 from qdebug.data import load_batches
+from tables import body_rows, header_cells
 from qdebug.engine import quant_points
 from qdebug.tools.baseline import TaskRule, bootstrap_interval, gate, mcnemar_exact
 
@@ -248,13 +249,8 @@ def test_table_output(cli):
     # f 0.8, q 0.78, ratio 0.95: score 0.975, required 0.76, margin 0.02
     result = cli("baseline", "--float-metric", "0.8", "--quant-metric", "0.78", "--ratio", "0.95")
     assert result.code == 0, result.err
-    header = next(line for line in result.out.splitlines() if "task" in line)
-    cells = [c.strip() for c in header.replace("┃", "|").split("|") if c.strip()]
-    for col in ("task", "float", "quantized", "ratio", "required", "margin", "verdict"):
-        assert col in cells, (col, header)
-    row = next(line for line in result.out.splitlines() if "metric" in line and "pass" in line)
-    values = [c.strip() for c in row.replace("│", "|").split("|") if c.strip()]
-    assert values == ["metric", "0.8", "0.78", "0.975", "0.95", "0.76", "0.02", "pass"]
+    assert header_cells(result.out) == ["task", "float", "quantized", "score", "ratio", "required", "margin", "verdict"]
+    assert body_rows(result.out) == [["metric", "0.8", "0.78", "0.975", "0.95", "0.76", "0.02", "pass"]]
     assert "qdebug compare" not in result.err
 
 

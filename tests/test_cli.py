@@ -26,9 +26,9 @@ def _run(model, x):
 
 # -- calibrate ------------------------------------------------------------------------------
 def test_calibrate_writes_a_calibrated_checkpoint(cli, tmp_path, stages):
-    result = cli("calibrate", stages.float, "--data", stages.data, "--batch-size", "4", "--out", "cal.pt")
+    result = cli("calibrate", stages.float, "--data", stages.data, "--batch-size", "4", "-o", "cal.pt")
     assert result.code == 0, result.err
-    assert "wrote cal.pt" in result.out and "stage calibrated" in result.out
+    assert "wrote cal.pt" in result.err and "stage calibrated" in result.err
     model, info = qdebug.load(tmp_path / "cal.pt")
     assert info.stage == "calibrated" and info.qat_mode == "fuse_bn"
     assert info.meta["calibration_batches"] == 3  # 12 samples / 4
@@ -46,21 +46,21 @@ def test_calibrate_writes_a_calibrated_checkpoint(cli, tmp_path, stages):
 
 
 def test_calibrate_json(cli, stages):
-    result = cli("calibrate", stages.float, "--data", "random:4x1x16x16", "--batches", "2", "--out", "c.pt", "--json")
+    result = cli("calibrate", stages.float, "--data", "random:4x1x16x16", "--batches", "2", "-o", "c.pt", "--json")
     assert result.code == 0, result.err
     payload = json.loads(result.out)
     assert payload["meta"]["stage"] == "calibrated" and payload["meta"]["batches"] == 2
-    assert payload["meta"]["out"] == "c.pt"
+    assert payload["meta"]["output"] == "c.pt"
     layers = {row["layer"]: row for row in payload["rows"]}
     assert {"input", "conv1", "fc", "layer1.0.add"} <= set(layers)
     assert layers["layer1.0.relu#2"]["act_scale_min"] > 0
 
 
 def test_calibrate_options_are_honoured(cli, tmp_path, stages):
-    result = cli("calibrate", stages.float, "--data", "random:4x1x16x16", "--batches", "2", "--out", "p.pt",
+    result = cli("calibrate", stages.float, "--data", "random:4x1x16x16", "--batches", "2", "-o", "p.pt",
                  "--observer", "percentile", "--per-tensor", "--bits", "16", "--mode", "with_bn")
     assert result.code == 0, result.err
-    assert "qat mode with_bn" in result.out
+    assert "qat mode with_bn" in result.err
     model, info = qdebug.load(tmp_path / "p.pt")
     assert info.qat_mode == "with_bn"
     assert model.get_submodule("layer1.0.conv1").bn is not None  # BN kept for QAT
@@ -80,7 +80,7 @@ def test_calibrate_qconfig_file_with_override(cli, tmp_path, stages):
         "activation": {"observer": "ema"},
         "overrides": {"fc": {"weight": {"bits": 4}}, "layer2.*": {"activation": {"bits": 6}}},
     }))
-    result = cli("calibrate", stages.float, "--data", "random:4x1x16x16", "--batches", "1", "--out", "q.pt",
+    result = cli("calibrate", stages.float, "--data", "random:4x1x16x16", "--batches", "1", "-o", "q.pt",
                  "--qconfig", "q.json", "--bits", "7")
     assert result.code == 0, result.err
     model, info = qdebug.load(tmp_path / "q.pt")
@@ -94,19 +94,19 @@ def test_calibrate_qconfig_file_with_override(cli, tmp_path, stages):
 
 def test_calibrate_qconfig_file_errors(cli, tmp_path, stages):
     (tmp_path / "bad.json").write_text("{not json")
-    cli("calibrate", stages.float, "--data", "random:2x1x16x16", "--out", "x.pt", "--qconfig", "bad.json") \
+    cli("calibrate", stages.float, "--data", "random:2x1x16x16", "-o", "x.pt", "--qconfig", "bad.json") \
         .assert_error("cannot parse qconfig file")
     (tmp_path / "typo.json").write_text(json.dumps({"weight": {"bitz": 4}}))
-    cli("calibrate", stages.float, "--data", "random:2x1x16x16", "--out", "x.pt", "--qconfig", "typo.json") \
+    cli("calibrate", stages.float, "--data", "random:2x1x16x16", "-o", "x.pt", "--qconfig", "typo.json") \
         .assert_error("bitz")
     (tmp_path / "nomatch.json").write_text(json.dumps({"overrides": {"nothing.*": {"weight": None}}}))
-    cli("calibrate", stages.float, "--data", "random:2x1x16x16", "--out", "x.pt", "--qconfig", "nomatch.json") \
+    cli("calibrate", stages.float, "--data", "random:2x1x16x16", "-o", "x.pt", "--qconfig", "nomatch.json") \
         .assert_error("match no layer", "nothing.*")
     assert not (tmp_path / "x.pt").exists()
 
 
 def test_calibrate_without_data_uses_sample_inputs(cli, tmp_path, stages):
-    result = cli("calibrate", stages.float, "--out", "s.pt")
+    result = cli("calibrate", stages.float, "-o", "s.pt")
     assert result.code == 0, result.err
     assert qdebug.load(tmp_path / "s.pt")[1].meta["calibration_batches"] == 1
 
@@ -114,15 +114,15 @@ def test_calibrate_without_data_uses_sample_inputs(cli, tmp_path, stages):
 # -- convert ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["calibrated", "qat"])
 def test_convert(cli, tmp_path, stages, source):
-    result = cli("convert", stages.path(source), "--out", "q.pt")
+    result = cli("convert", stages.path(source), "-o", "q.pt")
     assert result.code == 0, result.err
-    assert f"stage quantized from {source}" in result.out
+    assert f"stage quantized from {source}" in result.err
     model, info = qdebug.load(tmp_path / "q.pt")
     assert info.stage == "quantized" and info.meta["source_stage"] == source
     assert torch.equal(info.sample_inputs, stages.x)
     if source == "qat":
         assert torch.equal(_run(model, stages.x), _run(stages.models["quantized"], stages.x))
-    payload = json.loads(cli("convert", stages.path(source), "--out", "q2.pt", "--json").out)
+    payload = json.loads(cli("convert", stages.path(source), "-o", "q2.pt", "--json").out)
     assert payload["meta"]["stage"] == "quantized" and payload["rows"]
 
 
@@ -229,24 +229,24 @@ def _bad_files(tmp_path, stages):
         (("inspect", "truncated.pt"), ("truncated.pt is not a readable torch file",)),
         (("inspect", "random.pt"), ("random.pt is not a readable torch file",)),
         (("inspect", "strings.pt"), ("not a qdebug checkpoint or a state_dict (found list)",)),
-        (("convert", "{float}", "--out", "x.pt"), ("convert expects a calibrated or qat checkpoint", "is float")),
-        (("calibrate", "{qat}", "--out", "x.pt"), ("calibrate expects a float checkpoint", "is qat")),
-        (("calibrate", "{quantized}", "--out", "x.pt"), ("is quantized",)),
+        (("convert", "{float}", "-o", "x.pt"), ("convert expects a calibrated or qat checkpoint", "is float")),
+        (("calibrate", "{qat}", "-o", "x.pt"), ("calibrate expects a float checkpoint", "is qat")),
+        (("calibrate", "{quantized}", "-o", "x.pt"), ("is quantized",)),
         (("inspect", "{float}", "--model", "qdebug.zoo.mobilenetv2:MobileNetV2"), ("missing", "unexpected")),
         (("inspect", "{calibrated}", "--model", "qdebug.zoo.multitask:MultiTaskNet"), ("saved plan does not fit",)),
-        (("calibrate", "{float}", "--data", "random:2x3x16x16", "--out", "x.pt"),
+        (("calibrate", "{float}", "--data", "random:2x3x16x16", "-o", "x.pt"),
          ("the model failed while tracing the model (input shape [2, 3, 16, 16])",)),
-        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--observer", "foo", "--out", "x.pt"),
+        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--observer", "foo", "-o", "x.pt"),
          ("unknown observer 'foo'", "minmax, ema, percentile, mse, kl")),
-        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--bits", "1", "--out", "x.pt"), ("bits=1",)),
-        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--mode", "fused", "--out", "x.pt"),
+        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--bits", "1", "-o", "x.pt"), ("bits=1",)),
+        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--mode", "fused", "-o", "x.pt"),
          ("unknown QAT mode 'fused'",)),
-        (("calibrate", "{float}", "--data", "nowhere.pt", "--out", "x.pt"), ("no such file",)),
-        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--batches", "0", "--out", "x.pt"), ("--batches",)),
-        (("calibrate", "{float}", "--batches", "0", "--out", "x.pt"), ("--batches must be a whole number >= 1",)),
-        (("calibrate", "{float}", "--out", "truncated.pt/x.pt"), ("cannot create output directory truncated.pt",)),
-        (("convert", "{qat}", "--out", "."), ("output . is a directory",)),
-        (("convert", "{qat}", "--out", "truncated.pt/x.pt"), ("cannot create output directory truncated.pt",)),
+        (("calibrate", "{float}", "--data", "nowhere.pt", "-o", "x.pt"), ("no such file",)),
+        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--batches", "0", "-o", "x.pt"), ("--batches",)),
+        (("calibrate", "{float}", "--batches", "0", "-o", "x.pt"), ("--batches must be a whole number >= 1",)),
+        (("calibrate", "{float}", "-o", "truncated.pt/x.pt"), ("cannot create output directory truncated.pt",)),
+        (("convert", "{qat}", "-o", "."), ("output . is a directory",)),
+        (("convert", "{qat}", "-o", "truncated.pt/x.pt"), ("cannot create output directory truncated.pt",)),
     ],
 )
 def test_errors_are_one_line_exit_2(cli, tmp_path, stages, args, fragments):
@@ -277,20 +277,20 @@ def test_a_failing_write_is_one_error_and_leaves_no_file(cli, tmp_path, stages, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(qdebug.checkpoint.torch, "save", full_disk)
-    cli("convert", stages.qat, "--out", "q.pt").assert_error("No space left on device", "hint: check the path")
+    cli("convert", stages.qat, "-o", "q.pt").assert_error("No space left on device", "hint: check the path")
     assert os.listdir(tmp_path) == []
 
 
 def test_debug_shows_the_traceback(cli, stages):
-    result = cli("--debug", "convert", stages.float, "--out", "x.pt")
+    result = cli("--debug", "convert", stages.float, "-o", "x.pt")
     assert result.code == 2
     assert "Traceback (most recent call last)" in result.err and "QDebugError" in result.err
     assert "error: convert expects" in result.err
 
 
 def test_usage_errors_exit_2(cli):
-    cli("calibrate").assert_error("Missing option '--out'", "hint: see qdebug calibrate --help")
-    cli("calibrate", "f.pt", "--out", "x.pt", "--bits", "many").assert_error("'--bits'")
+    cli("calibrate").assert_error("Missing option '-o'", "hint: see qdebug calibrate --help")
+    cli("calibrate", "f.pt", "-o", "x.pt", "--bits", "many").assert_error("'--bits'")
     cli("frobnicate").assert_error("No such command 'frobnicate'")
 
 
@@ -322,7 +322,7 @@ def test_python_dash_m_help(tmp_path):
 def test_console_script_error_contract(tmp_path, stages):
     exe = shutil.which("qdebug") or shutil.which("qdebug", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "qdebug"]
-    proc = subprocess.run([*cmd, "convert", str(stages.float), "--out", "x.pt"], capture_output=True, text=True,
+    proc = subprocess.run([*cmd, "convert", str(stages.float), "-o", "x.pt"], capture_output=True, text=True,
                           cwd=tmp_path, env=_env(), timeout=120)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -25,6 +25,7 @@ from qdebug.errors import QDebugError
 from qdebug.modelspec import ModelSpec, build
 from qdebug.stats import ErrorStats
 from qdebug.tools.compare import METRICS, compare
+from tables import body_rows, header_cells
 
 from small_models import RESNET, SMALL_RESNET as SMALL
 # float32 feature maps are reduced in float32 blocks (qdebug.stats: relative error ~1e-7).
@@ -249,7 +250,7 @@ def test_clean_int8_model_is_not_flagged(realistic):
     fp, cal, batches = realistic
     result = compare([("float", fp), ("calibrated", cal)], batches)
     assert result.meta["flagged"] == 0, result.flagged()[["layer", "diagnosis"]]
-    assert "No layer crosses the thresholds" in result.summary
+    assert "nothing flagged" in result.summary and result.meta["findings"]["calibrated"]["flagged"] == 0
 
 
 @pytest.mark.parametrize("point, factor", [("layer1.0.relu", 12.0), ("layer2.0.bn2", 8.0), ("layer2.0.relu", 20.0)])
@@ -262,7 +263,9 @@ def test_planted_too_small_scale_is_the_first_row_flagged_as_clipping(realistic,
     result = compare([("float", fp), ("clip", clip)], batches)
     first = _first_flagged(result)
     assert first is not None and first["layer"] == point and first["diagnosis"] == "clipping", result.flagged()
-    assert f"at fault itself is {point} (clipping)" in result.summary
+    found = result.meta["findings"]["clip"]
+    assert found["at_fault"] == point and found["at_fault_diagnosis"] == "clipping", found
+    assert f"  at fault:     {point} (clipping)" in result.summary.splitlines()
     # saturation by hand: the share of the values the point received that lie more than half a
     # step beyond either end of the shrunk grid (the module's float output, before the point)
     module = clip.get_submodule(point.split("#")[0])
@@ -328,7 +331,8 @@ def test_planted_nan_weight_shows_as_nonfinite_where_it_starts(realistic):
     for layer in LAYERS[: LAYERS.index("layer2.0.conv1")]:
         assert rows[layer]["sqnr_db"] == math.inf and rows[layer]["diagnosis"] == "", layer
     assert rows["fc"]["diagnosis"] == "nonfinite"
-    assert "nan-trace" in result.summary
+    assert result.meta["findings"]["nan"]["at_fault_diagnosis"] == "nonfinite"
+    assert "qdebug inspect" in result.summary  # a command that exists
 
     # the same NaN in a calibrated (BN-folded) model: the conv is listed, compared at its BN
     nan_cal = copy.deepcopy(cal)
@@ -371,7 +375,8 @@ def test_propagated_and_isolated_errors(realistic):
     propagated = [row for row in downstream if row["diagnosis"] == "propagated"]
     assert len(propagated) >= 6 and all(row["sqnr_db"] < 20 for row in propagated)
     assert _first_flagged(result)["layer"] == point
-    assert f"at fault itself is {point} (rounding)" in result.summary
+    assert result.meta["findings"]["int4"]["at_fault"] == point
+    assert f"  at fault:     {point} (rounding)" in result.summary.splitlines()
 
 
 # -- streaming -------------------------------------------------------------------------------------
@@ -422,14 +427,10 @@ def test_statistics_stream_without_keeping_batches(realistic, monkeypatch):
 
 
 # -- the CLI -----------------------------------------------------------------------------------------
-def _table_rows(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("│")]
-
-
 def test_cli_writes_csv_json_and_plots(cli, tmp_path, stages):
     result = cli("compare", stages.float, stages.calibrated, stages.qat, "--data", stages.data, "--out", "cmp")
     assert result.code == 0, result.err
-    assert "wrote cmp/compare.csv" in result.out
+    assert "cmp/compare.csv" in result.err and "wrote" in result.err  # stderr: stdout is the table
     out = tmp_path / "cmp"
     payload = json.loads((out / "compare.json").read_text())
     assert set(payload) == {"meta", "rows"}
@@ -502,19 +503,16 @@ def test_cli_metrics_kl_and_all(cli, stages):
     assert plain_rows["layer1.0.relu"]["kl"] is None  # NaN in JSON is null
     assert rows["layer1.0.relu"]["kl"] >= 0
     assert plain_rows["fc"]["kl"] == pytest.approx(rows["fc"]["kl"], rel=1e-12)
-    table = cli("compare", stages.float, stages.qat, "--data", stages.data, "--metrics", "all")
+    table = cli("compare", stages.float, stages.qat, "--data", stages.data, "--metrics", "all", "--wide")
     assert table.code == 0, table.err
-    header = next(line for line in table.out.splitlines() if line.startswith("┃"))
-    assert len(header.strip("┃").split("┃")) == 2 + len(METRICS) + 2  # layer, type, every metric, diagnosis, note
+    assert header_cells(table.out) == ["layer", *METRICS, "diagnosis", "note", "type"]  # the names options use
 
 
 def test_cli_metrics_threshold_sort_top(cli, stages):
     base = ("compare", stages.float, stages.qat, "--data", stages.data)
-    result = cli(*base, "--metrics", "cosine,sqnr_db")
+    result = cli(*base, "--metrics", "cosine,sqnr_db", "--wide")
     assert result.code == 0, result.err
-    header = next(line for line in result.out.splitlines() if line.startswith("┃"))
-    cells = [c.strip() for c in header.strip("┃").split("┃")]
-    assert cells == ["layer", "type", "cos", "SQNR dB", "diagnosis", "note"]
+    assert header_cells(result.out) == ["layer", "cosine", "sqnr_db", "diagnosis", "note", "type"]
     cli(*base, "--metrics", "cosine,snr").assert_error("unknown metric(s): snr")
 
     default = json.loads(cli(*base, "--format", "json").out)["meta"]["flagged"]
@@ -528,11 +526,11 @@ def test_cli_metrics_threshold_sort_top(cli, stages):
 
     result = cli(*base, "--sort", "sqnr_db", "--top", "3")
     assert result.code == 0, result.err
-    rows = _table_rows(result.out)
+    rows = body_rows(result.out)
     assert len(rows) == 3
     measured = [r for r in strict["rows"] if r["note"] == ""]
     worst = sorted(measured, key=lambda r: r["sqnr_db"])[:3]
-    assert [row.strip("│").split("│")[0].strip() for row in rows] == [r["layer"] for r in worst]
+    assert [row[0] for row in rows] == [r["layer"] for r in worst]
 
 
 def test_cli_ref_by_label(cli, stages):
@@ -572,7 +570,7 @@ def test_cli_different_architectures_is_one_error(cli, tmp_path, stages):
     (("--batch-size", "0"), "--batch-size must be a whole number >= 1"),
     (("--metrics", ","), "names no metric"),
     (("--threshold", "sqnr_db=abc"), "'abc' is not a number"),
-    (("--format", "xml"), "is not json or csv"),
+    (("--format", "xml"), "is not one of table, json, csv"),
 ])
 def test_cli_bad_options_are_one_error_with_a_hint(cli, stages, args, fragment):
     result = cli("compare", stages.float, stages.qat, *args)
@@ -654,10 +652,13 @@ def test_summary_when_every_flagged_layer_only_inherits_its_error():
         {"layer": "b", "sqnr_db": 18.0, "isolated_sqnr_db": 27.0},  # flagged, own error fine
         {"layer": "c", "sqnr_db": 15.0, "isolated_sqnr_db": 40.0},
     ])
-    assert "Error first crosses the thresholds at b (propagated)" in text
-    assert "at fault itself" not in text
-    assert "builds up over many layers" in text and "largest own error is b (27.0 dB own SQNR)" in text
-    assert "2 flagged row(s)" in text
+    assert text.splitlines() == [
+        "qat vs float: 2 of 3 layers flagged",
+        "  worst layer:  c (15.0 dB)",
+        "  error enters: b (propagated)",
+        "  at fault:     no layer alone: the loss builds up over many layers",
+        "  largest own error: b (27.0 dB isolated)",
+    ]
 
 
 def test_summary_names_the_first_layer_at_fault():
@@ -665,5 +666,9 @@ def test_summary_names_the_first_layer_at_fault():
         {"layer": "a", "sqnr_db": 19.0, "isolated_sqnr_db": 30.0},  # propagated
         {"layer": "b", "sqnr_db": 12.0, "isolated_sqnr_db": 14.0},  # rounding
     ])
-    assert "first crosses the thresholds at a (propagated)" in text
-    assert "the first layer at fault itself is b (rounding)" in text and "int16 candidate" in text
+    assert text.splitlines()[2:] == [
+        "  error enters: a (propagated)",
+        "  at fault:     b (rounding)",
+        "  cause:        range fine but too coarse: an int16 candidate (~48 dB more SQNR)",
+    ]
+    assert all(len(line) <= 80 for line in text.splitlines())

@@ -181,7 +181,7 @@ def _calibrate_config(tmp_path, stages):
 def test_calibrate_takes_config_values(cli, tmp_path, stages, monkeypatch):
     _calibrate_config(tmp_path, stages)
     monkeypatch.chdir(tmp_path / "run")  # data = "eval.pt" is relative to the config, not the cwd
-    result = cli("--config", tmp_path / "cfgdir" / "qdebug.toml", "calibrate", "--out", "cal.pt")
+    result = cli("--config", tmp_path / "cfgdir" / "qdebug.toml", "calibrate", "-o", "cal.pt")
     assert result.code == 0, result.err
     model, info = qdebug.load(tmp_path / "run" / "cal.pt")
     assert info.meta["calibration_batches"] == 1
@@ -193,7 +193,7 @@ def test_calibrate_takes_config_values(cli, tmp_path, stages, monkeypatch):
 def test_cli_flags_override_config_values(cli, tmp_path, stages, monkeypatch):
     _calibrate_config(tmp_path, stages)
     monkeypatch.chdir(tmp_path / "run")
-    result = cli("--config", tmp_path / "cfgdir" / "qdebug.toml", "calibrate", "--out", "cal.pt",
+    result = cli("--config", tmp_path / "cfgdir" / "qdebug.toml", "calibrate", "-o", "cal.pt",
                  "--batches", "2", "--batch-size", "3", "--mode", "with_bn_reverse_fold", "--observer", "percentile")
     assert result.code == 0, result.err
     model, info = qdebug.load(tmp_path / "run" / "cal.pt")

@@ -1,5 +1,31 @@
-"""The ``qdebug`` command line: parse, load, call a tool, render -- nothing else."""
+"""The ``qdebug`` command line: parse, load, call a tool, render -- nothing else.
 
-from qdebug.cli.app import app, main
+``main`` is the console script.  It imports the application inside its own guard so
+that Ctrl-C during start-up ends like Ctrl-C anywhere else: exit 130, no traceback.
+"""
 
-__all__ = ["app", "main"]
+from __future__ import annotations
+
+import sys
+
+INTERRUPTED = 130
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        from qdebug.cli.app import run
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(INTERRUPTED)
+    run(argv)
+
+
+def __getattr__(name: str):
+    if name == "app":  # ``from qdebug.cli import app`` (typer's own testing tools use it)
+        from qdebug.cli.app import app
+
+        return app
+    raise AttributeError(f"module 'qdebug.cli' has no attribute {name!r}")
+
+
+__all__ = ["main", "app"]

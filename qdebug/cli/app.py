@@ -1,7 +1,12 @@
 """The typer application, its global options, and the error contract.
 
 Exit codes: 0 ok, 1 a check failed, 2 usage or input error (one ``error:`` line
-plus a ``hint:`` line on stderr; ``--debug`` shows the traceback instead).
+plus a ``hint:`` line on stderr; ``--debug`` shows the traceback instead), 130
+interrupted.
+
+Only typer, rich's console and qdebug's light modules load here: ``--help``,
+``--version`` and usage errors never wait for torch or pandas, which each command
+imports when it runs.
 """
 
 from __future__ import annotations
@@ -16,28 +21,40 @@ import typer
 from qdebug.cli.common import STATE, err_console
 from qdebug.errors import QDebugError
 
+INTERRUPTED = 130
+
 app = typer.Typer(
     name="qdebug",
     help=(
-        "Precision debugging for quantized PyTorch models.\n\n"
-        "Example: qdebug inspect fixtures/demo/qat.pt"
+        "Precision debugging for quantized PyTorch models: where accuracy is lost, which layer "
+        "is to blame and why.\n\n"
+        "Example: qdebug compare float.pt calibrated.pt --data eval.pt\n\n"
+        "Every command takes --format table|json|csv and --out DIR; see docs/cli.md."
     ),
     no_args_is_help=True,
-    add_completion=True,
+    add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # plain help: no type noise, nothing cut off, readable when piped
+    context_settings={"max_content_width": 100},
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        import qdebug
+
+        sys.stdout.write(f"qdebug {qdebug.__version__}\n")
+        raise typer.Exit(0)
 
 
 @app.callback()
 def _global(
-    config: Optional[Path] = typer.Option(None, "--config", help="Config file (default: qdebug.toml or \\[tool.qdebug] found upward)."),
+    config: Optional[Path] = typer.Option(None, "--config", metavar="FILE",
+                                          help="Config file (default: qdebug.toml or [tool.qdebug] found upward)."),
     debug: bool = typer.Option(False, "--debug", help="Show the Python traceback of errors."),
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print qdebug's version and exit."),
 ) -> None:
-    """Precision debugging for quantized PyTorch models.
-
-    Example: qdebug inspect fixtures/demo/qat.pt
-    """
     STATE.config_path = config
     STATE.debug = debug
 
@@ -62,36 +79,41 @@ def _click_exceptions(name: str) -> tuple[type, ...]:
     return tuple(found)
 
 
-def main(argv: list[str] | None = None) -> None:
-    _register()
+def _say(line: str) -> None:
+    err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Run the command line; every outcome ends in ``sys.exit`` with the house's exit codes."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
+        _register()
         code = app(args=args, prog_name="qdebug", standalone_mode=False)
     except QDebugError as exc:
         if debug:
             traceback.print_exc()
-        err_console.print(f"error: {exc.message}", markup=False, highlight=False, soft_wrap=True)
+        _say(f"error: {exc.message}")
         if exc.hint:
-            err_console.print(f"hint: {exc.hint}", markup=False, highlight=False, soft_wrap=True)
+            _say(f"hint: {exc.hint}")
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        err_console.print("error: interrupted", markup=False)
-        sys.exit(130)
+        _say("error: interrupted")
+        sys.exit(INTERRUPTED)
     except OSError as exc:  # the file system refused (a full disk, a read-only mount, permissions)
         if debug:
             traceback.print_exc()
         where = f"{exc.filename}: " if exc.filename else ""
-        err_console.print(f"error: {where}{exc.strerror or exc}", markup=False, highlight=False, soft_wrap=True)
-        err_console.print("hint: check the path, its permissions and the free disk space", markup=False)
+        _say(f"error: {where}{exc.strerror or exc}")
+        _say("hint: check the path, its permissions and the free disk space")
         sys.exit(2)
     except Exception as exc:  # click usage errors and genuine bugs
         if isinstance(exc, _click_exceptions("UsageError")):
-            err_console.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
+            _say(f"error: {exc.format_message()}")
             where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "qdebug"
-            err_console.print(f"hint: see {where} --help", markup=False, highlight=False, soft_wrap=True)
+            _say(f"hint: see {where} --help")
             sys.exit(2)
         if isinstance(exc, _click_exceptions("ClickException")):
             exc.show(file=sys.stderr)
@@ -99,7 +121,10 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         first = str(exc).splitlines()[0] if str(exc) else ""
-        err_console.print(f"error: internal error: {type(exc).__name__}: {first}", markup=False, soft_wrap=True)
-        err_console.print("hint: run again with --debug and report the traceback", markup=False)
+        _say(f"error: internal error: {type(exc).__name__}: {first}")
+        _say("hint: run again with --debug and report the traceback")
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+main = run  # the old entry point's name (``qdebug.cli.main`` guards start-up around it)

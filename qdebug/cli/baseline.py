@@ -11,16 +11,14 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, STATE, console, err_console, load_checkpoint, print_json,
-    resolve_batches, writable_file,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, STATE, err_console, load_checkpoint, resolve_batches,
+    writable_file,
+)
+from qdebug.cli.output import (
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
+    table_width,
 )
 from qdebug.errors import QDebugError
-from qdebug.metrics import metric_direction, resolve_metric, run_metric_with_samples
-from qdebug.report.junit import write_junit
-from qdebug.report.markdown import markdown_table
-from qdebug.report.output import to_json
-from qdebug.report.table import render_table
-from qdebug.tools.baseline import TaskRule, gate
 
 SHOWN = ["task", "float", "quantized", "score", "ratio", "required", "margin", "verdict"]
 _STYLE = {"pass": "green", "fail": "bold red", "inconclusive": "yellow"}
@@ -49,7 +47,10 @@ def _rename(values: dict, task: str) -> dict:
     return {task: values["metric"]} if list(values) == ["metric"] else values
 
 
-def _rules(metric_fn, default_ratio: float, ratio_given: bool) -> dict[str, TaskRule]:
+def _rules(metric_fn, default_ratio: float, ratio_given: bool):
+    from qdebug.metrics import metric_direction
+    from qdebug.tools.baseline import TaskRule
+
     cfg_tasks = STATE.config().get("tasks") or {}
     default_direction = metric_direction(metric_fn) if metric_fn is not None else "higher"
     rules = {"metric": TaskRule(default_direction, default_ratio)}
@@ -69,22 +70,32 @@ def _rules(metric_fn, default_ratio: float, ratio_given: bool) -> dict[str, Task
     )
 )
 def baseline(
-    checkpoints: Optional[list[str]] = typer.Argument(None, help="FLOAT and QUANT checkpoints (default: the config's float and quantized, else qat)."),
-    metric: Optional[str] = typer.Option(None, "--metric", help="Metric: top1, top5, mse, agreement or package.module:function."),
-    data: Optional[str] = typer.Option(None, "--data", help="Evaluation data spec."),
+    checkpoints: Optional[list[str]] = typer.Argument(None, metavar="[FLOAT QUANT]", show_default=False),
+    metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
+                                         help="Metric: top1, top5, mse, agreement or package.module:function."),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help="Evaluation data. " + DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
-    ratio: Optional[float] = typer.Option(None, "--ratio", help="Required quantized/float ratio (default 0.99, or the config's)."),
-    direction: Optional[str] = typer.Option(None, "--direction", help="higher or lower is better (single-number metrics)."),
-    float_metric: Optional[float] = typer.Option(None, "--float-metric", help="Precomputed float metric (no evaluation)."),
-    quant_metric: Optional[float] = typer.Option(None, "--quant-metric", help="Precomputed quantized metric."),
-    float_json: Optional[Path] = typer.Option(None, "--float-json", help="Precomputed float results: JSON task -> value."),
-    quant_json: Optional[Path] = typer.Option(None, "--quant-json", help="Precomputed quantized results: JSON task -> value."),
-    confidence: Optional[float] = typer.Option(None, "--confidence", help="Confidence level of the bootstrap interval, e.g. 0.95."),
-    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one testcase per task)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON {meta, rows} instead of a table."),
+    ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
+                                          help="Required quantized/float ratio (default 0.99, or the config's)."),
+    direction: Optional[str] = typer.Option(None, "--direction", metavar="higher|lower",
+                                            help="Which way is better, for a single-number metric."),
+    float_metric: Optional[float] = typer.Option(None, "--float-metric", metavar="X", help="Precomputed float metric (no evaluation)."),
+    quant_metric: Optional[float] = typer.Option(None, "--quant-metric", metavar="X", help="Precomputed quantized metric."),
+    float_json: Optional[Path] = typer.Option(None, "--float-json", metavar="FILE", help="Precomputed float results: JSON task -> value."),
+    quant_json: Optional[Path] = typer.Option(None, "--quant-json", metavar="FILE", help="Precomputed quantized results: JSON task -> value."),
+    confidence: Optional[float] = typer.Option(None, "--confidence", metavar="LEVEL",
+                                               help="Confidence level of the bootstrap interval, e.g. 0.95."),
+    junit: Optional[Path] = typer.Option(None, "--junit", metavar="FILE", help="Write JUnit XML (one testcase per task)."),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
 ) -> None:
+    """Checkpoints: FLOAT and QUANT (default: the config's float and quantized, else qat)."""
+    fmt = output_format(fmt, as_json)
+    out = prepare_out(out)
     if junit is not None:
         writable_file(junit)
     cfg = STATE.config()
@@ -115,6 +126,8 @@ def baseline(
         spec = metric or cfg.get("metric")
         if not spec:
             raise QDebugError("no metric given", "pass --metric (e.g. top1) or set metric in qdebug.toml")
+        from qdebug.metrics import resolve_metric, run_metric_with_samples
+
         metric_fn = resolve_metric(spec)
         float_model, info = load_checkpoint(paths[0], model=model, command="baseline")
         quant_model, _ = load_checkpoint(paths[1], model=model, command="baseline")
@@ -127,6 +140,8 @@ def baseline(
         task_name = spec.rsplit(":", 1)[-1]
         float_values, quant_values = (_rename(v, task_name) for v in (float_values, quant_values))
         float_samples, quant_samples = (_rename(v, task_name) if v else v for v in (float_samples, quant_samples))
+    from qdebug.tools.baseline import TaskRule, gate
+
     rules = _rules(metric_fn, default_ratio, ratio is not None)
     single = list(float_values)[0] if len(float_values) == 1 else None
     if single is not None and single not in rules:
@@ -146,24 +161,33 @@ def baseline(
     frame = result.frame
     meta = {**result.meta, "checkpoints": paths, "flipped_samples": result.flipped}
     if junit is not None:
+        from qdebug.report.junit import write_junit
+
         write_junit(junit, frame)
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path:
+        from qdebug.report.markdown import markdown_table
+
         verdict = "passed" if result.passed else "FAILED"
         with open(summary_path, "a") as fh:  # appended by design: the summary collects every step
             fh.write(f"### qdebug baseline {verdict}\n\n{markdown_table(frame, SHOWN)}\n\n")
-    if as_json:
-        print_json(to_json(frame, meta))
-    else:
+
+    def render() -> None:
+        from qdebug.report.table import render_table
+
         shown = SHOWN + (["ci_low", "ci_high"] if confidence is not None else []) + (
             ["mcnemar_p", "flipped"] if frame["mcnemar_p"].notna().any() else [])
-        table = render_table(frame, title=f"baseline: quantized >= {default_ratio:g} x float", columns=shown)
-        for i, verdict in enumerate(frame["verdict"]):
-            table.rows[i].style = _STYLE.get(verdict)
-        console.print(table)
+        width = table_width(wide)
+        print_table(render_table(frame, title=f"baseline: quantized >= {default_ratio:g} x float",
+                                 columns=shown if width is not None else list(frame.columns),
+                                 priority=["task", "verdict", "float", "quantized", "score", "required", "margin"],
+                                 names=("task",), width=width,
+                                 row_styles=[_STYLE.get(v) for v in frame["verdict"]]))
         for task, indices in result.flipped.items():
             if indices:
-                console.print(f"{task}: first samples right in float but wrong quantized: {indices}")
+                say(f"{task}: first samples right in float but wrong quantized: {indices}")
+
+    emit(Report("baseline", frame, meta), fmt, out, render)
     if not result.passed:
         where = (f"{paths[0]} {paths[1]}" + (f" --data {data}" if data else "")) if paths else "FLOAT.pt QUANT.pt --data EVAL"
         err_console.print(f"hint: find where accuracy is lost: qdebug compare {where}",

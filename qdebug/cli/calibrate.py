@@ -7,19 +7,18 @@ from typing import Optional
 
 import typer
 
-from qdebug.checkpoint import save
+from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, console, load_checkpoint, load_qconfig_file, model_errors, print_json, progress_bar, resolve_batches, writable_file,
-    stage_path,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    STATE, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
 )
-from qdebug.engine import QConfig, calibrate as run_calibration, prepare
-from qdebug.engine.spec import OBSERVERS
+from qdebug.cli.inspect import render_layers
+from qdebug.cli.output import (
+    CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
+    prepare_out, print_table, table_width,
+)
 from qdebug.errors import QDebugError
-from qdebug.tools.inspect import inspect_model
-from qdebug.report.output import to_json
-from qdebug.report.table import render_table
 
 SAMPLE_INPUTS = 8  # samples of the first batch stored in the checkpoint for later tools
 
@@ -36,12 +35,14 @@ def merge_tables(base: dict, update: dict) -> dict:
 
 
 def build_qconfig(qconfig_file: Optional[Path], observer: Optional[str], per_channel: Optional[bool],
-                  bits: Optional[int]) -> QConfig:
+                  bits: Optional[int]):
+    from qdebug.engine import QConfig
+
     data = merge_tables(STATE.config().get("qconfig") or {}, load_qconfig_file(qconfig_file))
     qcfg = QConfig.from_dict(data)
     if observer is not None:
-        if observer not in OBSERVERS:
-            raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(OBSERVERS)}")
+        if observer not in vocab.OBSERVERS:
+            raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(vocab.OBSERVERS)}")
         qcfg = QConfig(qcfg.weight, qcfg.activation.replace(observer=observer), qcfg.overrides)
     if per_channel is not None:
         qcfg = QConfig(qcfg.weight.replace(per_channel=per_channel), qcfg.activation, qcfg.overrides)
@@ -67,40 +68,56 @@ def _first_samples(inputs):
         "Calibrate a float checkpoint: prepare it with a qconfig, run the data through every "
         "observer, freeze the scales and write a calibrated checkpoint.\n\n"
         "Example: qdebug calibrate fixtures/demo/float.pt --data fixtures/demo/eval.pt --batches 8 "
-        "--observer percentile --out calibrated.pt"
+        "--observer percentile -o calibrated.pt"
     )
 )
 def calibrate(
-    checkpoint: Optional[str] = typer.Argument(None, help="Float checkpoint (default: the config's float)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Where to write the calibrated checkpoint."),
-    data: Optional[str] = typer.Option(None, "--data", help="Calibration data: .pt file, package.module:function or random:NxCxHxW."),
+    checkpoint: Optional[str] = typer.Argument(None, metavar="[FLOAT_CHECKPOINT]", show_default=False),
+    output: Path = CHECKPOINT_OUTPUT_OPTION,
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help="Calibration data. " + DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
-    observer: Optional[str] = typer.Option(None, "--observer", help=f"Activation observer: {', '.join(OBSERVERS)}."),
-    per_channel: Optional[bool] = typer.Option(None, "--per-channel/--per-tensor", help="Weight granularity (default per-channel)."),
-    bits: Optional[int] = typer.Option(None, "--bits", help="Bit width of weights and activations (2-16)."),
-    qconfig: Optional[Path] = typer.Option(None, "--qconfig", help="QConfig file (JSON or TOML: weight, activation, overrides)."),
-    mode: Optional[str] = typer.Option(None, "--mode", help="QAT mode: fuse_bn, with_bn, with_bn_reverse_fold."),
+    observer: Optional[str] = typer.Option(None, "--observer", metavar="NAME",
+                                           help=f"Activation observer: {', '.join(vocab.OBSERVERS)}."),
+    per_channel: Optional[bool] = typer.Option(None, "--per-channel/--per-tensor", show_default=False,
+                                               help="Weight granularity (default per-channel)."),
+    bits: Optional[int] = typer.Option(None, "--bits", metavar="N", help="Bit width of weights and activations (2-16)."),
+    qconfig: Optional[Path] = typer.Option(None, "--qconfig", metavar="FILE",
+                                           help="QConfig file (JSON or TOML: weight, activation, overrides)."),
+    mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help=f"QAT mode: {', '.join(vocab.QAT_MODES)}."),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
-    as_json: bool = typer.Option(False, "--json", help="Print the per-layer table as JSON."),
 ) -> None:
-    writable_file(out)
+    """Float checkpoint: default the config's float."""
+    fmt = output_format(fmt, as_json)
+    writable_file(output)
+    out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="calibrate")
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
     qcfg = build_qconfig(qconfig, observer, per_channel, bits)
     qat_mode = mode or STATE.config().get("mode") or "fuse_bn"
+
+    from qdebug.checkpoint import save
+    from qdebug.engine import calibrate as run_calibration, prepare
+    from qdebug.tools.inspect import inspect_model
+
     with model_errors("tracing the model", batch_list[0]):
         qm = prepare(net, qcfg, mode=qat_mode, example_inputs=batch_list[0].inputs)
     with progress_bar("calibrating", len(batch_list)) as advance, model_errors("calibrating", batch_list[0]):
         run_calibration(qm, [b.inputs for b in batch_list], progress=advance)
-    save(qm, out, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(batch_list[0].inputs),
+    save(qm, output, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(batch_list[0].inputs),
          meta={"calibration_batches": len(batch_list), "source": str(path)})
     result = inspect_model(qm, stage="calibrated")
-    meta = {**result.meta, "out": str(out), "batches": len(batch_list), "qconfig": qcfg.to_dict()}
-    if as_json:
-        print_json(to_json(result.layers, meta))
-        return
-    console.print(render_table(result.layers, title=f"calibrated on {len(batch_list)} batch(es)"))
-    console.print(f"wrote {out} (stage calibrated, {meta['quant_points']} quant points, qat mode {qat_mode})")
+    meta = {**result.meta, "output": str(output), "batches": len(batch_list), "qconfig": qcfg.to_dict()}
+
+    def render() -> None:
+        print_table(render_layers(result.layers, title=f"calibrated on {len(batch_list)} batch(es)",
+                                  width=table_width(wide)))
+
+    emit(Report("calibrate", result.layers, meta), fmt, out, render)
+    note(f"wrote {output} (stage calibrated, {meta['quant_points']} quant points, qat mode {qat_mode})")

@@ -8,29 +8,32 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import torch
-import torch.nn as nn
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from qdebug.checkpoint import CheckpointInfo, load
 from qdebug.config import Config, load_config
-from qdebug.data import Batch, batches_from_inputs, load_batches
 from qdebug.errors import QDebugError
+
+if TYPE_CHECKING:  # the heavy modules load inside the commands that need them (a fast --help)
+    import torch.nn as nn
+
+    from qdebug.checkpoint import CheckpointInfo
+    from qdebug.data import Batch
 
 console = Console()
 err_console = Console(stderr=True)
 
 # Options several commands share, declared once so their names and help stay the same.
-BATCHES_OPTION = typer.Option(None, "--batches", help="Use at most N batches.")
-BATCH_SIZE_OPTION = typer.Option(None, "--batch-size", help="Batch size when the data is one tensor.")
-MODEL_OPTION = typer.Option(None, "--model", help="Architecture package.module:Class, for plain state_dict files.")
+BATCHES_OPTION = typer.Option(None, "--batches", metavar="N", help="Use at most N batches.")
+BATCH_SIZE_OPTION = typer.Option(None, "--batch-size", metavar="N", help="Batch size when the data is one tensor.")
+MODEL_OPTION = typer.Option(None, "--model", metavar="PKG.MODULE:CLASS",
+                            help="The model's class (or factory), for state_dict files or your own classes.")
 UNSAFE_LOAD_OPTION = typer.Option(
     False, "--unsafe-load", help="Allow a pickled whole-module file (executes code from it)."
 )
+DATA_HELP = "Data: a .pt file, package.module:function or random:8x3x224x224."
 
 
 @dataclass
@@ -72,9 +75,11 @@ def stage_path(given: Optional[str], *keys: str, what: str) -> str:
 
 def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = False,
                     expect: tuple[str, ...] | None = None, command: str = "") -> tuple[nn.Module, CheckpointInfo]:
+    from qdebug.checkpoint import load
+
     cfg = STATE.config()
     default = cfg.get("model")
-    trusted = tuple(s.split(":")[0] for s in (model, default) if s)
+    trusted = tuple(s.split(":")[0] for s in (model, default) if s) + tuple(cfg.get("trust") or ())
     net, info = load(
         path,
         model=model,
@@ -95,7 +100,12 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
 
 
 def resolve_batches(data: Optional[str], batches: Optional[int], info: CheckpointInfo | None = None,
-                    *, batch_size: Optional[int] = None, required: bool = True) -> list[Batch] | None:
+                    *, batch_size: Optional[int] = None, required: bool = True,
+                    announce: bool = True) -> list[Batch] | None:
+    """The batches of --data (or the config's data), else the checkpoint's sample inputs --
+    said on stderr when ``announce``: results on a handful of stored samples are no evaluation."""
+    from qdebug.data import batches_from_inputs, load_batches
+
     cfg = STATE.config()
     spec = data or cfg.get("data")
     limit = batches if batches is not None else cfg.get("batches")
@@ -108,7 +118,12 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
         return load_batches(spec, batch_size=size, batches=limit)
     if info is not None and info.sample_inputs is not None:
         found = batches_from_inputs(info.sample_inputs)
-        return found[:limit] if limit else found
+        found = found[:limit] if limit else found
+        samples = sum(b.size() for b in found)
+        if announce:
+            err_console.print(f"note: no --data given: using the {samples} sample input(s) stored in {info.path} "
+                              "(pass --data for a real evaluation)", markup=False, highlight=False, soft_wrap=True)
+        return found
     if required:
         raise QDebugError("no data given and the checkpoint has no sample inputs",
                           "pass --data (a .pt file, package.module:function or random:8x3x224x224)")
@@ -118,6 +133,8 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
 @contextlib.contextmanager
 def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
     """A rich progress bar on stderr; yields an ``advance(n)`` callback."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err_console, transient=True, disable=not err_console.is_terminal,
@@ -130,6 +147,8 @@ def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
 @contextlib.contextmanager
 def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
     """Turn the model failing on the data into one clear error."""
+    import torch
+
     try:
         yield
     except QDebugError:
@@ -166,11 +185,6 @@ def writable_file(path: Path) -> Path:
         raise QDebugError(f"output {path} is a directory", "give a file name, e.g. -o model.pt")
     writable_dir(path.parent if str(path.parent) else Path("."))
     return path
-
-
-def print_json(payload: str) -> None:
-    sys.stdout.write(payload + "\n")
-    sys.stdout.flush()
 
 
 def load_qconfig_file(path: Optional[Path]) -> dict[str, Any]:

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-import pandas as pd
 import typer
 
+from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, console, load_checkpoint, model_errors, print_json, progress_bar, resolve_batches, writable_dir,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    STATE, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
+)
+from qdebug.cli.output import (
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
+    table_width,
 )
 from qdebug.errors import QDebugError
-from qdebug.report.output import to_json, write_csv, write_json
-from qdebug.report.table import render_table
-from qdebug.tools.compare import DEFAULT_SHOW, METRICS, compare as run_compare
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 HISTOGRAM_LAYERS = 4
+METRICS = vocab.COMPARE_METRICS
+DEFAULT_SHOW = vocab.COMPARE_DEFAULT_SHOW
 
 
 def _labels(infos, paths: list[str]) -> list[str]:
@@ -61,15 +67,6 @@ def parse_metrics(spec: Optional[str]) -> list[str]:
     return names
 
 
-SHORT = {
-    "cosine": "cos", "sqnr_db": "SQNR dB", "isolated_sqnr_db": "own SQNR", "isolated_cosine": "own cos",
-    "isolated_mse": "own mse", "isolated_max_abs": "own max|e|", "max_abs_scales": "max|e|/s", "saturation": "sat",
-    "min_channel_sqnr_db": "min ch SQNR", "median_channel_sqnr_db": "med ch SQNR",
-    "channel_range_ratio": "ch range ratio", "nonfinite": "NaN/Inf", "max_abs": "max|e|", "mean_abs": "mean|e|",
-}
-_LOWER_IS_WORSE = ("cosine", "sqnr_db", "isolated_cosine", "isolated_sqnr_db", "min_channel_sqnr_db", "median_channel_sqnr_db")
-
-
 def _short_note(note: str) -> str:
     if "BN folded" in note:
         return "BN folded: see " + note.rsplit("compared at ", 1)[-1]
@@ -78,123 +75,177 @@ def _short_note(note: str) -> str:
     return note
 
 
-def _display(frame: pd.DataFrame, metrics: list[str], sort: Optional[str], top: Optional[int], several: bool):
-    """Rows in execution order (or sorted), one per layer and compared model; short headers."""
-    view = frame.copy()
+def render_compare(frame: "pd.DataFrame", metrics: list[str], *, sort: Optional[str] = None, top: Optional[int] = None,
+                   title: str | None = None, width: Optional[int] = None):
+    """The table view: rows in execution order (or sorted), one per layer and compared model.
+
+    Columns keep their names (the ones --metrics, --sort and JSON use).  At a given width
+    the layer, the first metrics and the diagnosis come first; the rest go to --wide.
+    """
+    from qdebug.report.table import fixed, render_table
+
+    several = frame["target"].nunique() > 1
+    view = frame
     if sort:
         if sort not in view:
             raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(METRICS)}")
-        view = view.sort_values(sort, ascending=sort in _LOWER_IS_WORSE, na_position="last")
+        view = view.sort_values(sort, ascending=sort in vocab.COMPARE_LOWER_IS_WORSE, na_position="last")
     if top:
         view = view[view["note"] == ""].head(top)
-    columns = ["layer", "type", *(["target"] if several else []), *metrics, "diagnosis", "note"]
+    view = view.reset_index(drop=True)
+    columns = ["layer", *(["target"] if several else []), *metrics, "diagnosis", "note", "type"]
     view = view[columns].copy()
     view["note"] = view["note"].map(_short_note)
-    for col in view.columns:
-        if col.endswith("_db"):
-            view[col] = view[col].round(2)
-        elif col.endswith("cosine"):
-            view[col] = view[col].round(6)
-    if several and not sort:
+    # A row with no numbers says why in the diagnosis cell, so the reason shows at 80 columns too.
+    view["diagnosis"] = [d or (f"({n.split(':')[0]})" if n else "") for d, n in zip(view["diagnosis"], view["note"])]
+    if several and not sort:  # a layer's name once, on its first row
         view["layer"] = [name if i == 0 or name != prev else "" for i, (name, prev) in
                          enumerate(zip(view["layer"], [None, *view["layer"][:-1]]))]
-    highlight = [i for i, v in enumerate(view["diagnosis"]) if v]
-    return view.rename(columns=SHORT), highlight
+    formats = {m: fixed(6) for m in metrics if m.endswith("cosine")}
+    formats.update({m: fixed(2) for m in metrics if m.endswith("_db")})
+    priority = ["layer", "target", *metrics[:2], "diagnosis", *metrics[2:], "note", "type"]
+    highlight = [i for i, v in enumerate(view["diagnosis"]) if v and not v.startswith("(")]
+    return render_table(view, title=title, priority=priority, width=width, clip=("note",), formats=formats,
+                        highlight=highlight)
+
+
+def _next_command(result, labels: list[str], paths: list[str], ref_index: int,
+                  data: Optional[str]) -> tuple[str, str]:
+    """(why, command): the next step of the debug flow, for the first compared model with a finding."""
+    found = result.meta["findings"]
+    data_arg = f" --data {data}" if data else ""
+    everything = " ".join(paths) + data_arg
+    for target, item in found.items():
+        if not item.get("flagged"):
+            continue
+        cause = item.get("at_fault_diagnosis")
+        if cause == "nonfinite":
+            return "look for non-finite weights and scales", f"qdebug inspect {paths[labels.index(target)]}"
+        if cause == "clipping" and result.meta.get("reference_stage") == "float":
+            return ("recalibrate with a range that clips less",
+                    f"qdebug calibrate {paths[ref_index]}{data_arg} --observer percentile -o recalibrated.pt")
+        if cause == "outlier_channels":
+            return ("see the channels", f"qdebug compare {everything} --metrics min_channel_sqnr_db,channel_range_ratio "
+                    "--sort min_channel_sqnr_db")
+        return "each layer's own error, worst first (int16 candidates)", f"qdebug compare {everything} --sort isolated_sqnr_db"
+    target = next(iter(found), None)
+    if target is None:
+        return "", ""
+    return ("check that the task metric holds",
+            f"qdebug baseline {paths[ref_index]} {paths[labels.index(target)]} --metric top1{data_arg or ' --data EVAL'}")
 
 
 @app.command(
     help=(
         "Per-layer feature-map similarity of checkpoints of one model in any stages (float, calibrated, "
-        "QAT, quantized), each against the first (or --ref): propagated and isolated error, SQNR, cosine, "
-        "saturation, per-channel SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, "
-        "nonfinite) for flagged layers.\n\n"
+        "QAT, quantized), each against the least quantized one (or --ref): propagated and isolated error, "
+        "SQNR, cosine, saturation, per-channel SQNR, and a diagnosis (clipping, rounding, "
+        "outlier_channels, propagated, nonfinite) for flagged layers.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/calibrated.pt fixtures/demo/quantized.pt "
         "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl"
     )
 )
 def compare(
-    checkpoints: Optional[List[str]] = typer.Argument(None, help="Two or more checkpoints (default: the config's float and qat)."),
-    ref: Optional[str] = typer.Option(None, "--ref", help="Reference: a stage label or a 0-based index (default: the first)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Data spec (default: the config's data, else the sample inputs)."),
+    checkpoints: Optional[List[str]] = typer.Argument(None, metavar="CHECKPOINT...", show_default=False),
+    ref: Optional[str] = typer.Option(None, "--ref", metavar="LABEL|INDEX",
+                                      help="Reference: a stage label or a 0-based index (default: the least quantized)."),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
     metrics: Optional[str] = typer.Option(
-        None, "--metrics",
-        help=f"Columns to show, comma-separated, or 'all' (default {','.join(DEFAULT_SHOW)}). Naming kl (or all) "
-        "also computes kl for feature maps, not only for [N, C] outputs.",
+        None, "--metrics", metavar="NAME,...",
+        help=f"Metric columns, or 'all' (default {','.join(DEFAULT_SHOW)}). Naming kl also computes it for "
+        "feature maps.",
     ),
-    threshold: Optional[List[str]] = typer.Option(None, "--threshold", help="Override a flag threshold, e.g. sqnr_db=25 (repeatable)."),
-    sort: Optional[str] = typer.Option(None, "--sort", help="Sort rows by this metric (worst first)."),
-    top: Optional[int] = typer.Option(None, "--top", help="Show only the first N rows."),
+    threshold: Optional[List[str]] = typer.Option(None, "--threshold", metavar="METRIC=VALUE",
+                                                  help="Override a flag threshold, e.g. sqnr_db=25 (repeatable)."),
+    sort: Optional[str] = typer.Option(None, "--sort", metavar="METRIC", help="Sort rows by this metric, worst first."),
+    top: Optional[int] = typer.Option(None, "--top", metavar="N", help="Show only the first N measured rows."),
     isolated: bool = typer.Option(True, "--isolated/--no-isolated", help="Also measure each layer on the reference's input."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write compare.csv, compare.json and PNG plots here."),
-    fmt: Optional[str] = typer.Option(None, "--format", help="Write json or csv to stdout instead of a table."),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
+    """Checkpoints: two or more (default: the config's float and qat)."""
     cfg = STATE.config()
     paths = list(checkpoints or [])
     if not paths:
         paths = [p for p in (cfg.get("float"), cfg.get("qat")) if p]
     if len(paths) < 2:
         raise QDebugError("compare needs two or more checkpoints", "e.g. qdebug compare float.pt qat.pt (or set float and qat in qdebug.toml)")
-    if fmt not in (None, "json", "csv"):
-        raise QDebugError(f"--format {fmt!r} is not json or csv", "--format json, --format csv, or no --format for a table")
+    fmt = output_format(fmt, as_json)
     if top is not None and top < 1:
         raise QDebugError(f"--top must be >= 1, got {top}", "e.g. --top 20 (leave it out for every row)")
+    if sort is not None and sort not in METRICS:
+        raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(METRICS)}")
     shown = parse_metrics(metrics)
     limits = parse_thresholds(threshold or [])
-    if out is not None:
-        writable_dir(out)
+    out = prepare_out(out)
+
+    from qdebug.tools.compare import choose_reference, compare as run_compare
+
     loaded = [load_checkpoint(p, model=model, unsafe=unsafe_load, command="compare") for p in paths]
-    labels = _labels([info for _, info in loaded], paths)
-    ref_index = 0
+    infos = [info for _, info in loaded]
+    labels = _labels(infos, paths)
+    asked = None
     if ref is not None:
         if ref in labels:
-            ref_index = labels.index(ref)
+            asked = labels.index(ref)
         elif ref.isdigit() and int(ref) < len(labels):
-            ref_index = int(ref)
+            asked = int(ref)
         else:
             raise QDebugError(
                 f"--ref {ref!r} is neither a label ({', '.join(labels)}) nor an index below {len(labels)}",
                 f"e.g. --ref {labels[0]} or --ref 0",
             )
-    infos = [info for _, info in loaded]
+    ref_index, warning = choose_reference([info.stage for info in infos], asked, names=paths)
+    if warning:
+        err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     batch_list = resolve_batches(data, batches, infos[ref_index], batch_size=batch_size)
     pairs = [(label, net) for label, (net, _) in zip(labels, loaded)]
     with progress_bar("comparing", len(batch_list)) as advance, model_errors("comparing", batch_list[0]):
         result = run_compare(pairs, batch_list, ref=ref_index, thresholds=limits, isolated=isolated,
                              kl_feature_maps="kl" in shown, progress=advance)
     _check_architecture(result.frame, labels[ref_index])
+    result.meta["reference_stage"] = infos[ref_index].stage
     frame = result.frame
-    meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary}
-    if out is not None:
-        write_csv(out / "compare.csv", frame)
-        write_json(out / "compare.json", frame, meta)
-        from qdebug.report.plots import plot_along_network, plot_histograms
+    why, next_command = _next_command(result, labels, paths, ref_index, data)
+    meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command}
+    if warning:
+        meta["warning"] = warning
+    report = Report("compare", frame, meta, files=_plots(result, out, labels[ref_index]) if out is not None else [])
 
-        plot_along_network(frame, out / "compare_along_network.png", reference=labels[ref_index])
-        worst = (frame[frame["note"] == ""].sort_values("sqnr_db", na_position="first").head(HISTOGRAM_LAYERS))
-        keys = [(r.layer, r.target) for r in worst.itertuples() if (r.layer, r.target) in result.samples]
-        if keys:
-            plot_histograms(result.samples, keys, out / "compare_worst_histograms.png", reference=labels[ref_index])
-    if fmt == "json":
-        print_json(to_json(frame, meta))
-        return
-    if fmt == "csv":
-        print_json(frame.to_csv(index=False).rstrip("\n"))
-        return
-    several = len(labels) > 2
-    view, highlight = _display(frame, shown, sort, top, several)
-    title = f"compare vs {labels[ref_index]} ({result.meta['batches']} batch(es))"
-    console.print(render_table(view, title=title, highlight=highlight))
-    console.print(result.summary, soft_wrap=True, markup=False, highlight=False)
-    if out is not None:
-        console.print(f"wrote {out}/compare.csv, compare.json and plots")
+    def render() -> None:
+        reordered = " (least quantized)" if asked is None and ref_index != 0 else ""
+        title = f"compare vs {labels[ref_index]}{reordered}, {result.meta['batches']} batch(es)"
+        print_table(render_compare(frame, shown, sort=sort, top=top, title=title, width=table_width(wide)))
+        say("")
+        for line in result.summary.splitlines():
+            say(line)
+        if next_command:
+            say(f"next: {why}:")
+            say(f"  {next_command}")
+
+    emit(report, fmt, out, render)
 
 
-def _check_architecture(frame: pd.DataFrame, reference: str) -> None:
+def _plots(result, out: Path, reference: str) -> list[Path]:
+    from qdebug.report.plots import plot_along_network, plot_histograms
+
+    frame = result.frame
+    written = [plot_along_network(frame, out / "compare_along_network.png", reference=reference)]
+    worst = frame[frame["note"] == ""].sort_values("sqnr_db", na_position="first").head(HISTOGRAM_LAYERS)
+    keys = [(r.layer, r.target) for r in worst.itertuples() if (r.layer, r.target) in result.samples]
+    if keys:
+        written.append(plot_histograms(result.samples, keys, out / "compare_worst_histograms.png", reference=reference))
+    return written
+
+
+def _check_architecture(frame: "pd.DataFrame", reference: str) -> None:
     for target, rows in frame.groupby("target", sort=False):
         missing = rows["note"].str.startswith("not in").sum()
         if len(rows) and missing > len(rows) / 2:

@@ -7,38 +7,50 @@ from typing import Optional
 
 import typer
 
-from qdebug.checkpoint import save
 from qdebug.cli.app import app
-from qdebug.cli.common import console, load_checkpoint, print_json, stage_path, writable_file
-from qdebug.engine import convert as run_convert
-from qdebug.report.output import to_json
-from qdebug.report.table import render_table
-from qdebug.tools.inspect import inspect_model
+from qdebug.cli.common import MODEL_OPTION, load_checkpoint, stage_path, writable_file
+from qdebug.cli.inspect import render_layers
+from qdebug.cli.output import (
+    CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
+    prepare_out, print_table, table_width,
+)
 
 
 @app.command(
     help=(
         "Convert a calibrated or QAT checkpoint to the quantized stage: BN folded, integer weights, "
         "integer kernels with fixed-point requantization.\n\n"
-        "Example: qdebug convert fixtures/demo/qat.pt --out quantized.pt"
+        "Example: qdebug convert fixtures/demo/qat.pt -o quantized.pt"
     )
 )
 def convert(
-    checkpoint: Optional[str] = typer.Argument(None, help="Calibrated or QAT checkpoint (default: the config's qat, then calibrated)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Where to write the quantized checkpoint."),
-    model: Optional[str] = typer.Option(None, "--model", help="Architecture package.module:Class, overriding the file's."),
-    as_json: bool = typer.Option(False, "--json", help="Print the per-layer table as JSON."),
+    checkpoint: Optional[str] = typer.Argument(None, metavar="[CHECKPOINT]", show_default=False),
+    output: Path = CHECKPOINT_OUTPUT_OPTION,
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
+    model: Optional[str] = MODEL_OPTION,
 ) -> None:
-    writable_file(out)
+    """Checkpoint: calibrated or QAT (default: the config's qat, then calibrated)."""
+    fmt = output_format(fmt, as_json)
+    writable_file(output)
+    out = prepare_out(out)
     path = stage_path(checkpoint, "qat", "calibrated", what="QAT or calibrated")
     net, info = load_checkpoint(path, model=model, expect=("calibrated", "qat"), command="convert")
+
+    from qdebug.checkpoint import save
+    from qdebug.engine import convert as run_convert
+    from qdebug.tools.inspect import inspect_model
+
     quantized = run_convert(net)
-    save(quantized, out, stage="quantized", model_spec=info.model, sample_inputs=info.sample_inputs,
+    save(quantized, output, stage="quantized", model_spec=info.model, sample_inputs=info.sample_inputs,
          meta={"source": str(path), "source_stage": info.stage})
     result = inspect_model(quantized, stage="quantized")
-    meta = {**result.meta, "out": str(out), "source": path}
-    if as_json:
-        print_json(to_json(result.layers, meta))
-        return
-    console.print(render_table(result.layers, title="quantized layers"))
-    console.print(f"wrote {out} (stage quantized from {info.stage})")
+    meta = {**result.meta, "output": str(output), "source": path}
+
+    def render() -> None:
+        print_table(render_layers(result.layers, title="quantized layers", width=table_width(wide)))
+
+    emit(Report("convert", result.layers, meta), fmt, out, render)
+    note(f"wrote {output} (stage quantized from {info.stage})")

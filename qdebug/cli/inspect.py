@@ -2,18 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.panel import Panel
 
 from qdebug.cli.app import app
-from qdebug.cli.common import MODEL_OPTION, UNSAFE_LOAD_OPTION, console, load_checkpoint, model_errors, print_json, resolve_batches, stage_path
-from qdebug.report.output import to_json
-from qdebug.report.table import render_table
-from qdebug.tools.inspect import inspect_model
+from qdebug.cli.common import (
+    DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, console, load_checkpoint, model_errors, resolve_batches, stage_path,
+)
+from qdebug.cli.output import (
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
+    table_width,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
+INFO_ROWS = 3  # more info rows of one check than this are one row in a fitted table
+# The per-layer table at a given width: what a layer is quantized as comes first.
+LAYER_PRIORITY = ["layer", "weight", "activation", "act_scale_max", "fused_into", "type", "mode", "calls",
+                  "weight_scale_max", "weight_scale_min", "act_scale_min"]
+
+
+def render_layers(layers: "pd.DataFrame", *, title: str, width: Optional[int]):
+    """The per-layer table of inspect, calibrate and convert."""
+    from qdebug.report.table import render_table
+
+    return render_table(layers, title=title, priority=LAYER_PRIORITY, width=width, names=("layer", "fused_into"))
+
+
+def render_checks(checks: "pd.DataFrame", *, width: Optional[int]):
+    """The checks table; in a fitted table, many info rows of one check are one row (JSON has them all)."""
+    import pandas as pd
+
+    from qdebug.report.table import render_table
+
+    if width is not None:
+        rows = []
+        for (severity, check), group in checks.groupby(["severity", "check"], sort=False):
+            if severity == "info" and len(group) > INFO_ROWS:
+                first = group.iloc[0]
+                rows.append({"severity": severity, "layer": f"{len(group)} layers", "check": check,
+                             "detail": f"e.g. {first['layer']}: {first['detail']}"})
+            else:
+                rows.extend(group.to_dict("records"))
+        checks = pd.DataFrame(rows, columns=checks.columns)
+    return render_table(checks, title="checks", width=width, priority=["severity", "check", "detail", "layer"],
+                        wrap=("detail",), row_styles=[_STYLE.get(s) for s in checks["severity"]])
 
 
 @app.command(
@@ -21,46 +58,57 @@ _STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
         "Show what a checkpoint holds: stage, model, qconfig, every layer's weight/activation "
         "dtype and scales, and checks (unfused Conv-BN, shared or dead modules, bad scales, "
         "uninitialised observers, float fallbacks, non-finite weights). Exit 1 when a check is an error.\n\n"
-        "Example: qdebug inspect fixtures/demo/qat.pt --json"
+        "Example: qdebug inspect fixtures/demo/qat.pt\n\n"
+        "Example: qdebug inspect fixtures/demo/quantized.pt --format json"
     )
 )
 def inspect(
-    checkpoint: Optional[str] = typer.Argument(None, help="Checkpoint of any stage (default: the config's qat, calibrated, quantized or float)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Inputs to trace a float model (default: the checkpoint's sample inputs)."),
+    checkpoint: Optional[str] = typer.Argument(None, metavar="[CHECKPOINT]", show_default=False),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC",
+                                       help="Inputs to trace a float model (default: its sample inputs). " + DATA_HELP),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
-    as_json: bool = typer.Option(False, "--json", help="Print JSON {meta, rows, checks} instead of tables."),
 ) -> None:
+    """Checkpoint: any stage (default: the config's qat, calibrated, quantized or float)."""
+    fmt = output_format(fmt, as_json)
+    out = prepare_out(out)
     path = stage_path(checkpoint, "qat", "calibrated", "quantized", "float", what="")
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, command="inspect")
-    batches = resolve_batches(data, 1, info, required=False) if info.stage == "float" else None
+    batches = resolve_batches(data, 1, info, required=False, announce=False) if info.stage == "float" else None
     example = batches[0].inputs if batches else None
+
+    from qdebug.tools.inspect import inspect_model
+
     with model_errors("tracing the model", batches[0] if batches else None):
         result = inspect_model(net, stage=info.stage, example_inputs=example)
     meta = {**result.meta, "path": path, "model": info.model.to_dict(), "checkpoint_meta": info.meta,
             "qconfig": info.qconfig.to_dict() if info.qconfig else None}
-    if as_json:
-        from qdebug.report.output import records
 
-        print_json(to_json(result.layers, meta, checks=records(result.checks)))
-    else:
+    def render() -> None:
+        from rich.markup import escape
+        from rich.panel import Panel
+
         qcfg = info.qconfig
         lines = [
-            f"[bold]{path}[/]  stage: [bold]{info.stage}[/]  model: {info.model.target} {info.model.kwargs or ''}",
+            f"[bold]{escape(path)}[/]  stage: [bold]{info.stage}[/]",
+            escape(f"model: {info.model.target} {info.model.kwargs or ''}"),
             f"qat mode: {meta['qat_mode'] or '-'}   quant points: {meta['quant_points']}",
         ]
         if qcfg is not None:
-            lines.append(f"weights: {qcfg.weight.describe()}   activations: {qcfg.activation.describe()}")
+            lines += [f"weights: {qcfg.weight.describe()}", f"activations: {qcfg.activation.describe()}"]
             if qcfg.overrides:
-                lines.append(f"overrides: {dict(qcfg.overrides)}")
+                lines.append(escape(f"overrides: {dict(qcfg.overrides)}"))
         console.print(Panel("\n".join(lines), title="qdebug inspect", expand=False))
-        console.print(render_table(result.layers, title="layers"))
+        width = table_width(wide)
+        print_table(render_layers(result.layers, title="layers", width=width))
         if len(result.checks):
-            table = render_table(result.checks, title="checks")
-            for i, sev in enumerate(result.checks["severity"]):
-                table.rows[i].style = _STYLE.get(sev)
-            console.print(table)
-        console.print(f"{meta['errors']} error(s), {meta['warnings']} warning(s)")
+            print_table(render_checks(result.checks, width=width))
+        say(f"{meta['errors']} error(s), {meta['warnings']} warning(s)")
+
+    emit(Report("inspect", result.layers, meta, tables={"checks": result.checks}), fmt, out, render)
     if result.has_errors:
         raise typer.Exit(1)
-

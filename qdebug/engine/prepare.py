@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from qdebug import vocab
 from qdebug.engine.context import Call, ForwardContext, active_context, run_model
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
@@ -31,7 +32,7 @@ from qdebug.engine.point import MODES, QuantPoint
 from qdebug.engine.spec import QConfig
 from qdebug.errors import QDebugError
 
-QAT_MODES = {"fuse_bn": "fused", "with_bn": "with_bn", "with_bn_reverse_fold": "reverse_fold"}
+QAT_MODES = dict(zip(vocab.QAT_MODES, ("fused", "with_bn", "reverse_fold")))  # mode -> Conv-BN wrapper's bn_mode
 STATE_ATTR = "_qdebug_state"
 POINTS_ATTR = "qdebug_points"
 _NO_BATCH = object()

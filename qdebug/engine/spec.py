@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from qdebug.errors import QDebugError
+from qdebug.vocab import OBSERVERS  # one list, shared with the command line
 
-OBSERVERS = ("minmax", "ema", "percentile", "mse", "kl")
 ESTIMATORS = ("ste", "clipped_ste", "qte", "alpha_blend", "lsq")
 # Estimators whose scale is an ``nn.Parameter`` trained by the optimizer.
 LEARNABLE_SCALE_ESTIMATORS = ("qte", "lsq")

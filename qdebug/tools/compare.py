@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
+from qdebug import vocab
 from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.modules import _QWeighted
@@ -38,13 +39,9 @@ from qdebug.stats import ErrorStats
 from qdebug.tap import Capture, first_tensor, tap
 from qdebug.tools.isolated import IsolatedReplay
 
-# Metric columns, in display order.
-METRICS = [
-    "cosine", "sqnr_db", "mse", "rel_l2", "max_abs", "max_abs_scales", "mean_abs", "kl", "saturation", "nonfinite",
-    "min_channel_sqnr_db", "median_channel_sqnr_db", "channel_range_ratio",
-    "isolated_cosine", "isolated_sqnr_db", "isolated_mse", "isolated_max_abs",
-]
-DEFAULT_SHOW = ["cosine", "sqnr_db", "isolated_sqnr_db", "max_abs_scales", "saturation", "min_channel_sqnr_db"]
+# Metric columns in display order, and the default table's columns (most useful first).
+METRICS = list(vocab.COMPARE_METRICS)
+DEFAULT_SHOW = list(vocab.COMPARE_DEFAULT_SHOW)
 # Defaults that flag real problems.  An int8 layer with a well-fitted range rounds at
 # ~30-40 dB SQNR; int4 at ~16 dB; a clipped range saturates far more than 1% of values.
 DEFAULT_THRESHOLDS = {
@@ -282,8 +279,31 @@ def compare(
         "kl_feature_maps": kl_feature_maps,
         "layers": int(frame["layer"].nunique()),
         "flagged": int((frame["diagnosis"] != "").sum()),
+        "findings": findings(frame),
     }
     return CompareResult(frame, meta, summary, samples)
+
+
+def choose_reference(stages: Sequence[str], asked: int | None, *, names: Sequence[str] | None = None) -> tuple[int, str | None]:
+    """The reference index and a warning, or None.
+
+    Every diagnosis assumes the reference is the more precise model: a quantized
+    reference would call the float model's layers int16 candidates.  Unasked, the least
+    quantized model is the reference (the first of them); asked for a reference more
+    quantized than another model, the answer is kept but a warning says so.
+    """
+    names = list(names or [f"model {i}" for i in range(len(stages))])
+    rank = [vocab.STAGE_RANK.get(stage, 0) for stage in stages]
+    least = rank.index(min(rank))
+    if asked is None:
+        if rank[0] == rank[least]:
+            return 0, None
+        return least, (f"{names[0]} ({stages[0]}) is more quantized than {names[least]} ({stages[least]}): "
+                       f"comparing against {names[least]} (--ref 0 keeps the given order)")
+    if rank[asked] > rank[least]:
+        return asked, (f"the reference {names[asked]} ({stages[asked]}) is more quantized than {names[least]} "
+                       f"({stages[least]}): diagnoses assume the reference is the more precise model")
+    return asked, None
 
 
 def _bad(value: float, limit: float, lower_is_bad: bool = True) -> bool:
@@ -322,52 +342,68 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
     return ""
 
 
-_ADVICE = {
-    "clipping": "the range is cut off: widen the scale (more or more representative calibration data, "
-    "a different observer) rather than adding bits",
-    "rounding": "the range is fine but too coarse: an int16 candidate (expected gain ~{gain:.0f} dB SQNR)",
-    "outlier_channels": "a few channels stretch a per-tensor range and crush the rest: per-channel "
-    "quantization, int16, or rebalancing the channels (cross-layer equalization)",
-    "nonfinite": "NaN/Inf appears here: run qdebug nan-trace",
+# One short line of advice per cause (the summary's "cause" line; docs/compare.md explains more).
+ADVICE = {
+    "clipping": "range cut off: recalibrate (another observer, more data), not more bits",
+    "rounding": "range fine but too coarse: an int16 candidate (~{gain:.0f} dB more SQNR)",
+    "outlier_channels": "a few channels stretch the range: per-channel, int16 or equalization",
+    "nonfinite": "NaN/Inf appears here: check its weights and scales (qdebug inspect)",
 }
 
 
-def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str) -> str:
-    parts = []
+def findings(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Per compared model: the worst layer, where error first crosses a threshold, and the
+    first layer at fault itself (its own error) -- or, when every flagged row only inherits
+    its error, the layer with the largest own error.  JSON's ``meta.findings``."""
+    out: dict[str, dict[str, Any]] = {}
     for target, rows in frame.groupby("target", sort=False):
         measured = rows[rows["note"] == ""]
         if measured.empty:
-            parts.append(f"{target}: no comparable layer.")
+            out[target] = {"layers": 0, "flagged": 0}
             continue
         flagged = measured[measured["diagnosis"] != ""]
         worst = measured.sort_values("sqnr_db", na_position="first").iloc[0]
-        text = f"{target} vs {ref_label}: worst layer {worst['layer']} ({_fmt_db(worst['sqnr_db'])} SQNR)."
-        if flagged.empty:
-            text += f" No layer crosses the thresholds (SQNR < {limits['sqnr_db']:g} dB, own error < {limits['isolated_sqnr_db']:g} dB)."
-        else:
+        found: dict[str, Any] = {"layers": int(len(measured)), "flagged": int(len(flagged)),
+                                 "worst_layer": worst["layer"], "worst_sqnr_db": worst["sqnr_db"]}
+        if not flagged.empty:
             first = flagged.iloc[0]
+            found.update(first_flagged=first["layer"], first_diagnosis=first["diagnosis"])
             cause = flagged[flagged["diagnosis"] != "propagated"]
-            text += f" Error first crosses the thresholds at {first['layer']} ({first['diagnosis']});"
-            if cause.empty:
-                # Every flagged row only inherits its error: no single layer is to blame.
+            if cause.empty:  # every flagged row only inherits its error: no single layer is to blame
                 own = measured.sort_values("isolated_sqnr_db", na_position="last").iloc[0]
-                text += (
-                    f" no flagged layer's own error crosses {limits['isolated_sqnr_db']:g} dB: the loss builds up"
-                    f" over many layers, each within its threshold. The layer with the largest own error is"
-                    f" {own['layer']} ({_fmt_db(own['isolated_sqnr_db'])} own SQNR); --sort isolated_sqnr_db lists"
-                    f" the others (int16 candidates)."
-                )
+                found.update(at_fault=None, largest_own_error=own["layer"],
+                             largest_own_error_db=own["isolated_sqnr_db"])
             else:
-                origin = cause.iloc[0]
-                diag = origin["diagnosis"]
-                text += (
-                    f" the first layer at fault itself is {origin['layer']} ({diag}): "
-                    + _ADVICE[diag].format(gain=6.02 * 8)
-                    + "."
-                )
-            text += f" {len(flagged)} flagged row(s)."
-        parts.append(text)
-    return " ".join(parts)
+                found.update(at_fault=cause.iloc[0]["layer"], at_fault_diagnosis=cause.iloc[0]["diagnosis"])
+        out[target] = found
+    return out
+
+
+def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str) -> str:
+    """A few short lines per compared model (see ``findings``)."""
+    lines = []
+    for target, found in findings(frame).items():
+        if not found["layers"]:
+            lines.append(f"{target} vs {ref_label}: no comparable layer")
+            continue
+        worst = f"{found['worst_layer']} ({_fmt_db(found['worst_sqnr_db'])})"
+        if not found["flagged"]:
+            lines += [f"{target} vs {ref_label}: nothing flagged "
+                      f"(sqnr_db < {limits['sqnr_db']:g}, isolated_sqnr_db < {limits['isolated_sqnr_db']:g})",
+                      f"  worst layer:  {worst}"]
+            continue
+        lines += [f"{target} vs {ref_label}: {found['flagged']} of {found['layers']} layers flagged",
+                  f"  worst layer:  {worst}",
+                  f"  error enters: {found['first_flagged']} ({found['first_diagnosis']})"]
+        if found["at_fault"] is None:
+            lines += ["  at fault:     no layer alone: the loss builds up over many layers",
+                      f"  largest own error: {found['largest_own_error']} "
+                      f"({_fmt_db(found['largest_own_error_db'])} isolated)"]
+        else:
+            diagnosis = found["at_fault_diagnosis"]
+            lines += [f"  at fault:     {found['at_fault']} ({diagnosis})",
+                      f"  cause:        {ADVICE[diagnosis].format(gain=6.02 * 8)}"]
+    return "\n".join(lines)
 
 
 def _fmt_db(value: float) -> str:
@@ -378,4 +414,4 @@ def _fmt_db(value: float) -> str:
     return f"{value:.1f} dB"
 
 
-__all__ = ["compare", "CompareResult", "METRICS", "DEFAULT_SHOW", "DEFAULT_THRESHOLDS", "diagnose"]
+__all__ = ["compare", "choose_reference", "CompareResult", "METRICS", "DEFAULT_SHOW", "DEFAULT_THRESHOLDS", "diagnose", "findings"]

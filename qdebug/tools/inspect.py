@@ -25,7 +25,7 @@ from qdebug.engine.spec import SCALE_EPS
 
 LAYER_COLUMNS = [
     "layer", "type", "calls", "weight", "weight_scale_min", "weight_scale_max",
-    "activation", "act_scale_min", "act_scale_max", "mode",
+    "activation", "act_scale_min", "act_scale_max", "fused_into", "mode",
 ]
 CHECK_COLUMNS = ["severity", "layer", "check", "detail"]
 
@@ -42,11 +42,12 @@ class InspectResult:
 
 
 def _dtype(point: QuantPoint | None) -> str:
+    """A short label: ``int8 sym per-ch``, ``uint8 affine``, ``int8 sym per-ch(1) [observe]``."""
     if point is None:
         return "float"
     spec = point.spec
-    gran = f"per-channel({spec.ch_axis})" if spec.per_channel else "per-tensor"
-    label = f"{spec.dtype_name} {'sym' if spec.symmetric else 'affine'} {gran}"
+    gran = (" per-ch" if spec.ch_axis == 0 else f" per-ch({spec.ch_axis})") if spec.per_channel else ""
+    label = f"{spec.dtype_name} {'sym' if spec.symmetric else 'affine'}{gran}"
     return label if point.mode == "fake" else f"{label} [{point.mode}]"
 
 
@@ -85,9 +86,9 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
                 "calls": plan.call_counts.get(rec.name.split("#")[0], 1) if rec.is_module else 1,
                 "weight": _dtype(weight_point) if has_weight else "",
                 "weight_scale_min": w_lo, "weight_scale_max": w_hi,
-                "activation": (_dtype(act_point) + (f" (fused into {rec.output_point})" if rec.output_point != rec.name else ""))
-                if act_point is not None else ("float" if rec.category != "passthrough" else ""),
+                "activation": _dtype(act_point) if act_point is not None else ("float" if rec.category != "passthrough" else ""),
                 "act_scale_min": a_lo, "act_scale_max": a_hi,
+                "fused_into": rec.output_point if act_point is not None and rec.output_point != rec.name else "",
                 "mode": act_point.mode if act_point is not None else "float",
             })
         _structure_checks(model, plan, prepared, modules, checks)
@@ -96,7 +97,7 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
             if name and module_category(module) is not None:
                 rows.append({"layer": name, "type": type(module).__name__, "calls": None, "weight": "",
                              "weight_scale_min": None, "weight_scale_max": None, "activation": "float",
-                             "act_scale_min": None, "act_scale_max": None, "mode": "float"})
+                             "act_scale_min": None, "act_scale_max": None, "fused_into": "", "mode": "float"})
         checks.append({"severity": "info", "layer": "", "check": "not traced",
                        "detail": "no sample inputs: inline ops, shared and dead modules are not shown (pass --data)"})
     _point_checks(points, checks)

@@ -1,0 +1,120 @@
+"""The output convention every command follows (docs/cli.md, "Output").
+
+- ``--format table|json|csv``: what goes to stdout (``--json`` = ``--format json``);
+- ``--out DIR``: also write the results as a folder of files: ``<command>.csv`` (one
+  per table), ``<command>.json`` and the command's plots;
+- ``--wide``: the table with every column at its natural width;
+- notes ("wrote ...", warnings) go to stderr, so stdout stays one table or one document.
+
+Column names, option values (``--sort``, ``--metrics``) and JSON keys are one vocabulary.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import typer
+
+from qdebug.cli.common import console, err_console, writable_dir
+from qdebug.errors import QDebugError
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from rich.table import Table
+
+FORMATS = ("table", "json", "csv")
+
+FORMAT_OPTION = typer.Option(None, "--format", metavar="table|json|csv",
+                             help="What to print on stdout (default table).")
+JSON_OPTION = typer.Option(False, "--json", help="Same as --format json.")
+OUT_OPTION = typer.Option(None, "--out", metavar="DIR", help="Also write CSV, JSON (and plots) into this folder.")
+CHECKPOINT_OUTPUT_OPTION = typer.Option(..., "-o", "--output", metavar="FILE", show_default=False,
+                                        help="Where to write the checkpoint (required).")
+WIDE_OPTION = typer.Option(False, "--wide", help="Show every column of the table, whatever the terminal's width.")
+
+
+@dataclass
+class Report:
+    """What a command produced: its main table, ``meta``, and any further named tables."""
+
+    command: str
+    frame: "pd.DataFrame"
+    meta: dict[str, Any]
+    tables: dict[str, "pd.DataFrame"] = field(default_factory=dict)  # e.g. inspect's "checks"
+    files: list[Path] = field(default_factory=list)  # written by the command itself (plots)
+
+
+def output_format(fmt: Optional[str], as_json: bool) -> str:
+    """The chosen stdout format, checked before any work starts."""
+    if fmt is not None and fmt not in FORMATS:
+        raise QDebugError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}",
+                          "e.g. --format json (or leave it out for a table)")
+    if as_json and fmt not in (None, "json"):
+        raise QDebugError(f"--json contradicts --format {fmt}", "give one of them")
+    return "json" if as_json else (fmt or "table")
+
+
+def prepare_out(out: Optional[Path]) -> Optional[Path]:
+    """``--out`` checked (created, writable) before the work starts."""
+    return writable_dir(out) if out is not None else None
+
+
+def table_width(wide: bool) -> Optional[int]:
+    """The width tables are fitted to: the terminal's (80 when piped), or None for --wide."""
+    return None if wide else console.width
+
+
+def print_table(table: "Table") -> None:
+    """Print a fitted table; a --wide one at its own width (the terminal may wrap it)."""
+    from qdebug.report.table import table_width as measured
+
+    wanted = measured(table)
+    if wanted <= console.width:
+        console.print(table)
+        return
+    saved = console._width  # rich caps print(width=) at the console's width: widen it for this table
+    console.width = wanted
+    try:
+        console.print(table, crop=False)
+    finally:
+        console._width = saved
+
+
+def emit(report: Report, fmt: str, out: Optional[Path], render: Callable[[], None]) -> None:
+    """Write ``--out`` files, then stdout in ``fmt``; ``render`` prints the table view."""
+    from qdebug.report.output import records, to_json, write_csv, write_json
+
+    written = list(report.files)
+    if out is not None:
+        written.append(write_csv(out / f"{report.command}.csv", report.frame))
+        for name, frame in report.tables.items():
+            written.append(write_csv(out / f"{report.command}_{name}.csv", frame))
+        extra = {name: records(frame) for name, frame in report.tables.items()}
+        written.append(write_json(out / f"{report.command}.json", report.frame, report.meta, **extra))
+    if fmt == "json":
+        extra = {name: records(frame) for name, frame in report.tables.items()}
+        _stdout(to_json(report.frame, report.meta, **extra))
+    elif fmt == "csv":
+        _stdout(report.frame.to_csv(index=False).rstrip("\n"))
+    else:
+        render()
+    if written:
+        note(f"wrote {', '.join(str(p) for p in written)}")
+
+
+def say(text: str) -> None:
+    """A line of the table view's text (summary, next command), on stdout."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def note(text: str) -> None:
+    """A line for the person at the terminal, on stderr (stdout stays machine-readable)."""
+    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _stdout(payload: str) -> None:
+    sys.stdout.write(payload + "\n")
+    sys.stdout.flush()
