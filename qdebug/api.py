@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +31,30 @@ def _as_model(item: Any, index: int) -> tuple[str, nn.Module, Any]:
 
 
 def compare(*models: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
-            ref: int = 0, thresholds: dict[str, float] | None = None, isolated: bool = True,
+            ref: int | None = None, thresholds: dict[str, float] | None = None, isolated: bool = True,
             kl_feature_maps: bool = False) -> pd.DataFrame:
     """Per-layer comparison of checkpoints/models (see docs/compare.md); a DataFrame.
 
     ``data``: a data spec string, a list of batches, or None for the reference
-    checkpoint's sample inputs.  ``kl_feature_maps``: also compute ``kl`` for
-    feature maps (it is always computed for [N, C] outputs).
+    checkpoint's sample inputs.  ``ref``: the reference's index; by default the least
+    quantized model (a warning says so when that is not the first).  ``kl_feature_maps``:
+    also compute ``kl`` for feature maps (it is always computed for [N, C] outputs).
     """
-    from qdebug.tools.compare import compare as run
+    from qdebug.checkpoint import infer_stage
+    from qdebug.tools.compare import choose_reference, compare as run
 
     loaded = [_as_model(m, i) for i, m in enumerate(models)]
     labels = [label for label, _, _ in loaded]
     for i, label in enumerate(labels):
         if labels.count(label) > 1:
             labels[i] = f"{label}{i}"
+    if ref is not None and not 0 <= ref < len(loaded):
+        raise QDebugError(f"reference index {ref} is out of range for {len(loaded)} models",
+                          "ref is an index into models: 0 up to one less than their number")
+    stages = [info.stage if info is not None else infer_stage(m) for _, m, info in loaded]
+    ref, warning = choose_reference(stages, ref, names=labels)
+    if warning:
+        warnings.warn(f"qdebug.compare: {warning}", stacklevel=2)
     if isinstance(data, str):
         batch_list: list[Batch] = load_batches(data, batch_size=batch_size, batches=batches)
     elif data is not None:

@@ -60,7 +60,8 @@ def _global(
 
 
 def _register() -> None:
-    from qdebug.cli import baseline, calibrate, compare, convert, inspect  # noqa: F401  (commands register themselves)
+    # Commands register themselves on import; --help lists them in this order (the debug flow's).
+    from qdebug.cli import baseline, compare, inspect, calibrate, convert  # noqa: F401
 
 
 def _click_exceptions(name: str) -> tuple[type, ...]:

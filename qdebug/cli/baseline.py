@@ -60,9 +60,23 @@ def _rules(metric_fn, default_ratio: float, ratio_given: bool):
     return rules
 
 
+def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: Optional[int]):
+    """The verdict table: one row per task; the verdict stays in view at any width."""
+    from qdebug.report.table import render_table
+
+    shown = SHOWN + (["ci_low", "ci_high"] if confidence is not None else []) + (
+        ["mcnemar_p", "flipped"] if frame["mcnemar_p"].notna().any() else [])
+    return render_table(frame, title=f"baseline: quantized >= {ratio:g} x float",
+                        columns=shown if width is not None else list(frame.columns),
+                        priority=["task", "verdict", "float", "quantized", "score", "required", "margin"],
+                        names=("task",), width=width, row_styles=[_STYLE.get(v) for v in frame["verdict"]])
+
+
 @app.command(
+    short_help="Is it good enough: the CI gate, quantized metric >= 0.99 x float, per task.",
     help=(
-        "The precision gate for CI: each task passes when quantized >= ratio x float (default 0.99; "
+        "The precision gate for CI, on the FLOAT and QUANT checkpoints (default: the config's float and "
+        "quantized, else qat): each task passes when quantized >= ratio x float (default 0.99; "
         "lower-is-better tasks: quantized <= float / ratio). Exit 0 pass, 1 fail, 2 error. With "
         "--confidence, a paired bootstrap decides pass / fail / inconclusive (inconclusive does not fail).\n\n"
         "Example: qdebug baseline fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
@@ -70,7 +84,7 @@ def _rules(metric_fn, default_ratio: float, ratio_given: bool):
     )
 )
 def baseline(
-    checkpoints: Optional[list[str]] = typer.Argument(None, metavar="[FLOAT QUANT]", show_default=False),
+    checkpoints: Optional[list[str]] = typer.Argument(None, metavar="FLOAT QUANT", hidden=True),
     metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
                                          help="Metric: top1, top5, mse, agreement or package.module:function."),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help="Evaluation data. " + DATA_HELP),
@@ -93,7 +107,6 @@ def baseline(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
 ) -> None:
-    """Checkpoints: FLOAT and QUANT (default: the config's float and quantized, else qat)."""
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
     if junit is not None:
@@ -173,16 +186,7 @@ def baseline(
             fh.write(f"### qdebug baseline {verdict}\n\n{markdown_table(frame, SHOWN)}\n\n")
 
     def render() -> None:
-        from qdebug.report.table import render_table
-
-        shown = SHOWN + (["ci_low", "ci_high"] if confidence is not None else []) + (
-            ["mcnemar_p", "flipped"] if frame["mcnemar_p"].notna().any() else [])
-        width = table_width(wide)
-        print_table(render_table(frame, title=f"baseline: quantized >= {default_ratio:g} x float",
-                                 columns=shown if width is not None else list(frame.columns),
-                                 priority=["task", "verdict", "float", "quantized", "score", "required", "margin"],
-                                 names=("task",), width=width,
-                                 row_styles=[_STYLE.get(v) for v in frame["verdict"]]))
+        print_table(render_baseline(frame, ratio=default_ratio, confidence=confidence, width=table_width(wide)))
         for task, indices in result.flipped.items():
             if indices:
                 say(f"{task}: first samples right in float but wrong quantized: {indices}")

@@ -64,15 +64,17 @@ def _first_samples(inputs):
 
 
 @app.command(
+    short_help="Calibrate a float checkpoint with any observer, bit width or overrides.",
     help=(
-        "Calibrate a float checkpoint: prepare it with a qconfig, run the data through every "
+        "Calibrate the FLOAT checkpoint (default: the config's float): prepare it with a qconfig, run the "
+        "data through every "
         "observer, freeze the scales and write a calibrated checkpoint.\n\n"
         "Example: qdebug calibrate fixtures/demo/float.pt --data fixtures/demo/eval.pt --batches 8 "
         "--observer percentile -o calibrated.pt"
     )
 )
 def calibrate(
-    checkpoint: Optional[str] = typer.Argument(None, metavar="[FLOAT_CHECKPOINT]", show_default=False),
+    checkpoint: Optional[str] = typer.Argument(None, metavar="FLOAT", hidden=True),
     output: Path = CHECKPOINT_OUTPUT_OPTION,
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help="Calibration data. " + DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
@@ -92,7 +94,6 @@ def calibrate(
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
-    """Float checkpoint: default the config's float."""
     fmt = output_format(fmt, as_json)
     writable_file(output)
     out = prepare_out(out)

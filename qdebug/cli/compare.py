@@ -136,18 +136,20 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int,
 
 
 @app.command(
+    short_help="Where does the error enter, and why: per-layer error of two or more checkpoints.",
     help=(
-        "Per-layer feature-map similarity of checkpoints of one model in any stages (float, calibrated, "
-        "QAT, quantized), each against the least quantized one (or --ref): propagated and isolated error, "
-        "SQNR, cosine, saturation, per-channel SQNR, and a diagnosis (clipping, rounding, "
-        "outlier_channels, propagated, nonfinite) for flagged layers.\n\n"
+        "Per-layer feature-map similarity of two or more CHECKPOINTs of one model in any stages (float, "
+        "calibrated, QAT, quantized; default: the config's float and qat), each against the least "
+        "quantized one (or --ref): propagated and isolated error, SQNR, cosine, saturation, per-channel "
+        "SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, nonfinite) for flagged "
+        "layers.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/calibrated.pt fixtures/demo/quantized.pt "
         "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl"
     )
 )
 def compare(
-    checkpoints: Optional[List[str]] = typer.Argument(None, metavar="CHECKPOINT...", show_default=False),
+    checkpoints: Optional[List[str]] = typer.Argument(None, metavar="CHECKPOINT", hidden=True),
     ref: Optional[str] = typer.Option(None, "--ref", metavar="LABEL|INDEX",
                                       help="Reference: a stage label or a 0-based index (default: the least quantized)."),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
@@ -170,7 +172,6 @@ def compare(
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
-    """Checkpoints: two or more (default: the config's float and qat)."""
     cfg = STATE.config()
     paths = list(checkpoints or [])
     if not paths:

@@ -17,14 +17,16 @@ from qdebug.cli.output import (
 
 
 @app.command(
+    short_help="A calibrated or QAT checkpoint as the quantized (integer) stage.",
     help=(
-        "Convert a calibrated or QAT checkpoint to the quantized stage: BN folded, integer weights, "
+        "Convert a calibrated or QAT CHECKPOINT (default: the config's qat, then calibrated) to the "
+        "quantized stage: BN folded, integer weights, "
         "integer kernels with fixed-point requantization.\n\n"
         "Example: qdebug convert fixtures/demo/qat.pt -o quantized.pt"
     )
 )
 def convert(
-    checkpoint: Optional[str] = typer.Argument(None, metavar="[CHECKPOINT]", show_default=False),
+    checkpoint: Optional[str] = typer.Argument(None, metavar="CHECKPOINT", hidden=True),
     output: Path = CHECKPOINT_OUTPUT_OPTION,
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -32,7 +34,6 @@ def convert(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
 ) -> None:
-    """Checkpoint: calibrated or QAT (default: the config's qat, then calibrated)."""
     fmt = output_format(fmt, as_json)
     writable_file(output)
     out = prepare_out(out)

@@ -49,13 +49,15 @@ def render_checks(checks: "pd.DataFrame", *, width: Optional[int]):
             else:
                 rows.extend(group.to_dict("records"))
         checks = pd.DataFrame(rows, columns=checks.columns)
-    return render_table(checks, title="checks", width=width, priority=["severity", "check", "detail", "layer"],
+    return render_table(checks, title="checks", width=width, priority=["severity", "layer", "check", "detail"],
                         wrap=("detail",), row_styles=[_STYLE.get(s) for s in checks["severity"]])
 
 
 @app.command(
+    short_help="What a checkpoint holds, layer by layer, and what looks wrong.",
     help=(
-        "Show what a checkpoint holds: stage, model, qconfig, every layer's weight/activation "
+        "Show what a CHECKPOINT of any stage holds (default: the config's qat, calibrated, quantized or "
+        "float): stage, model, qconfig, every layer's weight/activation "
         "dtype and scales, and checks (unfused Conv-BN, shared or dead modules, bad scales, "
         "uninitialised observers, float fallbacks, non-finite weights). Exit 1 when a check is an error.\n\n"
         "Example: qdebug inspect fixtures/demo/qat.pt\n\n"
@@ -63,7 +65,7 @@ def render_checks(checks: "pd.DataFrame", *, width: Optional[int]):
     )
 )
 def inspect(
-    checkpoint: Optional[str] = typer.Argument(None, metavar="[CHECKPOINT]", show_default=False),
+    checkpoint: Optional[str] = typer.Argument(None, metavar="CHECKPOINT", hidden=True),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC",
                                        help="Inputs to trace a float model (default: its sample inputs). " + DATA_HELP),
     fmt: Optional[str] = FORMAT_OPTION,
@@ -73,7 +75,6 @@ def inspect(
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
-    """Checkpoint: any stage (default: the config's qat, calibrated, quantized or float)."""
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
     path = stage_path(checkpoint, "qat", "calibrated", "quantized", "float", what="")

@@ -32,7 +32,7 @@ FORMAT_OPTION = typer.Option(None, "--format", metavar="table|json|csv",
 JSON_OPTION = typer.Option(False, "--json", help="Same as --format json.")
 OUT_OPTION = typer.Option(None, "--out", metavar="DIR", help="Also write CSV, JSON (and plots) into this folder.")
 CHECKPOINT_OUTPUT_OPTION = typer.Option(..., "-o", "--output", metavar="FILE", show_default=False,
-                                        help="Where to write the checkpoint (required).")
+                                        help="Where to write the checkpoint.")
 WIDE_OPTION = typer.Option(False, "--wide", help="Show every column of the table, whatever the terminal's width.")
 
 

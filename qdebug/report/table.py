@@ -33,7 +33,7 @@ ELLIPSIS = "…"
 NAME_MIN = 16  # a shortened name keeps at least this many cells ...
 NAME_SHARE = 0.4  # ... and takes at most this share of the width before other columns get theirs
 WRAP_MIN = 16  # a text column needs this much room to be worth showing ...
-WRAP_SHARE = 0.4  # ... and a wrapping one (sentences) this share of the width, when it has that much text
+WRAP_SHARE = 0.35  # ... and a wrapping one (sentences) this share of the width, when it has that much text
 GAP = 3  # cells between two columns: padding 1, the (blank) rule of box.SIMPLE_HEAD, padding 1
 
 
@@ -117,6 +117,19 @@ def _total(widths: Iterable[int]) -> int:
     return sum(widths) + GAP * max(len(widths) - 1, 0)
 
 
+def _shrink_names(chosen: list[_Column], deficit: int) -> int:
+    """Narrow the chosen name columns (not below their minimum) by up to ``deficit`` cells, if
+    that covers it all; the deficit left (0 when covered, unchanged when not)."""
+    names = [c for c in chosen if c.kind == "name"]
+    room = sum(c.width - c.needed(c.header) for c in names)
+    if room < deficit:
+        return deficit
+    for col in sorted(names, key=lambda c: -c.width):
+        take = min(deficit, col.width - col.needed(col.header))
+        col.width, deficit = col.width - take, deficit - take
+    return deficit
+
+
 def _fit(columns: list[_Column], order: list[str], width: int, split: bool) -> list[_Column] | None:
     """The columns of ``order`` (priority) that fit in ``width``, each given its width; None
     when the first column alone does not fit."""
@@ -130,7 +143,10 @@ def _fit(columns: list[_Column], order: list[str], width: int, split: bool) -> l
             need = max(need, min(col.natural, int(width * NAME_SHARE)))
         elif col.kind == "wrap":  # sentences wrapped into a sliver are unreadable
             need = max(need, min(col.natural, int(width * WRAP_SHARE)))
-        if _total([c.width for c in chosen] + [need]) <= width:
+        deficit = _total([c.width for c in chosen] + [need]) - width
+        if deficit > 0 and col.kind == "wrap":  # names give way to sentences, down to their minimum
+            deficit = _shrink_names(chosen, deficit)
+        if deficit <= 0:
             col.header, col.width = header, need
             chosen.append(col)
         elif not chosen:
@@ -149,6 +165,12 @@ def _fit(columns: list[_Column], order: list[str], width: int, split: bool) -> l
             grow = min(spare, max(col.natural - col.width, 0))
             col.width, spare = col.width + grow, spare - grow
     return chosen
+
+
+def _ranks(chosen: list[_Column], rank: list[str]) -> tuple[int, ...]:
+    """The priorities a fit shows, best first, padded: the smaller tuple shows the more useful columns."""
+    shown = sorted(rank.index(c.name) for c in chosen)
+    return tuple(shown + [len(rank)] * (len(rank) - len(shown)))
 
 
 def render_table(
@@ -187,26 +209,28 @@ def render_table(
         kind = "name" if name in names else "wrap" if name in wrap else "clip" if name in clip else "value"
         fmt = (formats or {}).get(name, format_value)
         cols.append(_Column(name, [fmt(v) for v in values], numeric, kind))
+    by_name = {c.name: c for c in cols}
     if width is None:
         chosen = cols
         for col in cols:
             col.header, col.width = col.name, max(col.natural, cell_len(col.name))
     else:
-        chosen = _fit(cols, rank, width, split=False)
-        if chosen is None or len(chosen) < len(cols):
-            split = _fit(cols, rank, width, split=True)
-            if split is not None and (chosen is None or len(split) > len(chosen)):
+        visible = [c for c in rank if any(cell.strip() for cell in by_name[c].cells)]  # no empty columns
+        chosen = _fit(cols, visible or rank[:1], width, split=False)
+        if chosen is None or len(chosen) < len(visible):
+            split = _fit(cols, visible or rank[:1], width, split=True)
+            if split is not None and (chosen is None or _ranks(split, rank) < _ranks(chosen, rank)):
                 chosen = split
         if chosen is None:  # not even the first column fits: show it cut to the width
             first = next(c for c in cols if c.name == rank[0])
             first.header, first.width = shorten_left(first.name, width), max(width, 1)
             chosen = [first]
-    shown = [c for c in cols if c in chosen]  # back to display order
-    hidden = [c.name for c in cols if c not in chosen]
-    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+    shown = [c for c in cols if any(c is k for k in chosen)]  # back to display order
+    hidden = [c.name for c in cols if not any(c is k for k in chosen)]
+    table = Table(title=Text(title, style="italic") if title else None, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   padding=(0, 1), collapse_padding=False)
     if hidden:
-        table.caption = f"+{len(hidden)} column(s) with --wide: {', '.join(hidden)}"
+        table.caption = Text(f"+{len(hidden)} column(s) with --wide: {', '.join(hidden)}", style="dim")
         table.caption_justify = "left"
     for col in shown:
         table.add_column(Text(col.header), justify="right" if col.numeric else "left", width=col.width,
@@ -215,7 +239,7 @@ def render_table(
     for i in range(len(frame)):
         cells = [shorten_left(c.cells[i], c.width) if c.kind == "name" else c.cells[i] for c in shown]
         style = highlight_style if i in marked else (row_styles[i] if row_styles is not None else None)
-        table.add_row(*cells, style=style)
+        table.add_row(*(Text(cell) for cell in cells), style=style)  # Text: "[observe]" is data, not markup
     return table
 
 
