@@ -125,6 +125,8 @@ def run(argv: list[str] | None = None) -> None:
         _say(f"error: internal error: {type(exc).__name__}: {first}")
         _say("hint: run again with --debug and report the traceback")
         sys.exit(2)
+    if code == INTERRUPTED:  # typer turns Ctrl-C inside a command into a silent return of 130
+        _say("error: interrupted")
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -156,9 +156,9 @@ def compare(
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
     metrics: Optional[str] = typer.Option(
-        None, "--metrics", metavar="NAME,...",
-        help=f"Metric columns, or 'all' (default {','.join(DEFAULT_SHOW)}). Naming kl also computes it for "
-        "feature maps.",
+        None, "--metrics", metavar="NAME[,NAME]",
+        help=f"Metric columns, comma-separated, or 'all' (default: {', '.join(DEFAULT_SHOW)}). Naming kl also "
+        "computes it for feature maps.",
     ),
     threshold: Optional[List[str]] = typer.Option(None, "--threshold", metavar="METRIC=VALUE",
                                                   help="Override a flag threshold, e.g. sqnr_db=25 (repeatable)."),
@@ -224,7 +224,6 @@ def compare(
         reordered = " (least quantized)" if asked is None and ref_index != 0 else ""
         title = f"compare vs {labels[ref_index]}{reordered}, {result.meta['batches']} batch(es)"
         print_table(render_compare(frame, shown, sort=sort, top=top, title=title, width=table_width(wide)))
-        say("")
         for line in result.summary.splitlines():
             say(line)
         if next_command:

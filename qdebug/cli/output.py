@@ -68,19 +68,20 @@ def table_width(wide: bool) -> Optional[int]:
 
 
 def print_table(table: "Table") -> None:
-    """Print a fitted table; a --wide one at its own width (the terminal may wrap it)."""
+    """Print a fitted table and a blank line; a --wide one at its own width (the terminal may wrap it)."""
     from qdebug.report.table import table_width as measured
 
     wanted = measured(table)
     if wanted <= console.width:
         console.print(table)
-        return
-    saved = console._width  # rich caps print(width=) at the console's width: widen it for this table
-    console.width = wanted
-    try:
-        console.print(table, crop=False)
-    finally:
-        console._width = saved
+    else:
+        saved = console._width  # rich caps print(width=) at the console's width: widen it for this table
+        console.width = wanted
+        try:
+            console.print(table, crop=False)
+        finally:
+            console._width = saved
+    console.print()
 
 
 def emit(report: Report, fmt: str, out: Optional[Path], render: Callable[[], None]) -> None:

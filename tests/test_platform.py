@@ -1,0 +1,218 @@
+"""What every command inherits: instant help, --version, Ctrl-C, one output convention, tables
+fitted to the terminal, no wrong answers from a wrong order, and saying when data is missing."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tables import table_lines
+
+REPO = Path(__file__).resolve().parent.parent
+COMMANDS = ["baseline", "compare", "inspect", "calibrate", "convert"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env.update({"PYTHONPATH": str(REPO), **extra})
+    return env
+
+
+def _qdebug(*args, timeout=120, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qdebug", *map(str, args)], capture_output=True, text=True,
+                          env=_env(**env), timeout=timeout, cwd=REPO)
+
+
+# -- instant help ------------------------------------------------------------------------------
+_IMPORTED = """
+import sys
+from qdebug.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("IMPORTED", sorted(m for m in ("torch", "pandas", "matplotlib", "numpy") if m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["compare", "--help"], ["inspect", "--help"],
+                                  ["compare", "--format", "xml", "a.pt", "b.pt"], ["calibrate", "x.pt"],
+                                  ["nosuchcommand"]])
+def test_help_version_and_usage_errors_import_no_heavy_module(args):
+    proc = subprocess.run([sys.executable, "-c", _IMPORTED, *args], capture_output=True, text=True, env=_env(),
+                          cwd=REPO, timeout=60)
+    assert "IMPORTED []" in proc.stderr, proc.stderr
+
+
+def test_import_qdebug_is_lazy_and_the_api_names_still_work():
+    code = ("import sys, qdebug; assert 'torch' not in sys.modules; "
+            "assert callable(qdebug.load) and callable(qdebug.compare) and 'torch' in sys.modules; "
+            "print(qdebug.__version__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*\n", proc.stdout)
+
+
+def test_version(cli):
+    import qdebug
+
+    result = cli("--version")
+    assert result.code == 0 and result.out == f"qdebug {qdebug.__version__}\n"
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_has_no_type_noise_and_nothing_cut_off(cli, command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    result = cli(*([command] if command else []), "--help")
+    assert result.code == 0, result.err
+    for noise in ("<bool>", "<str>", "<int>", "<float>", "<path>", "<list", "TEXT", "INTEGER", "BOOLEAN"):
+        assert noise not in result.out, (noise, result.out)
+    described = result.out.split("\n", 1)[1]  # all but the usage line, where "..." means "repeatable"
+    assert "…" not in described and "..." not in described
+    assert "Example: qdebug" in result.out
+
+
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(stages):
+    """SIGINT at several moments of a start-up (imports, loading, computing): always 130, one line."""
+    for delay in (0.4, 1.0, 2.5):  # earlier, Python's own start-up (site) is not ours to catch
+        proc = subprocess.Popen([sys.executable, "-m", "qdebug", "compare", str(stages.float), str(stages.qat),
+                                 "--data", "random:64x1x16x16", "--batches", "200"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (delay, proc.returncode, err)
+        assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted", (delay, err)
+
+
+# -- one output convention ---------------------------------------------------------------------
+def _invocations(stages) -> dict[str, list]:
+    return {
+        "baseline": ["baseline", stages.float, stages.quantized, "--data", stages.data, "--metric", "top1"],
+        "compare": ["compare", stages.float, stages.qat, "--data", stages.data],
+        "inspect": ["inspect", stages.qat],
+        "calibrate": ["calibrate", stages.float, "--data", stages.data, "-o", "cal.pt"],
+        "convert": ["convert", stages.qat, "-o", "q.pt"],
+    }
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_speaks_table_json_csv_and_out_dir(cli, tmp_path, stages, command):
+    args = _invocations(stages)[command]
+    as_json = cli(*args, "--format", "json")
+    assert as_json.code in (0, 1), as_json.err
+    payload = json.loads(as_json.out)  # stdout is the document alone
+    assert {"meta", "rows"} <= set(payload) and payload["rows"]
+    alias = cli(*args, "--json")
+    assert json.loads(alias.out)["rows"] == payload["rows"]
+    as_csv = cli(*args, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(as_csv.out)))
+    assert len(rows) == len(payload["rows"]) and list(rows[0]) == list(payload["rows"][0])  # same names
+    table = cli(*args, "--format", "table", "--wide")
+    header = table_lines(table.out)[0][-1].split()
+    assert set(header) <= set(payload["rows"][0]), header  # headers are the JSON keys
+    folder = cli(*args, "--out", "results")
+    assert folder.code == as_json.code, folder.err
+    assert json.loads((tmp_path / "results" / f"{command}.json").read_text())["rows"] == payload["rows"]
+    assert (tmp_path / "results" / f"{command}.csv").read_text().splitlines()[0] == as_csv.out.splitlines()[0]
+    assert "wrote" in folder.err and "wrote" not in folder.out
+    cli(*args, "--format", "yaml").assert_error("--format 'yaml'")
+    cli(*args, "--json", "--format", "csv").assert_error("--json contradicts --format csv")
+
+
+def test_inspect_json_and_out_carry_the_checks(cli, tmp_path, stages):
+    payload = json.loads(cli("inspect", stages.float, "--json").out)
+    assert payload["checks"] and {"severity", "layer", "check", "detail"} <= set(payload["checks"][0])
+    cli("inspect", stages.float, "--out", "ins")
+    with open(tmp_path / "ins" / "inspect_checks.csv", newline="") as fh:
+        assert [r["check"] for r in csv.DictReader(fh)] == [c["check"] for c in payload["checks"]]
+
+
+def test_checkpoint_output_is_dash_o_and_out_is_a_folder(cli, tmp_path, stages):
+    result = cli("convert", stages.qat, "-o", "q.pt", "--out", "tables")
+    assert result.code == 0, result.err
+    assert (tmp_path / "q.pt").is_file() and (tmp_path / "tables" / "convert.csv").is_file()
+    assert "wrote q.pt" in result.err
+    cli("convert", stages.qat, "--out", "q.pt").assert_error("Missing option '-o'")
+
+
+# -- tables at 80 and 200 columns, end to end --------------------------------------------------
+@pytest.mark.parametrize("width", [80, 200])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_real_tables_fit_the_width(cli, stages, monkeypatch, command, width):
+    from qdebug.cli.common import console
+
+    monkeypatch.setattr(console, "_width", width)
+    args = _invocations(stages)[command]
+    result = cli(*args)
+    assert result.code in (0, 1), result.err
+    names = {r.get("layer") or r.get("task") for r in json.loads(cli(*args, "--json").out)["rows"]}
+    head, body = table_lines(result.out)
+    for line in head + body:
+        assert len(line) <= width, (width, line)
+    for line in body:
+        first = line.split()[0] if line.strip() and not line.startswith(" ") else None
+        if first:  # a layer (or task) name on one line: whole, or its end after "…"
+            assert first in names or (first.startswith("…") and any(n.endswith(first[1:]) for n in names)), first
+
+
+def test_piped_output_is_80_columns_wide(stages):
+    proc = _qdebug("compare", stages.float, stages.quantized, "--data", stages.data)
+    assert proc.returncode == 0, proc.stderr
+    head, body = table_lines(proc.stdout)
+    assert max(len(line) for line in head + body) <= 80
+    summary = proc.stdout.split("\n\n", 1)[1].splitlines()
+    assert len(summary) <= 10 and all(len(line) <= 80 for line in summary if not line.startswith("  qdebug "))
+    assert summary[-2].startswith("next: ") and summary[-1].startswith("  qdebug ")
+
+
+# -- no confident wrong answers from a wrong order -----------------------------------------------
+def test_a_more_quantized_first_checkpoint_is_not_the_reference(cli, stages):
+    result = cli("compare", stages.quantized, stages.float, "--data", stages.data, "--json")
+    assert result.code == 0, result.err
+    meta = json.loads(result.out)["meta"]
+    assert meta["reference"] == "float" and meta["targets"] == ["quantized"]
+    assert "more quantized than" in result.err and "--ref 0" in result.err and "warning:" in result.err
+    assert "more quantized than" in meta["warning"]
+    table = cli("compare", stages.quantized, stages.float, "--data", stages.data)
+    assert "compare vs float (least quantized)" in table.out
+    # the same numbers as in the right order
+    right = json.loads(cli("compare", stages.float, stages.quantized, "--data", stages.data, "--json").out)
+    assert json.loads(result.out)["rows"] == right["rows"]
+
+
+def test_an_explicit_more_quantized_reference_is_kept_with_a_warning(cli, stages):
+    result = cli("compare", stages.float, stages.quantized, "--data", stages.data, "--ref", "quantized", "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["meta"]["reference"] == "quantized"
+    assert "warning: the reference" in result.err and "more precise" in result.err
+    calm = cli("compare", stages.calibrated, stages.qat, "--data", stages.data, "--json")  # same rank: no warning
+    assert "warning" not in calm.err
+
+
+def test_python_api_chooses_the_least_quantized_reference(stages):
+    import qdebug
+
+    with pytest.warns(UserWarning, match="more quantized than"):
+        frame = qdebug.compare(stages.quantized, stages.float, data=str(stages.data))
+    assert frame.attrs["meta"]["reference"] == "float"
+
+
+def test_forgotten_data_is_said_on_stderr(cli, stages):
+    result = cli("compare", stages.float, stages.qat)
+    assert result.code == 0, result.err
+    assert "note: no --data given: using the 4 sample input(s) stored in" in result.err
+    assert "note:" not in result.out
+    quiet = cli("compare", stages.float, stages.qat, "--data", stages.data)
+    assert "note:" not in quiet.err
+    assert "note:" not in cli("inspect", stages.float).err  # tracing is no evaluation
