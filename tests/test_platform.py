@@ -216,3 +216,12 @@ def test_forgotten_data_is_said_on_stderr(cli, stages):
     quiet = cli("compare", stages.float, stages.qat, "--data", stages.data)
     assert "note:" not in quiet.err
     assert "note:" not in cli("inspect", stages.float).err  # tracing is no evaluation
+
+
+def test_the_config_out_is_the_default_folder(cli, tmp_path, stages):
+    (tmp_path / "qdebug.toml").write_text('out = "reports"\n')
+    result = cli("inspect", stages.qat)
+    assert result.code == 0, result.err
+    assert (tmp_path / "reports" / "inspect.json").is_file() and (tmp_path / "reports" / "inspect_checks.csv").is_file()
+    cli("inspect", stages.qat, "--out", "mine")
+    assert (tmp_path / "mine" / "inspect.json").is_file()  # the flag wins

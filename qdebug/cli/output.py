@@ -58,7 +58,11 @@ def output_format(fmt: Optional[str], as_json: bool) -> str:
 
 
 def prepare_out(out: Optional[Path]) -> Optional[Path]:
-    """``--out`` checked (created, writable) before the work starts."""
+    """``--out`` (else the config's ``out``) checked -- created, writable -- before the work starts."""
+    from qdebug.cli.common import STATE
+
+    if out is None and STATE.config().get("out"):
+        out = Path(STATE.config().get("out"))
     return writable_dir(out) if out is not None else None
 
 
