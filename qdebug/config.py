@@ -14,10 +14,16 @@ CLI flags override it.  Keys (docs/config.md):
     qconfig                     {weight, activation, overrides}
     device, out                 torch device; output directory
     unsafe_load                 allow pickled whole-module files (executes code)
+    trust                       packages whose nn.Module classes a checkpoint may name
+
+The directory of the file read is also where modules the user names (``model``,
+``metric``, ``data``, ``trust``) are looked for after the current directory
+(``config_root``; see qdebug.modelspec).
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +50,17 @@ VALID_KEYS = {
     "device": str,
     "out": str,
     "unsafe_load": bool,
+    "trust": list,
 }
 TASK_KEYS = {"direction": str, "ratio": (int, float)}
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+_config_root: Path | None = None  # the directory of the config file read last
+
+
+def config_root() -> Path | None:
+    """The directory of the config file read last (an import root for the user's modules)."""
+    return _config_root
 
 
 @dataclass
@@ -86,6 +101,8 @@ def _read(path: Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None, *, start: Path | None = None) -> Config:
     """The config at ``path``, or found upward from ``start``/cwd; empty when there is none."""
+    global _config_root
+    _config_root = None
     if path is not None:
         cfg_path = Path(path)
         if not cfg_path.is_file():
@@ -97,7 +114,9 @@ def load_config(path: str | Path | None = None, *, start: Path | None = None) ->
     data = _read(cfg_path)
     if cfg_path.name == "pyproject.toml":
         data = data.get("tool", {}).get("qdebug", {})
-    return Config(validate(data, cfg_path), cfg_path.resolve())
+    config = Config(validate(data, cfg_path), cfg_path.resolve())
+    _config_root = config.path.parent
+    return config
 
 
 def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -112,10 +131,15 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
         if isinstance(value, bool) and expected is not bool:
             raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, not a boolean",
                               "fix the value in the config (docs/config.md lists every key and its type)")
+        if key == "trust" and isinstance(value, str):
+            raise QDebugError(f"{source}: trust must be a list, got the string {value!r}",
+                              f"write it as a list: trust = {toml_value([value])}")
         if not isinstance(value, expected):
             raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, got {type(value).__name__}",
                               "fix the value in the config (docs/config.md lists every key and its type)")
         values[key] = value
+    if "trust" in values:
+        values["trust"] = _validate_trust(values["trust"], source)
     base = source.parent.resolve()
     for key in PATH_KEYS:
         if key in values:
@@ -136,7 +160,47 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
     return values
 
 
+def _validate_trust(entries: list, source: Path) -> list[str]:
+    """``trust``: a list of package or module names (``mypkg``, ``mypkg.models``)."""
+    for entry in entries:
+        if not isinstance(entry, str) or not entry.strip():
+            raise QDebugError(f"{source}: trust must list package names as non-empty strings, got {entry!r}",
+                              'e.g. trust = ["mypkg"] (the packages whose model classes checkpoints may name)')
+        if ":" in entry:
+            top = entry.partition(":")[0].partition(".")[0] or "mypkg"
+            raise QDebugError(f"{source}: trust entry {entry!r} names a class; trust takes packages or modules",
+                              f"write trust = {toml_value([top])} (it trusts every module inside it)")
+        if not MODULE_NAME.fullmatch(entry.strip()):
+            raise QDebugError(f"{source}: trust entry {entry!r} is not a package or module name",
+                              'write importable names, e.g. trust = ["mypkg", "otherpkg.models"]')
+    return [entry.strip() for entry in entries]
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (a string, number, boolean or list of them) written as TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return _toml_str(str(value))
+
+
+def _toml_str(text: str) -> str:
+    """``text`` as a TOML basic string."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _type_name(expected: Any) -> str:
     if isinstance(expected, tuple):
         return "a number"
-    return {str: "a string", int: "an integer", dict: "a table", bool: "true or false"}[expected]
+    return {str: "a string", int: "an integer", dict: "a table", bool: "true or false", list: "a list"}[expected]

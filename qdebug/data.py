@@ -9,19 +9,25 @@ Accepted specs (docs/cli.md):
   half precision (upcast to float32); a list is a list of ready batches (each a tensor, an
   ``(inputs, target)`` pair, or a dict of model kwargs).
 - ``package.module:function``: the user's function, called with no arguments,
-  returning an iterable of batches (``(inputs, target)`` pairs recognised).
+  returning an iterable of batches (``(inputs, target)`` pairs recognised); the
+  module is found from the current directory as ``python -m`` finds it.
 - ``random:8x3x224x224``: seeded standard-normal batches of that shape
   (``random:8x3x224x224:seed=1``); no target.
 
 ``batches`` limits how many batches are used.
+
+Every batch is a ``Batch``: a named tuple ``(inputs, target)``, so a metric written
+the usual PyTorch way (``for x, y in loader``) works on it unchanged, and
+``batch.inputs`` / ``batch.target`` name the same two fields.  ``data_kind`` tells
+what a loaded object is as data; the checkpoint loader uses it to call a data file
+passed as a checkpoint by its name.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
@@ -31,10 +37,11 @@ DEFAULT_BATCH_SIZE = 64
 DEFAULT_RANDOM_BATCHES = 4
 
 
-@dataclass
-class Batch:
+class Batch(NamedTuple):
+    """One batch: ``inputs, target = batch`` (or ``batch.inputs``, ``batch.target``)."""
+
     inputs: Any  # tensor, tuple of args, or dict of kwargs: what the model is called with
-    target: Any = None
+    target: Any = None  # None when the data has no targets
 
     def size(self) -> int:
         first = self.inputs
@@ -91,21 +98,58 @@ def _from_file(path: Path, batch_size: int) -> list[Batch]:
     from qdebug.checkpoint import read_file
 
     obj = read_file(path)
+    if not isinstance(obj, list) and data_kind(obj) is None:  # a list's odd item is named by to_batch
+        raise QDebugError(
+            f"{path} holds {type(obj).__name__}, not data qdebug understands",
+            "save a tensor, a tuple (inputs, targets), a dict {'inputs', 'targets'} or a list of batches",
+        )
+    return as_batches(obj, batch_size)
+
+
+INPUT_KEYS = ("inputs", "x", "images", "data")
+TARGET_KEYS = ("targets", "target", "y", "labels")
+
+
+def data_kind(obj: Any) -> str | None:
+    """What ``obj`` (a loaded file) holds as data, in words, or None when it is not data.
+
+    The one recognition rule of data files: ``as_batches`` reads exactly the objects
+    this names, and ``checkpoint.load`` uses it to call a data file by its name.
+    """
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of {_count(obj)} input(s), no targets"
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(t, torch.Tensor) for t in obj):
+        return f"{_count(obj[0])} input(s) and their targets"
+    if isinstance(obj, dict):
+        inputs = _first(obj, INPUT_KEYS)
+        if isinstance(inputs, torch.Tensor):
+            has_target = _first(obj, TARGET_KEYS) is not None
+            return f"{_count(inputs)} input(s) and their targets" if has_target else f"{_count(inputs)} input(s), no targets"
+        return None
+    if isinstance(obj, list) and obj:
+        try:
+            for item in obj:
+                to_batch(item)
+        except QDebugError:
+            return None
+        return f"a list of {len(obj)} batch(es)"
+    return None
+
+
+def as_batches(obj: Any, batch_size: int) -> list[Batch]:
+    """The batches of an object ``data_kind`` recognises (a list of ready batches is not re-cut)."""
     if isinstance(obj, list):
         return [to_batch(b) for b in obj]
     if isinstance(obj, torch.Tensor):
         return _split(obj, None, batch_size)
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(t, torch.Tensor) for t in obj):
+    if isinstance(obj, tuple):
         return _split(obj[0], obj[1], batch_size)
-    if isinstance(obj, dict):
-        inputs = _first(obj, ("inputs", "x", "images", "data"))
-        target = _first(obj, ("targets", "target", "y", "labels"))
-        if isinstance(inputs, torch.Tensor):
-            return _split(_decode(inputs, obj), target, batch_size)
-    raise QDebugError(
-        f"{path} holds {type(obj).__name__}, not data qdebug understands",
-        "save a tensor, a tuple (inputs, targets), a dict {'inputs', 'targets'} or a list of batches",
-    )
+    inputs, target = _first(obj, INPUT_KEYS), _first(obj, TARGET_KEYS)
+    return _split(_decode(inputs, obj), target, batch_size)
+
+
+def _count(tensor: torch.Tensor) -> int:
+    return int(tensor.shape[0]) if tensor.dim() else 1
 
 
 def _decode(inputs: torch.Tensor, obj: dict) -> torch.Tensor:
@@ -156,7 +200,7 @@ def to_batch(item: Any) -> Batch:
 
 
 def _from_function(spec: str) -> list[Batch]:
-    from qdebug.modelspec import resolve
+    from qdebug.modelspec import first_line, resolve, where_raised
 
     fn = resolve(spec, from_user=True)
     try:
@@ -165,5 +209,8 @@ def _from_function(spec: str) -> list[Batch]:
     except QDebugError:
         raise
     except Exception as exc:
-        raise QDebugError(f"data function {spec} raised {type(exc).__name__}: {exc}",
-                          "run it in Python to debug it") from None
+        where = where_raised(exc)
+        raise QDebugError(f"data function {spec} raised {type(exc).__name__}: {first_line(exc)}"
+                          + (f", at {where}" if where else ""),
+                          "it is called with no arguments and returns an iterable of batches (tensors or "
+                          "(inputs, target) pairs); --debug shows the traceback") from exc

@@ -1,8 +1,10 @@
 """Metrics: ``metric(model, batches) -> number | {task: number}``.
 
 A metric receives the model (in eval mode) and the list of ``qdebug.data.Batch``
-objects; it returns one number or a dict task -> number (multi-task models, seed
-001).  A metric that declares a ``reference`` keyword also receives the float
+objects -- each unpacks as ``(inputs, target)``, so ``for x, y in loader`` works, and
+has ``.inputs`` / ``.target`` -- and returns one number or a dict task -> number
+(multi-task models, seed 001).  When it raises, the error names the line of the
+user's code that raised and the hint states this protocol.  A metric that declares a ``reference`` keyword also receives the float
 model (for agreement-style metrics).  ``direction`` ("higher" or "lower") on the
 function says which way is better; the default is higher.
 
@@ -173,12 +175,68 @@ def _call(metric: Metric, model, batches, reference, name: str):
     except QDebugError:
         raise
     except Exception as exc:
-        raise QDebugError(
-            f"metric {getattr(metric, '__name__', name)} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            "if the model failed on the data, check the data's shape; run with --debug for the traceback",
-        ) from exc
+        raise metric_error(metric, exc, name) from exc
     finally:
         model.train(was_training)
+
+
+PROTOCOL = (
+    "a metric is called as metric(model, batches); each batch unpacks as (inputs, target) "
+    "(also batch.inputs / batch.target; target is None when the data has none); "
+    "it returns a number or a dict task -> number"
+)
+
+
+def metric_error(metric: Metric, exc: Exception, name: str = "metric") -> QDebugError:
+    """A raising metric as one error: the metric, the exception and the user's line that raised
+    it; the hint states the protocol (a built-in metric fails on the model or the data instead)."""
+    from qdebug.modelspec import first_line, where_raised
+
+    label = getattr(metric, "__name__", name)
+    where = where_raised(exc)
+    detail = f": {first_line(exc)}" if str(exc).strip() else ""
+    message = f"metric {label} raised {type(exc).__name__}{detail}" + (f", at {where}" if where else "")
+    caller = _line_in(metric, exc)
+    if caller and where and where.split(" (")[0] != caller:
+        message += f", called from {caller}"
+    in_model = _raised_in_model(exc)
+    if getattr(metric, "__module__", None) == __name__:
+        hint = ("the model failed on the data: check that --data matches the model's input "
+                "(and holds targets for this metric); --debug shows the traceback")
+    elif in_model:
+        hint = (f"the model failed on the data the metric gave it (check that --data matches the model's input); "
+                f"{PROTOCOL}; --debug shows the traceback")
+    else:
+        hint = f"{PROTOCOL}; --debug shows the traceback"
+    return QDebugError(message, hint)
+
+
+def _line_in(metric: Metric, exc: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of ``exc`` inside the metric's own source file."""
+    import traceback
+
+    from qdebug.modelspec import shown_path
+
+    try:
+        source = inspect.getsourcefile(metric)
+    except TypeError:
+        return None
+    if not source:
+        return None
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename == source:
+            return f"{shown_path(frame.filename)}:{frame.lineno}"
+    return None
+
+
+def _raised_in_model(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a module's forward (torch's nn.Module call is in its traceback)."""
+    import traceback
+
+    return any(
+        frame.name in ("_call_impl", "_wrapped_call_impl") and frame.filename.replace("\\", "/").endswith("nn/modules/module.py")
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
 
 
 def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "metric") -> dict[str, float]:
