@@ -94,17 +94,11 @@ def edit_text(text: str, changes: list[Change], *, pyproject: bool, source: Path
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith(("\n", "\r")):
         lines[-1] += newline
-    items = _scan(lines, source)
-    start, stop = _region(items, pyproject, len(lines))
-    region = [i for i in items if start is not None and start <= i.start and i.end <= stop and i.kind == "assign"]
-    added = [f"{c.key} = {toml_value(c.value)}{newline}" for c in todo if c.action == "added"]
-    # Replace in place, from the bottom up so earlier line numbers stay right.
-    for change in sorted((c for c in todo if c.action != "added"), key=lambda c: -_find(region, c.key, source).start):
-        item = _find(region, change.key, source)
+    for change in (c for c in todo if c.action != "added"):  # in place, one at a time
+        item = _find(_own_keys(lines, pyproject, source)[0], change.key, source)
         lines[item.start:item.end] = [f"{change.key} = {toml_value(change.value)}{newline}"]
-        shift = 1 - (item.end - item.start)
-        region = [_Item(i.kind, i.start + shift, i.end + shift, i.name) if i.start > item.start else i for i in region]
-        stop += shift
+    region, start, stop = _own_keys(lines, pyproject, source)
+    added = [f"{c.key} = {toml_value(c.value)}{newline}" for c in todo if c.action == "added"]
     if pyproject and start is None:  # no [tool.qdebug] table yet: a new one at the end
         if lines and lines[-1].strip():
             lines.append(newline)
@@ -125,6 +119,14 @@ def edit_text(text: str, changes: list[Change], *, pyproject: bool, source: Path
     result = "".join(lines)
     _check(before, result, changes, pyproject, source)
     return result
+
+
+def _own_keys(lines: list[str], pyproject: bool, source: Path) -> tuple[list[_Item], int | None, int]:
+    """The table's own assignments, and the (start, stop) lines of its region."""
+    items = _scan(lines, source)
+    start, stop = _region(items, pyproject, len(lines))
+    region = [i for i in items if i.kind == "assign" and start is not None and start <= i.start and i.end <= stop]
+    return region, start, stop
 
 
 def _scan(lines: list[str], source: Path) -> list[_Item]:

@@ -347,3 +347,180 @@ def test_failing_save_leaves_no_target_and_no_temp_file(tmp_path, stages, monkey
 def test_successful_save_leaves_only_the_target(tmp_path, stages):
     qdebug.save(stages.models["float"], tmp_path / "sub" / "f.pt")
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["f.pt"]
+
+
+# -- your own model without friction -------------------------------------------------------------
+from pathlib import Path  # noqa: E402
+
+from user_project import clean_imports, forget, write_package  # noqa: E402
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """tmp_path as the user's project (mypkg/net.py), the current directory, and not on sys.path."""
+    write_package(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with clean_imports(tmp_path):
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p) != tmp_path])
+        forget("mypkg")
+        yield tmp_path
+        forget("mypkg")
+
+
+def _user_checkpoint(project, name="net.pt"):
+    """A qdebug checkpoint of mypkg.net:Net, written the way the user's training script would."""
+    sys.path.insert(0, str(project))
+    try:
+        from mypkg.net import Net
+
+        torch.manual_seed(0)
+        model = Net().eval()
+        qdebug.save(model, project / name, stage="float", sample_inputs=torch.randn(2, 4))
+        x = torch.randn(3, 4)
+        expected = _run(model, x)
+    finally:
+        sys.path.remove(str(project))
+        forget("mypkg")
+    return project / name, x, expected
+
+
+def test_an_untrusted_user_class_is_refused_with_the_one_time_fix(project):
+    path, _, _ = _user_checkpoint(project)
+    with pytest.raises(QDebugError) as exc:
+        qdebug.load(path)
+    assert exc.value.message == ("the checkpoint names model class mypkg.net:Net; qdebug does not import modules "
+                                 "named by a file unless you trust them, and 'mypkg' is not trusted")
+    assert exc.value.hint == ('if you trust it, add  trust = ["mypkg"]  to qdebug.toml (qdebug init --trust mypkg '
+                              "writes it), or pass --model mypkg.net:Net")
+    assert "mypkg" not in sys.modules
+
+
+def test_a_trusted_package_trusts_its_modules_found_from_the_cwd(project):
+    path, x, expected = _user_checkpoint(project)
+    model, info = qdebug.load(path, trusted_modules=("mypkg",))  # mypkg trusts mypkg.net
+    assert type(model).__module__ == "mypkg.net" and info.model.target == "mypkg.net:Net"
+    assert torch.equal(_run(model, x), expected)
+
+
+def test_trust_is_by_package_not_by_name_prefix(project):
+    write_package(project, "mypkgevil", marker=project / "evil-imported.txt")
+    (project / "mypkgevil" / "__init__.py").write_text(f"open({str(project / 'evil-imported.txt')!r}, 'w')\n")
+    path, _, _ = _user_checkpoint(project)
+    raw = torch.load(path, weights_only=True)
+    raw["model"]["class"] = "mypkgevil.net:Net"
+    torch.save(raw, project / "evil.pt")
+    with pytest.raises(QDebugError, match="does not import modules named by a file"):
+        qdebug.load(project / "evil.pt", trusted_modules=("mypkg",))
+    assert "mypkgevil" not in sys.modules and not (project / "evil-imported.txt").exists()
+
+
+def test_a_file_cannot_name_a_function_even_in_a_trusted_package(project):
+    path, _, _ = _user_checkpoint(project)
+    raw = torch.load(path, weights_only=True)
+    raw["model"]["class"] = "mypkg.net:make"
+    torch.save(raw, project / "factory.pt")
+    with pytest.raises(QDebugError, match="not an nn.Module subclass"):
+        qdebug.load(project / "factory.pt", trusted_modules=("mypkg",))
+    assert not (project / "mypkg-make-called.txt").exists()
+    # the user may name it
+    model, info = qdebug.load(project / "factory.pt", model="mypkg.net:make")
+    assert (project / "mypkg-make-called.txt").exists() and info.model.target == "mypkg.net:make"
+
+
+def _whole_model_file(project, name="whole.pt"):
+    sys.path.insert(0, str(project))
+    try:
+        from mypkg.net import Net
+
+        torch.manual_seed(1)
+        model = Net().eval()
+        torch.save(model, project / name)
+        x = torch.randn(3, 4)
+        expected = _run(model, x)
+    finally:
+        sys.path.remove(str(project))
+        forget("mypkg")
+    return project / name, x, expected
+
+
+def test_a_torch_save_model_file_is_named_for_what_it_is(project):
+    path, x, expected = _whole_model_file(project)
+    with pytest.raises(QDebugError) as exc:
+        read_file(path)
+    assert exc.value.message == (f"{path} is a whole pickled model (torch.save(model)) of class mypkg.net.Net: "
+                                 "loading it would run code from the file, so qdebug refuses")
+    assert exc.value.hint == ("re-save it with torch.save(model.state_dict(), path) and name the class with "
+                              '--model mypkg.net:Net (or model = "mypkg.net:Net" in qdebug.toml), '
+                              "or pass --unsafe-load if you trust the file")
+    assert "mypkg" not in sys.modules  # refused without importing anything
+    # with --unsafe-load its class is found from the current directory, as the user expects
+    model, info = qdebug.load(path, unsafe=True)
+    assert info.source == "pickle" and torch.equal(_run(model, x), expected)
+
+
+def test_unsafe_load_of_a_model_whose_class_is_not_findable_says_so(project, monkeypatch, tmp_path_factory):
+    path, _, _ = _whole_model_file(project)
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    with pytest.raises(QDebugError) as exc:
+        qdebug.load(path, unsafe=True)
+    assert "whole pickled model of class mypkg.net.Net" in exc.value.message
+    assert "module 'mypkg' cannot be imported" in exc.value.message
+    assert "run qdebug from the directory that holds mypkg/" in exc.value.hint
+    assert "--model mypkg.net:Net" in exc.value.hint
+    assert "damaged" not in str(exc.value)
+
+
+def test_a_model_pickled_from_a_script_is_named_as_such(tmp_path, monkeypatch):
+    import torch.nn as nn
+
+    main = sys.modules["__main__"]
+
+    class ScriptNet(nn.Linear):
+        pass
+
+    ScriptNet.__module__, ScriptNet.__qualname__ = "__main__", "ScriptNet"
+    monkeypatch.setattr(main, "ScriptNet", ScriptNet, raising=False)
+    torch.save(ScriptNet(2, 2), tmp_path / "script.pt")
+    monkeypatch.delattr(main, "ScriptNet")
+    with pytest.raises(QDebugError) as exc:
+        qdebug.load(tmp_path / "script.pt")
+    assert "whole pickled model (torch.save(model)) of class ScriptNet" in exc.value.message
+    assert "(__main__)" in exc.value.message and "state_dict()" in exc.value.hint
+    with pytest.raises(QDebugError) as exc:
+        qdebug.load(tmp_path / "script.pt", unsafe=True)
+    assert "defined in the script that saved it (__main__)" in exc.value.message
+    assert "damaged" not in str(exc.value)
+
+
+def test_a_model_inside_a_dict_is_named_by_its_class(tmp_path, stages):
+    torch.save({"model": stages.models["float"], "epoch": 3}, tmp_path / "ckpt.pt")
+    with pytest.raises(QDebugError) as exc:
+        read_file(tmp_path / "ckpt.pt")
+    assert "contains pickled Python objects (e.g. qdebug.zoo.resnet.ResNet)" in exc.value.message
+    assert "--unsafe-load" in exc.value.hint
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pair", "dict", "images", "list"])
+def test_a_data_file_passed_as_a_checkpoint_is_called_a_data_file(tmp_path, kind):
+    x, y = torch.randn(6, 1, 4, 4), torch.arange(6)
+    obj = {"tensor": x, "pair": (x, y), "dict": {"inputs": x, "targets": y}, "images": {"images": x, "labels": y},
+           "list": [(x[:3], y[:3]), (x[3:], y[3:])]}[kind]
+    torch.save(obj, tmp_path / "eval.pt")
+    with pytest.raises(QDebugError) as exc:
+        qdebug.load(tmp_path / "eval.pt")
+    assert exc.value.message.startswith(f"{tmp_path / 'eval.pt'} is a data file (")
+    assert exc.value.message.endswith("), not a checkpoint")
+    assert f"pass it as --data {tmp_path / 'eval.pt'}" in exc.value.hint
+    wording = {"tensor": "a tensor of 6 input(s), no targets", "list": "a list of 2 batch(es)"}
+    assert wording.get(kind, "6 input(s) and their targets") in exc.value.message
+
+
+def test_state_dicts_are_not_taken_for_data(tmp_path):
+    import torch.nn as nn
+
+    torch.save(nn.Linear(2, 3).state_dict(), tmp_path / "sd.pt")  # flat, undotted keys: weight, bias
+    with pytest.raises(QDebugError, match="plain state_dict"):
+        qdebug.load(tmp_path / "sd.pt")
+    torch.save({"state_dict": nn.Linear(2, 3).state_dict(), "x": torch.ones(2)}, tmp_path / "train.pt")
+    with pytest.raises(QDebugError, match="plain state_dict"):
+        qdebug.load(tmp_path / "train.pt")

@@ -344,3 +344,24 @@ def test_every_error_qdebug_raises_carries_a_hint():
                 if len(node.args) + len(node.keywords) < 2:
                     missing.append(f"{path.name}:{node.lineno}")
     assert missing == []
+
+
+# -- a data file or a torch.save(model) file where a checkpoint belongs (issue 12) ----------------
+def test_inspect_a_data_file_says_it_is_data(cli, tmp_path, stages):
+    result = cli("inspect", stages.data)
+    result.assert_error(f"error: {stages.data} is a data file (12 input(s) and their targets), not a checkpoint",
+                        f"hint: pass it as --data {stages.data}")
+
+
+def test_inspect_a_torch_save_model_file_names_its_class(cli, tmp_path, stages):
+    torch.save(stages.models["float"], tmp_path / "whole.pt")
+    result = cli("inspect", "whole.pt")
+    result.assert_error("whole.pt is a whole pickled model (torch.save(model)) of class qdebug.zoo.resnet.ResNet",
+                        "torch.save(model.state_dict(), path)", "--model qdebug.zoo.resnet:ResNet", "--unsafe-load")
+    assert "damaged" not in result.err
+
+
+def test_init_help_has_an_example(cli):
+    result = cli("init", "--help")
+    assert result.code == 0, result.err
+    assert "Example: qdebug init --trust mypkg" in result.out

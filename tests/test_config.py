@@ -201,3 +201,93 @@ def test_cli_flags_override_config_values(cli, tmp_path, stages, monkeypatch):
     assert info.qat_mode == "with_bn_reverse_fold"
     assert info.qconfig.activation.observer == "percentile"
     assert info.sample_inputs.shape == (3, 1, 16, 16)
+
+
+# -- trust: your own model classes ---------------------------------------------------------------
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from user_project import clean_imports, forget, write_package  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "text, message, hint",
+    [
+        ('trust = "mypkg"', "trust must be a list, got the string 'mypkg'", 'trust = ["mypkg"]'),
+        ("trust = [1]", "non-empty strings, got 1", 'trust = ["mypkg"]'),
+        ('trust = [""]', "non-empty strings, got ''", 'trust = ["mypkg"]'),
+        ('trust = ["mypkg.net:Net"]', "names a class", 'trust = ["mypkg"]'),
+        ('trust = ["my-pkg"]', "'my-pkg' is not a package or module name", "importable names"),
+        ("trust = {a = 1}", "trust must be a list, got dict", "docs/config.md"),
+    ],
+)
+def test_trust_must_be_a_list_of_package_names(tmp_path, text, message, hint):
+    cfg = _write(tmp_path / "qdebug.toml", text + "\n")
+    with pytest.raises(QDebugError) as exc:
+        load_config(cfg)
+    assert message in exc.value.message and str(cfg) in exc.value.message
+    assert hint in exc.value.hint
+
+
+def test_valid_trust_list(tmp_path):
+    cfg = _write(tmp_path / "qdebug.toml", 'trust = ["mypkg", " other.models "]\n')
+    assert load_config(cfg).get("trust") == ["mypkg", "other.models"]
+    assert "trust" in VALID_KEYS
+
+
+@pytest.fixture
+def user_project(tmp_path, monkeypatch, cli):
+    """mypkg/net.py in tmp_path (the cli's working directory), a checkpoint of its Net, and
+    nothing of it importable before qdebug finds it."""
+    import torch
+
+    write_package(tmp_path)
+    with clean_imports(tmp_path):
+        sys.path.insert(0, str(tmp_path))
+        from mypkg.net import Net
+
+        torch.manual_seed(0)
+        qdebug.save(Net().eval(), tmp_path / "net.pt", stage="float", sample_inputs=torch.randn(2, 4))
+        sys.path.remove(str(tmp_path))
+        forget("mypkg")
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p) != tmp_path])
+        yield tmp_path
+        forget("mypkg")
+
+
+def test_own_model_refused_once_then_trusted_from_the_config(cli, user_project):
+    first = cli("inspect", "net.pt")
+    first.assert_error("names model class mypkg.net:Net",
+                       'hint: if you trust it, add  trust = ["mypkg"]  to qdebug.toml (qdebug init --trust mypkg '
+                       "writes it), or pass --model mypkg.net:Net")
+    _write(user_project / "qdebug.toml", 'trust = ["mypkg"]\n')
+    result = cli("inspect", "net.pt", "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["meta"]["model"]["class"] == "mypkg.net:Net"
+
+
+def test_own_model_found_from_the_config_directory_below_it(cli, user_project, monkeypatch):
+    _write(user_project / "qdebug.toml", 'trust = ["mypkg"]\nfloat = "net.pt"\n')
+    (user_project / "runs" / "today").mkdir(parents=True)
+    monkeypatch.chdir(user_project / "runs" / "today")  # mypkg/ is not here: the config's folder has it
+    result = cli("inspect", "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["meta"]["model"]["class"] == "mypkg.net:Net"
+
+
+def test_config_metric_found_from_the_config_directory(cli, tmp_path, stages, monkeypatch):
+    with clean_imports(tmp_path):
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+        (tmp_path / "proj" / "sub").mkdir(parents=True)
+        (tmp_path / "proj" / "proj_metrics.py").write_text(
+            "def first_target(model, batches):\n"
+            "    for inputs, target in batches:\n"
+            "        return float(target[0])\n")
+        _write(tmp_path / "proj" / "qdebug.toml", f'metric = "proj_metrics:first_target"\ndata = "{stages.data}"\n')
+        monkeypatch.chdir(tmp_path / "proj" / "sub")
+        result = cli("baseline", stages.float, stages.quantized, "--json")
+        assert result.code == 0, result.err
+        import torch
+
+        expected = float(torch.load(stages.data)[1][0])
+        assert json.loads(result.out)["rows"][0]["float"] == expected

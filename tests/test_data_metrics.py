@@ -251,3 +251,147 @@ def test_resolve_metric_by_name_and_spec(tmp_path, monkeypatch):
     assert run_metric(fn, nn.Identity(), []) == {"x": 0.5}
     with pytest.raises(QDebugError, match="not callable"):
         resolve_metric(f"{name}:value")
+
+
+# -- metrics and data as users write them ------------------------------------------------------
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from user_project import clean_imports  # noqa: E402
+
+USUAL_METRIC = """\
+import torch
+
+
+def evaluate(model, loader):
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in loader:
+            correct += int((model(x).argmax(-1) == y).sum())
+            total += len(y)
+    return correct / total
+
+
+def broken(model, loader):
+    for x, y, z in loader:
+        pass
+    return 1.0
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    """tmp_path as the user's project; nothing imported from it outlives the test."""
+    with clean_imports(tmp_path):
+        yield tmp_path
+
+
+def _without_cwd_on_path(monkeypatch, folder):
+    """sys.path as the installed console script has it: neither '' nor the project folder."""
+    keep = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != Path(folder).resolve()]
+    monkeypatch.setattr(sys, "path", keep)
+
+
+def test_batch_unpacks_as_inputs_and_target():
+    x, y = torch.randn(3, 2), torch.tensor([0, 1, 1])
+    inputs, target = Batch(x, y)
+    assert inputs is x and target is y
+    assert Batch(x, y).inputs is x and Batch(x, y).target is y and Batch(x).target is None
+    assert Batch(x).size() == 3 and len(Batch(x, y)) == 2
+
+
+def test_for_x_y_in_batches_of_a_data_file(tmp_path):
+    x, y = _ramp(5), torch.tensor([4, 3, 2, 1, 0])
+    torch.save((x, y), tmp_path / "xy.pt")
+    seen_x, seen_y = [], []
+    for inputs, target in load_batches(str(tmp_path / "xy.pt"), batch_size=2):
+        seen_x.append(inputs)
+        seen_y.append(target)
+    assert [t.tolist() for t in seen_y] == [[4, 3], [2, 1], [0]]
+    assert torch.equal(torch.cat(seen_x), x)
+
+
+def test_a_usual_pytorch_metric_runs_through_baseline_found_from_the_cwd(cli, stages, project, monkeypatch):
+    (project / "my_metrics.py").write_text(USUAL_METRIC)
+    _without_cwd_on_path(monkeypatch, project)
+    assert "my_metrics" not in sys.modules
+    result = cli("baseline", stages.float, stages.quantized, "--data", stages.data, "--metric",
+                 "my_metrics:evaluate", "--json")
+    assert result.code in (0, 1), result.err
+    (row,) = json.loads(result.out)["rows"]
+    x, y = torch.load(stages.data)  # the same 12 samples, scored here by hand
+    with torch.no_grad():
+        expected = {s: float((stages.models[s](x).argmax(-1) == y).double().mean()) for s in ("float", "quantized")}
+    assert row["task"] == "evaluate"
+    assert row["float"] == pytest.approx(expected["float"]) and row["quantized"] == pytest.approx(expected["quantized"])
+
+
+def test_a_data_function_is_found_from_the_cwd(project, monkeypatch):
+    (project / "my_data.py").write_text(
+        "import torch\n"
+        "def batches():\n"
+        "    return [(torch.full((2, 3), float(i)), torch.tensor([i, i])) for i in range(3)]\n"
+    )
+    monkeypatch.chdir(project)
+    _without_cwd_on_path(monkeypatch, project)
+    batches = load_batches("my_data:batches")
+    assert [b.target.tolist() for b in batches] == [[0, 0], [1, 1], [2, 2]]
+    assert float(batches[2].inputs[1, 2]) == 2.0
+
+
+def test_a_metric_that_raises_shows_its_own_line_and_the_protocol(cli, stages, project, monkeypatch):
+    (project / "my_metrics.py").write_text(USUAL_METRIC)
+    _without_cwd_on_path(monkeypatch, project)
+    result = cli("baseline", stages.float, stages.quantized, "--data", stages.data, "--metric", "my_metrics:broken")
+    line = USUAL_METRIC.splitlines().index("    for x, y, z in loader:") + 1
+    result.assert_error("metric broken raised ValueError: not enough values to unpack",
+                        f"at my_metrics.py:{line} (for x, y, z in loader:)",
+                        "metric(model, batches)", "each batch unpacks as (inputs, target)", ".inputs / batch.target",
+                        "return", "a number or a dict task -> number", "--debug")
+    assert "shape" not in result.err
+
+
+def test_a_metric_whose_model_fails_names_both_lines(cli, stages, project, monkeypatch):
+    (project / "my_metrics.py").write_text(USUAL_METRIC)
+    _without_cwd_on_path(monkeypatch, project)
+    result = cli("baseline", stages.float, stages.quantized, "--data", "random:2x3x16x16", "--metric",
+                 "my_metrics:evaluate")
+    line = USUAL_METRIC.splitlines().index("            correct += int((model(x).argmax(-1) == y).sum())") + 1
+    result.assert_error("RuntimeError", f"at my_metrics.py:{line}", "the model failed on the data",
+                        "(inputs, target)")
+
+
+def test_a_failing_user_model_is_named_with_the_metric_line_that_called_it(project, monkeypatch):
+    from user_project import write_package
+
+    write_package(project)
+    (project / "my_metrics.py").write_text(USUAL_METRIC)
+    monkeypatch.chdir(project)
+    _without_cwd_on_path(monkeypatch, project)
+    net = resolve_metric("mypkg.net:Net")(width=4)  # a spec the user names: found from the cwd
+    metric = resolve_metric("my_metrics:evaluate")
+    with pytest.raises(QDebugError) as exc:
+        run_metric(metric, net, [Batch(torch.randn(2, 5), torch.tensor([0, 1]))])  # 5 features, the model takes 4
+    net_line = (project / "mypkg" / "net.py").read_text().splitlines().index("        return self.fc(x)") + 1
+    metric_line = USUAL_METRIC.splitlines().index("            correct += int((model(x).argmax(-1) == y).sum())") + 1
+    assert f"at mypkg/net.py:{net_line} (return self.fc(x))" in exc.value.message
+    assert f"called from my_metrics.py:{metric_line}" in exc.value.message
+    assert "the model failed on the data" in exc.value.hint
+
+
+def test_run_metric_names_the_raising_line_of_a_metric_defined_here():
+    model, batches = _logit_batches()
+
+    def unpacks_three(m, loader):
+        for a, b, c in loader:  # a Batch is (inputs, target): two values
+            pass
+
+    with pytest.raises(QDebugError) as exc:
+        run_metric(unpacks_three, model, batches)
+    import inspect
+
+    lines, first = inspect.getsourcelines(unpacks_three)
+    line = first + next(i for i, text in enumerate(lines) if "for a, b, c" in text)
+    assert f"test_data_metrics.py:{line}" in exc.value.message
+    assert "(inputs, target)" in exc.value.hint and "shape" not in exc.value.hint
