@@ -736,3 +736,32 @@ def test_weight_codes_reproduce_fake_quant_weight(weight_spec, dtype):
     x = torch.randn(4, 3, 6, 6)
     with torch.no_grad():
         assert _cos(cq(x), qm(x)) >= 0.9999
+
+
+@pytest.mark.parametrize("setting", ["mkldnn_off", "matmul_precision_medium"])
+def test_exact_integer_op_stays_exact_when_torch_picks_inexact_kernels(setting):
+    """With oneDNN off, torch runs float32 convs of 16+ images through NNPACK's Winograd
+    transform (not a sum of exact products); with a lower matmul precision, float32 may use
+    TF32/bf16 internally.  The integer simulation must not care."""
+    import torch.nn.functional as F
+
+    from qdebug.engine.integer import exact_integer_op
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-128, 128, (16, 32, 28, 28), generator=gen).double()
+    w = torch.randint(-127, 128, (32, 32, 3, 3), generator=gen).double()
+    expected = F.conv2d(x, w)  # float64 im2col: exact below 2^53
+    saved_mkldnn, saved_precision = torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision()
+    try:
+        if setting == "mkldnn_off":
+            torch.backends.mkldnn.enabled = False
+            inexact = F.conv2d(x.float(), w.float()).double()
+            if torch.backends.nnpack.is_available():
+                assert (inexact - expected).abs().max() > 0  # the trap is real here
+        else:
+            torch.set_float32_matmul_precision("medium")
+        got = exact_integer_op(F.conv2d, x, w, terms=32 * 9)
+    finally:
+        torch.backends.mkldnn.enabled = saved_mkldnn
+        torch.set_float32_matmul_precision(saved_precision)
+    assert torch.equal(got.double(), expected)

@@ -36,17 +36,28 @@ def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: in
     in any summation order.  Otherwise x = 16 h + l (0 <= l < 16) and two float32 ops
     whose bounds fit are combined in float64.  Else a float64 op (exact below 2^53).
     """
+    if not _float32_sums_exact():
+        return op(x_codes.double(), w_codes.double(), None)
     max_x = float(x_codes.abs().amax()) if x_codes.numel() else 0.0
     max_w = float(w_codes.abs().amax()) if w_codes.numel() else 0.0
     x32, w32 = x_codes.float(), w_codes.float()
-    if terms * max_x * max_w < FLOAT32_EXACT:
-        return op(x32, w32, None).double()
-    high = torch.floor(x32 / 16)
-    low = x32 - 16 * high
-    if terms * max(max_x / 16 + 1, 15.0) * max_w < FLOAT32_EXACT:
-        # Each partial result is an exact integer below 2^24: combine them in int64.
-        return op(high, w32, None).to(torch.int64).mul_(16).add_(op(low, w32, None).to(torch.int64))
+    # NNPACK's Winograd convolution (torch's choice with oneDNN off) transforms its inputs
+    # and is not a sum of exact products; the direct kernels are.
+    with torch.backends.nnpack.flags(enabled=False):
+        if terms * max_x * max_w < FLOAT32_EXACT:
+            return op(x32, w32, None).double()
+        high = torch.floor(x32 / 16)
+        low = x32 - 16 * high
+        if terms * max(max_x / 16 + 1, 15.0) * max_w < FLOAT32_EXACT:
+            # Each partial result is an exact integer below 2^24: combine them in int64.
+            return op(high, w32, None).to(torch.int64).mul_(16).add_(op(low, w32, None).to(torch.int64))
     return op(x_codes.double(), w_codes.double(), None)
+
+
+def _float32_sums_exact() -> bool:
+    """Whether float32 convs/matmuls sum exact products in float32: not when the user allowed
+    TF32/bf16 internals (``torch.set_float32_matmul_precision("high"|"medium")``)."""
+    return torch.get_float32_matmul_precision() == "highest"
 
 
 def _broadcast_point(v: torch.Tensor, point: QuantPoint, ndim: int) -> torch.Tensor:
