@@ -70,7 +70,7 @@ def test_version(cli):
     assert result.code == 0 and result.out == f"qdebug {qdebug.__version__}\n"
 
 
-@pytest.mark.parametrize("command", [None, *COMMANDS])
+@pytest.mark.parametrize("command", [None, *COMMANDS, "init"])
 def test_help_has_no_type_noise_and_nothing_cut_off(cli, command, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     result = cli(*([command] if command else []), "--help")
