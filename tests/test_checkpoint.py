@@ -349,6 +349,27 @@ def test_successful_save_leaves_only_the_target(tmp_path, stages):
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["f.pt"]
 
 
+def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_umasks(tmp_path):
+    import os
+    import stat
+
+    from qdebug.atomic import atomic_open
+
+    private = tmp_path / "qdebug.toml"
+    private.write_text("old\n")
+    private.chmod(0o600)
+    with atomic_open(private, "w") as fh:
+        fh.write("new\n")
+    assert private.read_text() == "new\n" and stat.S_IMODE(private.stat().st_mode) == 0o600
+    umask = os.umask(0o022)
+    try:
+        with atomic_open(tmp_path / "fresh.csv", "w") as fh:
+            fh.write("x\n")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "fresh.csv").stat().st_mode) == 0o644
+
+
 # -- your own model without friction -------------------------------------------------------------
 from pathlib import Path  # noqa: E402
 
