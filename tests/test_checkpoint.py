@@ -388,21 +388,28 @@ def project(tmp_path, monkeypatch):
         forget("mypkg")
 
 
-def _user_checkpoint(project, name="net.pt"):
-    """A qdebug checkpoint of mypkg.net:Net, written the way the user's training script would."""
+def _saved_user_model(project, name: str, save, seed: int):
+    """mypkg.net:Net built the way the user's training script would, written by ``save(model,
+    path)``; (path, an input, the model's output on it)."""
     sys.path.insert(0, str(project))
     try:
         from mypkg.net import Net
 
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = Net().eval()
-        qdebug.save(model, project / name, stage="float", sample_inputs=torch.randn(2, 4))
+        save(model, project / name)
         x = torch.randn(3, 4)
         expected = _run(model, x)
     finally:
         sys.path.remove(str(project))
         forget("mypkg")
     return project / name, x, expected
+
+
+def _user_checkpoint(project, name="net.pt"):
+    """A qdebug checkpoint of mypkg.net:Net."""
+    return _saved_user_model(
+        project, name, lambda m, p: qdebug.save(m, p, stage="float", sample_inputs=torch.randn(2, 4)), seed=0)
 
 
 def test_an_untrusted_user_class_is_refused_with_the_one_time_fix(project):
@@ -449,19 +456,8 @@ def test_a_file_cannot_name_a_function_even_in_a_trusted_package(project):
 
 
 def _whole_model_file(project, name="whole.pt"):
-    sys.path.insert(0, str(project))
-    try:
-        from mypkg.net import Net
-
-        torch.manual_seed(1)
-        model = Net().eval()
-        torch.save(model, project / name)
-        x = torch.randn(3, 4)
-        expected = _run(model, x)
-    finally:
-        sys.path.remove(str(project))
-        forget("mypkg")
-    return project / name, x, expected
+    """torch.save(model): the whole pickled module."""
+    return _saved_user_model(project, name, torch.save, seed=1)
 
 
 def test_a_torch_save_model_file_is_named_for_what_it_is(project):
