@@ -34,12 +34,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import qdebug
 from qdebug.atomic import atomic_path
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.prepare import POINTS_ATTR, refresh_weight_qparams
 from qdebug.errors import QDebugError
 from qdebug.modelspec import ModelSpec, build, remember, spec_of
+from qdebug.usercode import first_line
 
 FORMAT = "qdebug-checkpoint"
 VERSION = 1
@@ -56,15 +58,6 @@ class CheckpointInfo:
     sample_inputs: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
     source: str = "qdebug"  # "qdebug" | "state_dict" | "pickle"
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("qdebug")
-    except Exception:
-        return "unknown"
 
 
 def infer_stage(model: nn.Module) -> str:
@@ -108,7 +101,7 @@ def save(
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "sample_inputs": sample_inputs,
         "meta": {
-            "qdebug": _version(),
+            "qdebug": qdebug.__version__,
             "torch": str(torch.__version__),
             "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             **(meta or {}),
@@ -235,7 +228,7 @@ def _pickle_refusal(p: Path, whole: str | None, named: str | None) -> QDebugErro
 
 
 def _searched() -> str:
-    from qdebug.modelspec import import_roots
+    from qdebug.usercode import import_roots
 
     return ", ".join(str(r) for r in import_roots())
 
@@ -243,7 +236,7 @@ def _searched() -> str:
 def _unsafe_load(p: Path, whole: str | None, named: str | None) -> Any:
     """``torch.load(weights_only=False)``, asked for with --unsafe-load: the classes it names
     are found from the current directory too, and a class that cannot be found is named."""
-    from qdebug.modelspec import make_findable
+    from qdebug.usercode import make_findable
 
     cls = whole or named
     if cls:
@@ -288,9 +281,7 @@ def _unsafe_load(p: Path, whole: str | None, named: str | None) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (some, e.g. EOFError, have none)."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0][:120] if lines else "empty or cut-off data"
+    return first_line(exc, empty="empty or cut-off data")  # a truncated file often says nothing
 
 
 def _looks_like_state_dict(obj: Any) -> bool:

@@ -200,7 +200,8 @@ def to_batch(item: Any) -> Batch:
 
 
 def _from_function(spec: str) -> list[Batch]:
-    from qdebug.modelspec import first_line, resolve, where_raised
+    from qdebug.modelspec import resolve
+    from qdebug.usercode import first_line, where_raised
 
     fn = resolve(spec, from_user=True)
     try:

@@ -190,7 +190,7 @@ PROTOCOL = (
 def metric_error(metric: Metric, exc: Exception, name: str = "metric") -> QDebugError:
     """A raising metric as one error: the metric, the exception and the user's line that raised
     it; the hint states the protocol (a built-in metric fails on the model or the data instead)."""
-    from qdebug.modelspec import first_line, where_raised
+    from qdebug.usercode import first_line, where_raised
 
     label = getattr(metric, "__name__", name)
     where = where_raised(exc)
@@ -215,7 +215,7 @@ def _line_in(metric: Metric, exc: BaseException) -> str | None:
     """``file:line`` of the innermost frame of ``exc`` inside the metric's own source file."""
     import traceback
 
-    from qdebug.modelspec import shown_path
+    from qdebug.usercode import shown_path
 
     try:
         source = inspect.getsourcefile(metric)

@@ -84,15 +84,20 @@ def test_help_has_no_type_noise_and_nothing_cut_off(cli, command, monkeypatch):
 
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(stages):
     """SIGINT at several moments of a start-up (imports, loading, computing): always 130, one line."""
-    for delay in (0.4, 1.0, 2.5):  # earlier, Python's own start-up (site) is not ours to catch
+    ours = 0
+    for delay in (0.4, 1.0, 2.5):
         proc = subprocess.Popen([sys.executable, "-m", "qdebug", "compare", str(stages.float), str(stages.qat),
                                  "--data", "random:64x1x16x16", "--batches", "200"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
+        if "Fatal Python error: init_import_site" in err:
+            continue  # a loaded machine was still starting Python itself: not qdebug's to catch
+        ours += 1
         assert proc.returncode == 130, (delay, proc.returncode, err)
         assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted", (delay, err)
+    assert ours >= 2
 
 
 # -- one output convention ---------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""The user's own code: importing the modules they named or trusted, and pointing at their
+line when it raises.
+
+A module the user named or trusted is found from the current directory (and then the
+directory of the config file read), as ``python -m`` and pytest's rootdir find it, when
+``sys.path`` does not hold it: no ``PYTHONPATH=.`` needed.  This only locates modules
+qdebug may import anyway: what a file may name is decided before (``qdebug.modelspec``).
+``where_raised`` turns an exception from the user's metric, data function or model into
+``file:line (code)`` of their own frame.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+from typing import Any
+
+from qdebug.errors import QDebugError
+
+
+def import_user_module(module_name: str) -> Any:
+    """Import a module qdebug may import (named or trusted by the user), found from the
+    current directory or the config's when ``sys.path`` lacks it; failures as QDebugErrors."""
+    make_findable(module_name)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.partition(".")[0]
+        missing = exc.name or top
+        if module_name == missing or module_name.startswith(missing + "."):
+            searched = ", ".join(str(r) for r in import_roots())
+            raise QDebugError(
+                f"cannot import {module_name!r}: no module {missing!r} in {searched} or on sys.path",
+                f"run qdebug from the directory that holds {top}/ (or {top}.py), or install your package "
+                "(pip install -e .)",
+            ) from None
+        where = where_raised(exc)
+        raise QDebugError(
+            f"importing {module_name!r} failed: it imports {missing!r}, which is not installed"
+            + (f" (at {where})" if where else ""),
+            f"install {missing.partition('.')[0]!r} in this environment (python -m pip install ...)",
+        ) from exc
+    except QDebugError:
+        raise
+    except Exception as exc:  # a syntax error or an exception while the user's module runs
+        where = where_raised(exc)
+        raise QDebugError(
+            f"importing {module_name!r} raised {type(exc).__name__}: {first_line(exc)}"
+            + (f" (at {where})" if where else ""),
+            "fix the error in that module (python -c 'import " + module_name + "' shows it too); "
+            "--debug shows the traceback",
+        ) from exc
+
+
+def import_roots() -> list[Path]:
+    """Where modules the user names are looked for beyond ``sys.path``: the current
+    directory (as ``python -m`` puts it first), then the directory of the config file."""
+    from qdebug.config import config_root
+
+    roots = [Path.cwd()]
+    root = config_root()
+    if root is not None and root not in roots:
+        roots.append(root)
+    return roots
+
+
+def make_findable(module_name: str) -> bool:
+    """Put the import root holding ``module_name``'s top-level package on ``sys.path``
+    when nothing on it holds that package.  Returns whether a root was added."""
+    top = module_name.partition(".")[0]
+    if not top or top in sys.modules:
+        return False
+    importlib.invalidate_caches()  # a module written since the last import (tests, notebooks) is seen
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    for root in import_roots():
+        if (root / top).is_dir() or (root / f"{top}.py").is_file():
+            if str(root) not in sys.path:
+                # Appended, not prepended: the root adds the user's package without
+                # shadowing anything installed that later imports might mean.
+                sys.path.append(str(root))
+                importlib.invalidate_caches()
+            return True
+    return False
+
+
+def first_line(exc: BaseException, empty: str | None = None) -> str:
+    """The first non-empty line of an exception's message (some, e.g. EOFError, have none:
+    then ``empty``, or the type's name)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip()[:200] if lines else (empty or type(exc).__name__)
+
+
+def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(qdebug's and torch's directories, those plus the standard library and site-packages)."""
+    import torch
+
+    core = {str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent)}
+    every = set(core)
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            every.add(str(Path(path).resolve()))
+    return tuple(d + os.sep for d in core), tuple(d + os.sep for d in every)
+
+
+def where_raised(exc: BaseException) -> str | None:
+    """``file:line (code)`` of the innermost frame of ``exc`` in the user's own code -- not
+    in qdebug or torch, and preferably not in the standard library or installed packages
+    either -- or None."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f"{shown_path(exc.filename)}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    core, every = _library_dirs()
+    for skipped in (every, core):
+        for frame in reversed(frames):
+            if str(Path(frame.filename).resolve()).startswith(skipped):
+                continue
+            code = (frame.line or "").strip()
+            return f"{shown_path(frame.filename)}:{frame.lineno}" + (f" ({code})" if code else "")
+    return None
+
+
+def shown_path(filename: str) -> str:
+    """A path relative to the current directory when it is inside it."""
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return filename
