@@ -95,7 +95,9 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(stages):
         if "Fatal Python error: init_import_site" in err:
             continue  # a loaded machine was still starting Python itself: not qdebug's to catch
         ours += 1
-        assert proc.returncode == 130, (delay, proc.returncode, err)
+        # 130, or (rarely, when CPython itself re-raises SIGINT at exit) death by SIGINT, which
+        # a shell reports as 130 too
+        assert proc.returncode in (130, -signal.SIGINT), (delay, proc.returncode, err)
         assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted", (delay, err)
     assert ours >= 2
 
