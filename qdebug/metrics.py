@@ -4,8 +4,8 @@ A metric receives the model (in eval mode) and the list of ``qdebug.data.Batch``
 objects -- each unpacks as ``(inputs, target)``, so ``for x, y in loader`` works, and
 has ``.inputs`` / ``.target`` -- and returns one number or a dict task -> number
 (multi-task models, seed 001).  When it raises, the error names the line of the
-user's code that raised and the hint states this protocol.  A metric that declares a ``reference`` keyword also receives the float
-model (for agreement-style metrics).  ``direction`` ("higher" or "lower") on the
+user's code that raised and the hint states this protocol.  A metric that declares
+a ``reference`` keyword also receives the float model (for agreement-style metrics).  ``direction`` ("higher" or "lower") on the
 function says which way is better; the default is higher.
 
 Ready-made (name them by short name or ``qdebug.metrics:NAME``):
