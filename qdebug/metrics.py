@@ -44,7 +44,9 @@ def _outputs(model, batches):
 
 def _need_target(batch) -> None:
     if batch.target is None:
-        raise QDebugError("this metric needs targets, but the data has none", "use data with (inputs, targets)")
+        raise QDebugError("this metric needs targets, but the data has none",
+                          "pass --data with (inputs, targets), e.g. a .pt file holding a tuple (X, y); a "
+                          "checkpoint's sample inputs have no targets")
 
 
 def _topk_correct(logits: torch.Tensor, target: torch.Tensor, k: int) -> tuple[int, int]:
@@ -132,6 +134,10 @@ def resolve_metric(spec: str | Metric) -> Metric:
         return spec
     if spec in BUILTIN:
         return BUILTIN[spec]
+    if ":" not in spec:
+        raise QDebugError(f"unknown metric {spec!r}",
+                          f"choose {', '.join(n for n in BUILTIN if n != 'top1_per_sample')}, or your own as "
+                          "package.module:function")
     from qdebug.modelspec import resolve
 
     fn = resolve(spec, from_user=True)

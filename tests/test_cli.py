@@ -238,7 +238,7 @@ def _bad_files(tmp_path, stages):
          ("the model failed while tracing the model (input shape [2, 3, 16, 16])",)),
         (("calibrate", "{float}", "--data", "random:2x1x16x16", "--observer", "foo", "-o", "x.pt"),
          ("unknown observer 'foo'", "minmax, ema, percentile, mse, kl")),
-        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--bits", "1", "-o", "x.pt"), ("bits=1",)),
+        (("calibrate", "{float}", "--data", "random:2x1x16x16", "--bits", "1", "-o", "x.pt"), ("--bits 1 is outside 2-16",)),
         (("calibrate", "{float}", "--data", "random:2x1x16x16", "--mode", "fused", "-o", "x.pt"),
          ("unknown QAT mode 'fused'",)),
         (("calibrate", "{float}", "--data", "nowhere.pt", "-o", "x.pt"), ("no such file",)),

@@ -265,7 +265,7 @@ def test_planted_too_small_scale_is_the_first_row_flagged_as_clipping(realistic,
     assert first is not None and first["layer"] == point and first["diagnosis"] == "clipping", result.flagged()
     found = result.meta["findings"]["clip"]
     assert found["at_fault"] == point and found["at_fault_diagnosis"] == "clipping", found
-    assert f"  at fault:     {point} (clipping)" in result.summary.splitlines()
+    assert f"  at fault:      {point} (clipping)" in result.summary.splitlines()
     # saturation by hand: the share of the values the point received that lie more than half a
     # step beyond either end of the shrunk grid (the module's float output, before the point)
     module = clip.get_submodule(point.split("#")[0])
@@ -376,7 +376,7 @@ def test_propagated_and_isolated_errors(realistic):
     assert len(propagated) >= 6 and all(row["sqnr_db"] < 20 for row in propagated)
     assert _first_flagged(result)["layer"] == point
     assert result.meta["findings"]["int4"]["at_fault"] == point
-    assert f"  at fault:     {point} (rounding)" in result.summary.splitlines()
+    assert f"  at fault:      {point} (rounding)" in result.summary.splitlines()
 
 
 # -- streaming -------------------------------------------------------------------------------------
@@ -654,9 +654,9 @@ def test_summary_when_every_flagged_layer_only_inherits_its_error():
     ])
     assert text.splitlines() == [
         "qat vs float: 2 of 3 layers flagged",
-        "  worst layer:  c (15.0 dB)",
-        "  error enters: b (propagated)",
-        "  at fault:     no layer alone: the loss builds up over many layers",
+        "  worst layer:   c (15.0 dB)",
+        "  first flagged: b (propagated)",
+        "  at fault:      no layer alone: the loss builds up over many layers",
         "  largest own error: b (27.0 dB isolated)",
     ]
 
@@ -667,8 +667,14 @@ def test_summary_names_the_first_layer_at_fault():
         {"layer": "b", "sqnr_db": 12.0, "isolated_sqnr_db": 14.0},  # rounding
     ])
     assert text.splitlines()[2:] == [
-        "  error enters: a (propagated)",
-        "  at fault:     b (rounding)",
-        "  cause:        range fine but too coarse: an int16 candidate (~48 dB more SQNR)",
+        "  first flagged: a (propagated)",
+        "  at fault:      b (rounding)",
+        "  cause:         range fine, steps too coarse: an int16 candidate (+48 dB SQNR)",
     ]
     assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_every_cause_line_fits_80_columns():
+    for cause, advice in compare_module.ADVICE.items():
+        line = f"  cause:         {advice.format(gain=6.02 * 8)}"
+        assert len(line) <= 80, (cause, line)

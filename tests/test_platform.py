@@ -232,3 +232,59 @@ def test_the_config_out_is_the_default_folder(cli, tmp_path, stages):
     assert (tmp_path / "reports" / "inspect.json").is_file() and (tmp_path / "reports" / "inspect_checks.csv").is_file()
     cli("inspect", stages.qat, "--out", "mine")
     assert (tmp_path / "mine" / "inspect.json").is_file()  # the flag wins
+
+
+def test_the_next_command_keeps_the_data_options_and_moves_on(cli, tmp_path, stages):
+    args = ("compare", stages.float, stages.quantized, "--data", stages.data, "--batches", "1")
+    first = json.loads(cli(*args, "--json").out)["meta"]["next"]
+    assert first.endswith(f"--data {stages.data} --batches 1 --sort isolated_sqnr_db"), first
+    second = json.loads(cli(*args, "--sort", "isolated_sqnr_db", "--json").out)["meta"]["next"]
+    assert "--sort isolated_sqnr_db" not in second and second.startswith("qdebug calibrate"), second
+    (tmp_path / "qdebug.toml").write_text(f'float = "{stages.float}"\nqat = "{stages.quantized}"\ndata = "{stages.data}"\n')
+    from_config = json.loads(cli("compare", "--json").out)["meta"]["next"]
+    assert from_config == "qdebug compare --sort isolated_sqnr_db", from_config
+
+
+def test_usage_mistakes_answer_before_any_loading(cli, stages, monkeypatch):
+    """Each is refused before a checkpoint is read (the loader is not even called)."""
+    import qdebug.cli.common as common
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded a checkpoint before checking the options")
+
+    monkeypatch.setattr(common, "load_checkpoint", no_loading)
+    for module in ("compare", "baseline", "calibrate"):
+        monkeypatch.setattr(f"qdebug.cli.{module}.load_checkpoint", no_loading)
+    cli("compare", stages.float, stages.qat, "--batches", "0").assert_error("--batches must be")
+    cli("compare", stages.float, stages.qat, "--ref", "5").assert_error("--ref 5 is not an index below 2")
+    cli("baseline", stages.float, stages.qat, "--metric", "top1", "--ratio", "2").assert_error("--ratio 2 is out of range")
+    cli("baseline", stages.float, stages.qat, "--confidence", "1.5").assert_error("--confidence 1.5")
+    cli("calibrate", stages.float, "--bits", "1", "-o", "x.pt").assert_error("--bits 1 is outside 2-16")
+    cli("calibrate", stages.float, "--observer", "foo", "-o", "x.pt").assert_error("unknown observer 'foo'")
+    cli("calibrate", stages.float, "--mode", "fused", "-o", "x.pt").assert_error("unknown QAT mode 'fused'")
+    cli("inspect", "nowhere.pt").assert_error("no such file: nowhere.pt")
+
+
+def test_small_things_a_newcomer_meets(cli, tmp_path, stages):
+    cli("baseline", stages.float, stages.quantized, "--metric", "top3", "--data", stages.data).assert_error(
+        "unknown metric 'top3'", "top1, top5, agreement, mse")
+    no_data = cli("baseline", stages.float, stages.quantized, "--metric", "top1")
+    assert no_data.code == 2 and "note: no --data given" in no_data.err
+    assert "error: this metric needs targets" in no_data.err and "hint: pass --data with (inputs, targets)" in no_data.err
+    (tmp_path / "qdebug.toml").write_text('data = "nowhere/eval.pt"\n')
+    cli("compare", stages.float, stages.qat).assert_error("no such file", "in " + str(tmp_path / "qdebug.toml"))
+    (tmp_path / "afile").write_text("x")
+    cli("inspect", stages.qat, "--out", "afile").assert_error("a file has that name")
+    result = cli("convert", stages.qat, "-o", "q.pt", "--unsafe-load")  # every loading command takes it
+    assert result.code == 0, result.err
+    bare = cli()
+    assert bare.code == 2 and "Usage: qdebug" in bare.out and "error:" not in bare.err
+
+
+def test_a_closed_pipe_is_not_a_failed_check(stages):
+    """`qdebug ... | head -1`: the reader leaves early; the exit is SIGPIPE's (141 in a shell), never 1."""
+    proc = subprocess.run(f"{sys.executable} -m qdebug inspect {stages.qat} | head -1; echo \"rc=${{PIPESTATUS[0]}}\"",
+                          shell=True, executable="/bin/bash", capture_output=True, text=True, env=_env(), cwd=REPO,
+                          timeout=120)
+    assert "rc=141" in proc.stdout or "rc=0" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr

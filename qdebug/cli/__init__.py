@@ -12,12 +12,23 @@ INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # the real command: `qdebug ... | head` ends quietly, as cat or grep do
+        _default_sigpipe()
     try:
         from qdebug.cli.app import run
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(INTERRUPTED)
     run(argv)
+
+
+def _default_sigpipe() -> None:
+    """Die of SIGPIPE (exit 141 in a shell) when stdout's reader goes away, instead of Python's
+    BrokenPipeError, which typer turns into exit 1 -- the code of a failed check."""
+    import signal
+
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 def __getattr__(name: str):

@@ -28,7 +28,7 @@ app = typer.Typer(
     help=(
         "Precision debugging for quantized PyTorch models: where accuracy is lost, which layer "
         "is to blame and why.\n\n"
-        "Example: qdebug compare float.pt calibrated.pt --data eval.pt\n\n"
+        "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt\n\n"
         "Every command takes --format table|json|csv and --out DIR; see docs/cli.md."
     ),
     no_args_is_help=True,
@@ -111,6 +111,9 @@ def run(argv: list[str] | None = None) -> None:
         _say("hint: check the path, its permissions and the free disk space")
         sys.exit(2)
     except Exception as exc:  # click usage errors and genuine bugs
+        if isinstance(exc, _click_exceptions("NoArgsIsHelpError")):  # bare `qdebug`: the help, not an error
+            sys.stdout.write(exc.format_message().rstrip("\n") + "\n")
+            sys.exit(2)
         if isinstance(exc, _click_exceptions("UsageError")):
             _say(f"error: {exc.format_message()}")
             where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "qdebug"

@@ -11,8 +11,8 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, STATE, err_console, load_checkpoint, resolve_batches,
-    writable_file,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, err_console,
+    load_checkpoint, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -20,6 +20,7 @@ from qdebug.cli.output import (
 )
 from qdebug.errors import QDebugError
 
+FLIPPED_SHOWN = 8  # sample indices on the terminal; JSON's meta.flipped_samples has them all
 SHOWN = ["task", "float", "quantized", "score", "ratio", "required", "margin", "verdict"]
 _STYLE = {"pass": "green", "fail": "bold red", "inconclusive": "yellow"}
 
@@ -68,7 +69,8 @@ def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: 
         ["mcnemar_p", "flipped"] if frame["mcnemar_p"].notna().any() else [])
     return render_table(frame, title=f"baseline: quantized >= {ratio:g} x float",
                         columns=shown if width is not None else list(frame.columns),
-                        priority=["task", "verdict", "float", "quantized", "score", "required", "margin"],
+                        priority=["task", "verdict", *(["ci_low", "ci_high"] if confidence is not None else []),
+                                  "float", "quantized", "score", "required", "margin"],
                         names=("task",), width=width, row_styles=[_STYLE.get(v) for v in frame["verdict"]])
 
 
@@ -106,9 +108,15 @@ def baseline(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
+    check_counts(batches, batch_size)
+    if ratio is not None and not 0 < ratio <= 1.5:  # before minutes of evaluation, not after
+        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    if confidence is not None and not 0.5 <= confidence < 1:
+        raise QDebugError(f"--confidence {confidence:g} must be in [0.5, 1)", "e.g. --confidence 0.95")
     if junit is not None:
         writable_file(junit)
     cfg = STATE.config()
@@ -142,8 +150,8 @@ def baseline(
         from qdebug.metrics import resolve_metric, run_metric_with_samples
 
         metric_fn = resolve_metric(spec)
-        float_model, info = load_checkpoint(paths[0], model=model, command="baseline")
-        quant_model, _ = load_checkpoint(paths[1], model=model, command="baseline")
+        float_model, info = load_checkpoint(paths[0], model=model, unsafe=unsafe_load, command="baseline")
+        quant_model, _ = load_checkpoint(paths[1], model=model, unsafe=unsafe_load, command="baseline")
         batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
         with err_console.status(f"evaluating {paths[0]} on {len(batch_list)} batch(es)"):
             float_values, float_samples = run_metric_with_samples(metric_fn, float_model, batch_list, reference=float_model)
@@ -189,7 +197,9 @@ def baseline(
         print_table(render_baseline(frame, ratio=default_ratio, confidence=confidence, width=table_width(wide)))
         for task, indices in result.flipped.items():
             if indices:
-                say(f"{task}: first samples right in float but wrong quantized: {indices}")
+                shown = ", ".join(map(str, indices[:FLIPPED_SHOWN]))
+                more = f", ... ({len(indices)} listed in --format json)" if len(indices) > FLIPPED_SHOWN else ""
+                say(f"{task}: right in float, wrong quantized: samples {shown}{more}")
 
     emit(Report("baseline", frame, meta), fmt, out, render)
     if not result.passed:

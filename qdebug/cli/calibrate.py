@@ -11,7 +11,7 @@ from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
+    STATE, check_counts, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
 )
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
@@ -95,6 +95,13 @@ def calibrate(
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
     fmt = output_format(fmt, as_json)
+    check_counts(batches, batch_size)
+    if observer is not None and observer not in vocab.OBSERVERS:  # before torch loads
+        raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(vocab.OBSERVERS)}")
+    if bits is not None and not 2 <= bits <= 16:
+        raise QDebugError(f"--bits {bits} is outside 2-16", "e.g. --bits 8 (or 16 for int16)")
+    if mode is not None and mode not in vocab.QAT_MODES:
+        raise QDebugError(f"unknown QAT mode {mode!r}", f"choose one of {', '.join(vocab.QAT_MODES)}")
     writable_file(output)
     out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")

@@ -75,6 +75,9 @@ def stage_path(given: Optional[str], *keys: str, what: str) -> str:
 
 def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = False,
                     expect: tuple[str, ...] | None = None, command: str = "") -> tuple[nn.Module, CheckpointInfo]:
+    if not Path(path).exists():  # said before torch loads: a typo answers at once
+        raise QDebugError(f"no such file: {path}", "check the path")
+
     from qdebug.checkpoint import load
 
     cfg = STATE.config()
@@ -99,6 +102,18 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
     return net, info
 
 
+def check_counts(batches: Optional[int], batch_size: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """--batches and --batch-size (else the config's), checked: commands call this before any work."""
+    cfg = STATE.config()
+    limit = batches if batches is not None else cfg.get("batches")
+    size = batch_size if batch_size is not None else cfg.get("batch_size")
+    for flag, value in (("--batches", limit), ("--batch-size", size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise QDebugError(f"{flag} must be a whole number >= 1, got {value!r}",
+                              f"e.g. {flag} 8 (or {flag.lstrip('-').replace('-', '_')} = 8 in qdebug.toml)")
+    return limit, size
+
+
 def resolve_batches(data: Optional[str], batches: Optional[int], info: CheckpointInfo | None = None,
                     *, batch_size: Optional[int] = None, required: bool = True,
                     announce: bool = True) -> list[Batch] | None:
@@ -108,14 +123,14 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
 
     cfg = STATE.config()
     spec = data or cfg.get("data")
-    limit = batches if batches is not None else cfg.get("batches")
-    size = batch_size if batch_size is not None else cfg.get("batch_size")
-    for flag, value in (("--batches", limit), ("--batch-size", size)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise QDebugError(f"{flag} must be a whole number >= 1, got {value!r}",
-                              f"e.g. {flag} 8 (or {flag.lstrip('-').replace('-', '_')} = 8 in qdebug.toml)")
+    limit, size = check_counts(batches, batch_size)
     if spec:
-        return load_batches(spec, batch_size=size, batches=limit)
+        try:
+            return load_batches(spec, batch_size=size, batches=limit)
+        except QDebugError as exc:
+            if data or cfg.path is None:
+                raise
+            raise QDebugError(f"{exc.message} (data = {spec!r} in {cfg.path})", exc.hint) from None
     if info is not None and info.sample_inputs is not None:
         found = batches_from_inputs(info.sample_inputs)
         found = found[:limit] if limit else found
@@ -168,6 +183,9 @@ def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
 def writable_dir(path: Path) -> Path:
     """``path`` as a directory output can be written to, created if needed: checked before
     the work starts, so a bad --out fails at once, not after minutes of computing."""
+    if path.exists() and not path.is_dir():
+        raise QDebugError(f"cannot create output directory {path}: a file has that name",
+                          "give a directory path (one that is not an existing file)")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

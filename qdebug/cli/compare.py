@@ -11,7 +11,7 @@ from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
+    STATE, check_counts, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -109,12 +109,13 @@ def render_compare(frame: "pd.DataFrame", metrics: list[str], *, sort: Optional[
                         highlight=highlight)
 
 
-def _next_command(result, labels: list[str], paths: list[str], ref_index: int,
-                  data: Optional[str]) -> tuple[str, str]:
-    """(why, command): the next step of the debug flow, for the first compared model with a finding."""
+def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *, given: list[str],
+                  options: str, sort: Optional[str]) -> tuple[str, str]:
+    """(why, command): the next step of the debug flow, for the first compared model with a
+    finding.  ``given``: the checkpoints as typed (none when they came from the config);
+    ``options``: the data options as typed, so the suggestion runs on the same data."""
     found = result.meta["findings"]
-    data_arg = f" --data {data}" if data else ""
-    everything = " ".join(paths) + data_arg
+    again = " ".join(["qdebug compare", *given]) + options
     for target, item in found.items():
         if not item.get("flagged"):
             continue
@@ -123,16 +124,20 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int,
             return "look for non-finite weights and scales", f"qdebug inspect {paths[labels.index(target)]}"
         if cause == "clipping" and result.meta.get("reference_stage") == "float":
             return ("recalibrate with a range that clips less",
-                    f"qdebug calibrate {paths[ref_index]}{data_arg} --observer percentile -o recalibrated.pt")
+                    f"qdebug calibrate {paths[ref_index]}{options} --observer percentile -o recalibrated.pt")
         if cause == "outlier_channels":
-            return ("see the channels", f"qdebug compare {everything} --metrics min_channel_sqnr_db,channel_range_ratio "
-                    "--sort min_channel_sqnr_db")
-        return "each layer's own error, worst first (int16 candidates)", f"qdebug compare {everything} --sort isolated_sqnr_db"
+            return "see the channels", f"{again} --metrics min_channel_sqnr_db,channel_range_ratio --sort min_channel_sqnr_db"
+        if sort != "isolated_sqnr_db":
+            return "each layer's own error, worst first (int16 candidates)", f"{again} --sort isolated_sqnr_db"
+        if result.meta.get("reference_stage") == "float":
+            return ("raise the worst of these to 16 bits (qconfig overrides, docs/calibrate.md) and recalibrate",
+                    f"qdebug calibrate {paths[ref_index]}{options} --qconfig int16.toml -o calibrated16.pt")
+        return "", ""
     target = next(iter(found), None)
     if target is None:
         return "", ""
     return ("check that the task metric holds",
-            f"qdebug baseline {paths[ref_index]} {paths[labels.index(target)]} --metric top1{data_arg or ' --data EVAL'}")
+            f"qdebug baseline {paths[ref_index]} {paths[labels.index(target)]} --metric top1{options or ' --data EVAL'}")
 
 
 @app.command(
@@ -185,6 +190,9 @@ def compare(
         raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(METRICS)}")
     shown = parse_metrics(metrics)
     limits = parse_thresholds(threshold or [])
+    check_counts(batches, batch_size)
+    if ref is not None and ref.isdigit() and int(ref) >= len(paths):
+        raise QDebugError(f"--ref {ref} is not an index below {len(paths)}", "e.g. --ref 0 (or a stage label)")
     out = prepare_out(out)
 
     from qdebug.tools.compare import choose_reference, compare as run_compare
@@ -214,7 +222,10 @@ def compare(
     _check_architecture(result.frame, labels[ref_index])
     result.meta["reference_stage"] = infos[ref_index].stage
     frame = result.frame
-    why, next_command = _next_command(result, labels, paths, ref_index, data)
+    options = "".join(f" {flag} {value}" for flag, value in (("--data", data), ("--batches", batches),
+                                                              ("--batch-size", batch_size)) if value is not None)
+    why, next_command = _next_command(result, labels, paths, ref_index, given=list(checkpoints or []),
+                                      options=options, sort=sort)
     meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command}
     if warning:
         meta["warning"] = warning

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from qdebug.cli.app import app
-from qdebug.cli.common import MODEL_OPTION, load_checkpoint, stage_path, writable_file
+from qdebug.cli.common import MODEL_OPTION, UNSAFE_LOAD_OPTION, load_checkpoint, stage_path, writable_file
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
@@ -33,12 +33,14 @@ def convert(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
     fmt = output_format(fmt, as_json)
     writable_file(output)
     out = prepare_out(out)
     path = stage_path(checkpoint, "qat", "calibrated", what="QAT or calibrated")
-    net, info = load_checkpoint(path, model=model, expect=("calibrated", "qat"), command="convert")
+    net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("calibrated", "qat"),
+                                command="convert")
 
     from qdebug.checkpoint import save
     from qdebug.engine import convert as run_convert

@@ -100,7 +100,7 @@ def init(
     wide: bool = WIDE_OPTION,
 ) -> None:
     fmt = output_format(fmt, as_json)
-    out = prepare_out(out)
+    out = prepare_out(out, config=False)  # the config may not exist yet: init writes it
     target, exists = _target()
     folder = target.parent
     wanted: dict = {}

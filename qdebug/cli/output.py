@@ -57,11 +57,12 @@ def output_format(fmt: Optional[str], as_json: bool) -> str:
     return "json" if as_json else (fmt or "table")
 
 
-def prepare_out(out: Optional[Path]) -> Optional[Path]:
-    """``--out`` (else the config's ``out``) checked -- created, writable -- before the work starts."""
+def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional[Path]:
+    """``--out`` (else, with ``config``, the config's ``out``) checked -- created, writable --
+    before the work starts."""
     from qdebug.cli.common import STATE
 
-    if out is None and STATE.config().get("out"):
+    if out is None and config and STATE.config().get("out"):
         out = Path(STATE.config().get("out"))
     return writable_dir(out) if out is not None else None
 

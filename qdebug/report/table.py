@@ -215,7 +215,8 @@ def render_table(
         for col in cols:
             col.header, col.width = col.name, max(col.natural, cell_len(col.name))
     else:
-        visible = [c for c in rank if any(cell.strip() for cell in by_name[c].cells)]  # no empty columns
+        # no empty columns: blank, or "-" (not there) in every row
+        visible = [c for c in rank if any(cell.strip() not in ("", "-") for cell in by_name[c].cells)]
         chosen = _fit(cols, visible or rank[:1], width, split=False)
         if chosen is None or len(chosen) < len(visible):
             split = _fit(cols, visible or rank[:1], width, split=True)

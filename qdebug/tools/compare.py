@@ -344,10 +344,10 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
 
 # One short line of advice per cause (the summary's "cause" line; docs/compare.md explains more).
 ADVICE = {
-    "clipping": "range cut off: recalibrate (another observer, more data), not more bits",
-    "rounding": "range fine but too coarse: an int16 candidate (~{gain:.0f} dB more SQNR)",
-    "outlier_channels": "a few channels stretch the range: per-channel, int16 or equalization",
-    "nonfinite": "NaN/Inf appears here: check its weights and scales (qdebug inspect)",
+    "clipping": "range cut off: recalibrate (observer, data), not more bits",
+    "rounding": "range fine, steps too coarse: an int16 candidate (+{gain:.0f} dB SQNR)",
+    "outlier_channels": "channels stretch the range: per-channel, int16 or equalization",
+    "nonfinite": "NaN/Inf appears here: check weights and scales (qdebug inspect)",
 }
 
 
@@ -390,19 +390,19 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str) -> 
         if not found["flagged"]:
             lines += [f"{target} vs {ref_label}: nothing flagged "
                       f"(sqnr_db < {limits['sqnr_db']:g}, isolated_sqnr_db < {limits['isolated_sqnr_db']:g})",
-                      f"  worst layer:  {worst}"]
+                      f"  worst layer:   {worst}"]
             continue
         lines += [f"{target} vs {ref_label}: {found['flagged']} of {found['layers']} layers flagged",
-                  f"  worst layer:  {worst}",
-                  f"  error enters: {found['first_flagged']} ({found['first_diagnosis']})"]
+                  f"  worst layer:   {worst}",
+                  f"  first flagged: {found['first_flagged']} ({found['first_diagnosis']})"]
         if found["at_fault"] is None:
-            lines += ["  at fault:     no layer alone: the loss builds up over many layers",
+            lines += ["  at fault:      no layer alone: the loss builds up over many layers",
                       f"  largest own error: {found['largest_own_error']} "
                       f"({_fmt_db(found['largest_own_error_db'])} isolated)"]
         else:
             diagnosis = found["at_fault_diagnosis"]
-            lines += [f"  at fault:     {found['at_fault']} ({diagnosis})",
-                      f"  cause:        {ADVICE[diagnosis].format(gain=6.02 * 8)}"]
+            lines += [f"  at fault:      {found['at_fault']} ({diagnosis})",
+                      f"  cause:         {ADVICE[diagnosis].format(gain=6.02 * 8)}"]
     return "\n".join(lines)
 
 
