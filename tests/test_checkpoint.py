@@ -430,23 +430,24 @@ def test_a_trusted_package_trusts_its_modules_found_from_the_cwd(project):
     assert torch.equal(_run(model, x), expected)
 
 
+def _naming(project, target: str, name: str):
+    """The user's checkpoint, edited to name ``target`` as its model class (a crafted file)."""
+    raw = torch.load(_user_checkpoint(project)[0], weights_only=True)
+    raw["model"]["class"] = target
+    torch.save(raw, project / name)
+
+
 def test_trust_is_by_package_not_by_name_prefix(project):
     write_package(project, "mypkgevil", marker=project / "evil-imported.txt")
     (project / "mypkgevil" / "__init__.py").write_text(f"open({str(project / 'evil-imported.txt')!r}, 'w')\n")
-    path, _, _ = _user_checkpoint(project)
-    raw = torch.load(path, weights_only=True)
-    raw["model"]["class"] = "mypkgevil.net:Net"
-    torch.save(raw, project / "evil.pt")
+    _naming(project, "mypkgevil.net:Net", "evil.pt")
     with pytest.raises(QDebugError, match="does not import modules named by a file"):
         qdebug.load(project / "evil.pt", trusted_modules=("mypkg",))
     assert "mypkgevil" not in sys.modules and not (project / "evil-imported.txt").exists()
 
 
 def test_a_file_cannot_name_a_function_even_in_a_trusted_package(project):
-    path, _, _ = _user_checkpoint(project)
-    raw = torch.load(path, weights_only=True)
-    raw["model"]["class"] = "mypkg.net:make"
-    torch.save(raw, project / "factory.pt")
+    _naming(project, "mypkg.net:make", "factory.pt")
     with pytest.raises(QDebugError, match="not an nn.Module subclass"):
         qdebug.load(project / "factory.pt", trusted_modules=("mypkg",))
     assert not (project / "mypkg-make-called.txt").exists()
