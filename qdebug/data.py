@@ -95,7 +95,7 @@ def _random(spec: str, batches: int | None) -> list[Batch]:
 
 
 def _from_file(path: Path, batch_size: int) -> list[Batch]:
-    from qdebug.checkpoint import read_file
+    from qdebug.torchfile import read_file
 
     obj = read_file(path)
     if not isinstance(obj, list) and data_kind(obj) is None:  # a list's odd item is named by to_batch
