@@ -173,3 +173,20 @@ def test_snapshot(name, width):
         path.write_text(text)
     assert path.is_file(), f"no snapshot {path.name}: run with QDEBUG_UPDATE_SNAPSHOTS=1 once and read it"
     assert text == path.read_text(), f"{name} at {width} columns changed:\n{text}"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_snapshot_init(cli, monkeypatch, width):
+    """init's table (key, value, action), through the command itself: no numbers, so end to end."""
+    from qdebug.cli.common import console
+
+    monkeypatch.setattr(console, "_width", width)
+    result = cli("init", "--trust", "mypkg", "--model", "mypkg.net:Net", "--data", "mypkg.data:eval_batches",
+                 "--metric", "mypkg.metrics:evaluate_with_a_long_name")
+    assert result.code == 0, result.err
+    text = result.out
+    assert max(len(line) for line in text.splitlines()) <= width, text
+    path = SNAPSHOTS / f"init_{width}.txt"
+    if os.environ.get("QDEBUG_UPDATE_SNAPSHOTS") == "1":
+        path.write_text(text)
+    assert text == path.read_text(), f"init at {width} columns changed:\n{text}"
