@@ -166,14 +166,24 @@ def _validate_trust(entries: list, source: Path) -> list[str]:
         if not isinstance(entry, str) or not entry.strip():
             raise QDebugError(f"{source}: trust must list package names as non-empty strings, got {entry!r}",
                               'e.g. trust = ["mypkg"] (the packages whose model classes checkpoints may name)')
-        if ":" in entry:
-            top = entry.partition(":")[0].partition(".")[0] or "mypkg"
-            raise QDebugError(f"{source}: trust entry {entry!r} names a class; trust takes packages or modules",
-                              f"write trust = {toml_value([top])} (it trusts every module inside it)")
-        if not MODULE_NAME.fullmatch(entry.strip()):
-            raise QDebugError(f"{source}: trust entry {entry!r} is not a package or module name",
+        problem, package = trust_problem(entry.strip())
+        if problem and package:
+            raise QDebugError(f"{source}: trust entry {entry!r} {problem}",
+                              f"write trust = {toml_value([package])} (it trusts every module inside it)")
+        if problem:
+            raise QDebugError(f"{source}: trust entry {entry!r} {problem}",
                               'write importable names, e.g. trust = ["mypkg", "otherpkg.models"]')
     return [entry.strip() for entry in entries]
+
+
+def trust_problem(entry: str) -> tuple[str | None, str | None]:
+    """What is wrong with one ``trust`` entry, and for a class the package to trust instead:
+    (None, None) when it is a package or module name.  The config and ``init --trust`` share it."""
+    if ":" in entry:
+        return "names a class; trust takes packages or modules", entry.partition(":")[0].partition(".")[0] or "mypkg"
+    if not MODULE_NAME.fullmatch(entry):
+        return "is not a package or module name", None
+    return None, None
 
 
 def toml_value(value: Any) -> str:

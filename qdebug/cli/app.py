@@ -18,10 +18,9 @@ from typing import Optional
 
 import typer
 
+from qdebug.cli import INTERRUPTED
 from qdebug.cli.common import STATE, err_console
 from qdebug.errors import QDebugError
-
-INTERRUPTED = 130
 
 app = typer.Typer(
     name="qdebug",
@@ -132,5 +131,3 @@ def run(argv: list[str] | None = None) -> None:
         _say("error: interrupted")
     sys.exit(code if isinstance(code, int) else 0)
 
-
-main = run  # the old entry point's name (``qdebug.cli.main`` guards start-up around it)

@@ -40,9 +40,7 @@ def build_qconfig(qconfig_file: Optional[Path], observer: Optional[str], per_cha
 
     data = merge_tables(STATE.config().get("qconfig") or {}, load_qconfig_file(qconfig_file))
     qcfg = QConfig.from_dict(data)
-    if observer is not None:
-        if observer not in vocab.OBSERVERS:
-            raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(vocab.OBSERVERS)}")
+    if observer is not None:  # checked by the command before any loading
         qcfg = QConfig(qcfg.weight, qcfg.activation.replace(observer=observer), qcfg.overrides)
     if per_channel is not None:
         qcfg = QConfig(qcfg.weight.replace(per_channel=per_channel), qcfg.activation, qcfg.overrides)

@@ -49,16 +49,14 @@ def _relative_to(value: str, folder: Path) -> str:
 
 
 def _check_trust(entries: list[str]) -> list[str]:
-    from qdebug.config import MODULE_NAME
+    from qdebug.config import trust_problem
 
     for entry in entries:
-        if ":" in entry:
-            top = entry.partition(":")[0].partition(".")[0] or "mypkg"
-            raise QDebugError(f"--trust {entry!r} names a class; trust takes packages or modules",
-                              f"e.g. --trust {top} (it trusts every module inside it)")
-        if not MODULE_NAME.fullmatch(entry):
-            raise QDebugError(f"--trust {entry!r} is not a package or module name",
-                              "give an importable name, e.g. --trust mypkg or --trust mypkg.models")
+        problem, package = trust_problem(entry)
+        if problem:
+            raise QDebugError(f"--trust {entry!r} {problem}",
+                              f"e.g. --trust {package} (it trusts every module inside it)" if package
+                              else "give an importable name, e.g. --trust mypkg or --trust mypkg.models")
     return list(dict.fromkeys(entries))
 
 

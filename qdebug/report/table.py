@@ -217,11 +217,15 @@ def render_table(
     else:
         # no empty columns: blank, or "-" (not there) in every row
         visible = [c for c in rank if any(cell.strip() not in ("", "-") for cell in by_name[c].cells)]
-        chosen = _fit(cols, visible or rank[:1], width, split=False)
+        order = visible or rank[:1]
+        chosen = _fit(cols, order, width, split=False)
         if chosen is None or len(chosen) < len(visible):
-            split = _fit(cols, visible or rank[:1], width, split=True)
-            if split is not None and (chosen is None or _ranks(split, rank) < _ranks(chosen, rank)):
+            whole = None if chosen is None else _ranks(chosen, rank)
+            split = _fit(cols, order, width, split=True)
+            if split is not None and (whole is None or _ranks(split, rank) < whole):
                 chosen = split
+            else:  # _fit sets the columns' widths: give them back the one-line fit's
+                chosen = _fit(cols, order, width, split=False)
         if chosen is None:  # not even the first column fits: show it cut to the width
             first = next(c for c in cols if c.name == rank[0])
             first.header, first.width = shorten_left(first.name, width), max(width, 1)
