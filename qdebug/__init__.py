@@ -6,6 +6,7 @@ Python API (the CLI is a thin layer over the same functions):
     model, info = qdebug.load("qat.pt")          # any of the four stages, safely
     qdebug.save(model, "calibrated.pt", stage="calibrated")
     frame = qdebug.compare("float.pt", "qat.pt", data="eval.pt")   # per-layer DataFrame
+    steps = qdebug.step("float.pt", "calibrated.pt", mode="drill", metric="top1", data="eval.pt")
 
 ``import qdebug`` is cheap: torch and pandas load when one of these names is first used.
 """
@@ -16,9 +17,9 @@ from importlib import import_module
 
 from qdebug.errors import QDebugError
 
-_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api"}
+_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api"}
 
-__all__ = ["load", "save", "compare", "QDebugError", "__version__"]
+__all__ = ["load", "save", "compare", "step", "QDebugError", "__version__"]
 
 
 def _version() -> str:

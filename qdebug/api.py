@@ -70,3 +70,41 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
     frame.attrs["summary"] = result.summary
     frame.attrs["meta"] = result.meta
     return frame
+
+
+def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
+         module: str | list[str] = (), mode: str = "only", depth: int = 1, kind: str = "both",
+         metric: Any = None, ratio: float = 0.99) -> pd.DataFrame:
+    """Step-wise partial quantization (see docs/step.md); a DataFrame, one row per step.
+
+    ``checkpoints``: ``[float,] model`` as paths or modules; without the float one, the model
+    with every quant point off is the reference.  ``metric``: a name (``"top1"``) or a
+    function ``metric(model, batches)``.  ``frame.attrs["summary"]`` and ``["meta"]``
+    (``drill_path``, ``culprit``) hold the rest.
+    """
+    from qdebug.metrics import resolve_metric
+    from qdebug.tools.baseline import TaskRule
+    from qdebug.tools.step import step as run
+
+    if not 1 <= len(checkpoints) <= 2:
+        raise QDebugError(f"step takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
+    loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
+    _, model, info = loaded[-1]
+    reference = loaded[0][1] if len(loaded) == 2 else None
+    if isinstance(data, str):
+        batch_list = load_batches(data, batch_size=batch_size, batches=batches)
+    elif data is not None:
+        batch_list = [to_batch(b) for b in data][:batches]
+    else:
+        if info is None or info.sample_inputs is None:
+            raise QDebugError("no data given and the checkpoint has no sample inputs", "pass data=...")
+        batch_list = batches_from_inputs(info.sample_inputs)
+    metric_fn = resolve_metric(metric) if metric is not None else None
+    name = (metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric"))
+    result = run(model, batch_list, reference=reference, modules=[module] if isinstance(module, str) else list(module),
+                 mode=mode, depth=depth, kind=kind, metric=metric_fn, metric_name=name,
+                 rules={"metric": TaskRule(ratio=ratio)})
+    frame = result.frame
+    frame.attrs["summary"] = result.summary
+    frame.attrs["meta"] = result.meta
+    return frame

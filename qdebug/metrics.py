@@ -157,7 +157,7 @@ def run_metric_with_samples(metric: Metric, model, batches, *, reference=None, n
     if sampler is True:
         sampler = metric
     if callable(sampler):
-        raw = _call(sampler, model, batches, reference, name)
+        raw = call_metric(sampler, model, batches, reference, name)
         samples = raw if isinstance(raw, dict) else {"metric": raw}
         if not all(isinstance(v, torch.Tensor) for v in samples.values()):
             raise QDebugError(f"per-sample metric {getattr(sampler, '__name__', name)} must return tensors",
@@ -167,7 +167,7 @@ def run_metric_with_samples(metric: Metric, model, batches, *, reference=None, n
     return run_metric(metric, model, batches, reference=reference, name=name), None
 
 
-def _call(metric: Metric, model, batches, reference, name: str):
+def call_metric(metric: Metric, model, batches, reference, name: str):
     kwargs = {}
     try:
         if "reference" in inspect.signature(metric).parameters:
@@ -247,7 +247,7 @@ def _raised_in_model(exc: BaseException) -> bool:
 
 def run_metric(metric: Metric, model, batches, *, reference=None, name: str = "metric") -> dict[str, float]:
     """Evaluate ``metric``; always a dict task -> float.  A raising metric becomes a QDebugError."""
-    value = _call(metric, model, batches, reference, name)
+    value = call_metric(metric, model, batches, reference, name)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -323,7 +323,7 @@ class ErrorStats:
         if self.n == 0:
             return {}
         out = {
-            "cosine": _cosine(self.sxy, self.sxx, self.syy),
+            "cosine": cosine_of_sums(self.sxy, self.sxx, self.syy),
             "sqnr_db": sqnr_db(self.sxx, self.see),
             "mse": self.see / self.n,
             "rel_l2": math.sqrt(self.see / self.sxx) if self.sxx > 0 else (0.0 if self.see == 0 else math.inf),
@@ -352,7 +352,7 @@ class ErrorStats:
         return {prefix + k: v for k, v in out.items()}
 
 
-def _cosine(sxy: float, sxx: float, syy: float) -> float:
+def cosine_of_sums(sxy: float, sxx: float, syy: float) -> float:
     if any(math.isnan(v) for v in (sxy, sxx, syy)):
         return math.nan
     if sxx == 0 and syy == 0:

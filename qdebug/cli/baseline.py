@@ -48,10 +48,11 @@ def _rename(values: dict, task: str) -> dict:
     return {task: values["metric"]} if list(values) == ["metric"] else values
 
 
-def _rules(metric_fn, default_ratio: float, ratio_given: bool):
+def task_rules(metric_fn, default_ratio: float, ratio_given: bool):
     from qdebug.metrics import metric_direction
     from qdebug.tools.baseline import TaskRule
 
+    """Baseline's rule per task: the config's [tasks] entries, and "metric" for a single-number metric."""
     cfg_tasks = STATE.config().get("tasks") or {}
     default_direction = metric_direction(metric_fn) if metric_fn is not None else "higher"
     rules = {"metric": TaskRule(default_direction, default_ratio)}
@@ -163,7 +164,7 @@ def baseline(
         float_samples, quant_samples = (_rename(v, task_name) if v else v for v in (float_samples, quant_samples))
     from qdebug.tools.baseline import TaskRule, gate
 
-    rules = _rules(metric_fn, default_ratio, ratio is not None)
+    rules = task_rules(metric_fn, default_ratio, ratio is not None)
     single = list(float_values)[0] if len(float_values) == 1 else None
     if single is not None and single not in rules:
         rules[single] = rules["metric"]

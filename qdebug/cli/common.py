@@ -146,7 +146,8 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
 
 @contextlib.contextmanager
 def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
-    """A rich progress bar on stderr; yields an ``advance(n)`` callback."""
+    """A rich progress bar on stderr; yields an ``advance(n, total=None)`` callback (``total``
+    when the amount of work is only known as it goes)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(
@@ -155,7 +156,7 @@ def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
     )
     with progress:
         task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.update(task, completed=n)
+        yield lambda n=1, total=None: progress.update(task, completed=n, **({"total": total} if total else {}))
 
 
 @contextlib.contextmanager

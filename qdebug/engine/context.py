@@ -137,6 +137,7 @@ class ForwardContext(TorchFunctionMode):
         self.frames: list[_Frame] = [_Frame("container", "")]
         self.leaf_depth = 0
         self.busy = 0  # >0 while engine code runs: its own torch calls are not the model's
+        self.served = None  # qdebug.engine.served.ServedCalls: outputs taken instead of computed
         self._handles: list[Any] = []
 
     # -- entering / leaving --------------------------------------------------------
@@ -217,7 +218,7 @@ class ForwardContext(TorchFunctionMode):
                 return self.handler.on_float_output(self, call, float_output)
             finally:
                 self.busy -= 1
-        if _writes_its_inputs(event):
+        if writes_its_inputs(event):
             # The caller's tensors (recorded reference values) must survive an in-place op.
             args, kwargs = map_tensors(args, torch.clone), map_tensors(kwargs, torch.clone)
         self.busy += 1
@@ -321,9 +322,13 @@ class ForwardContext(TorchFunctionMode):
         owner = self.container()
         op = canonical_op_name(func, category)
         call = self.new_call(f"{owner}.{op}" if owner else op, category, op, owner)
+        stored = self.served.take(call.name) if self.served is not None else None
         self.busy += 1
         try:
-            out = self.handler.on_op(self, call, func, args, kwargs)
+            if stored is not None:  # known from an earlier run: only the quant point's treatment runs
+                out = self.handler.on_float_output(self, call, stored)
+            else:
+                out = self.handler.on_op(self, call, func, args, kwargs)
         finally:
             self.busy -= 1
         self.emit(call, args, kwargs, func, getattr(self.handler, "last_raw", None), out)
@@ -351,7 +356,7 @@ class ForwardContext(TorchFunctionMode):
         return new
 
 
-def _writes_its_inputs(event: Event) -> bool:
+def writes_its_inputs(event: Event) -> bool:
     """Whether the call of ``event`` may modify its inputs in place (erring on the side of yes)."""
     if event.func is None:
         return bool(getattr(event.call.module, "inplace", False))

@@ -22,7 +22,7 @@ from qdebug.engine import integer
 from qdebug.engine.context import Call, ForwardContext, Handler
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.ops import map_tensors, tensors_in
-from qdebug.engine.point import QuantPoint, grid_of, tag
+from qdebug.engine.point import QuantPoint, grid_of, on_grid, pending_of, tag, tag_pending
 
 
 class QuantHandler(Handler):
@@ -40,6 +40,9 @@ class QuantHandler(Handler):
         self.last_raw = output  # what the point received: listeners measure clipping on it
         point = self._point(call)
         if point is None or point.mode == "float":
+            if point is not None and self.state.stage == "quantized":
+                # Left in float inside an integer model: integer consumers project it (``on_grid``).
+                map_tensors(output, lambda t: tag_pending(t, point) if torch.is_floating_point(t) else t)
             return output
         return map_tensors(output, lambda t: point.apply(t) if torch.is_floating_point(t) else t)
 
@@ -92,24 +95,28 @@ class QuantHandler(Handler):
     def on_passthrough(self, ctx, func, args, output):
         sources = [t for t in tensors_in(args) if isinstance(t, torch.Tensor)]
         point = grid_of(sources[0]) if sources else None
-        if point is not None:
+        pending = pending_of(sources[0]) if sources and point is None else None
+        if point is not None or pending is not None:
             for t in tensors_in(output):
                 if torch.is_floating_point(t):
-                    tag(t, point)
+                    tag(t, point) if point is not None else tag_pending(t, pending)
         return output
 
 
 # -- integer kernels for inline ops ---------------------------------------------------
-def _grid_inputs(tensors: list) -> list[QuantPoint] | None:
-    points = []
+def _grid_inputs(tensors: list) -> tuple[list[torch.Tensor], list[QuantPoint]] | None:
+    """The inputs on their grids (float-mode producers' outputs projected) and the grids'
+    points, or None when one input has no per-tensor grid (the op then computes in float)."""
+    on, points = [], []
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             return None
-        point = grid_of(t)
-        if point is None or point.spec.per_channel or point.mode != "fake":
+        t, point = on_grid(t)
+        if point is None or point.spec.per_channel:
             return None
+        on.append(t)
         points.append(point)
-    return points
+    return on, points
 
 
 def _left_shift_for(points: list[QuantPoint]) -> int:
@@ -121,10 +128,10 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
     if out_point.spec.per_channel:
         return None
     if category in ("add", "sub") and len(args) == 2 and not kwargs:
-        a, b = args
-        points = _grid_inputs([a, b])
-        if points is None:
+        grids = _grid_inputs(list(args))
+        if grids is None:
             return None
+        (a, b), points = grids
         shift = _left_shift_for(points)
         s_a, s_b = (p.scale.detach().double() for p in points)
         s_out = out_point.scale.detach().double()
@@ -135,17 +142,19 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         y = integer.requantize(total, twice_max / (2**shift * s_out), out_point, activation)
         return tag(y, out_point)
     if category == "mul" and len(args) == 2 and not kwargs:
-        points = _grid_inputs(list(args))
-        if points is None:
+        grids = _grid_inputs(list(args))
+        if grids is None:
             return None
-        product = (integer.codes(args[0], points[0]) * integer.codes(args[1], points[1])).to(torch.int64)
+        (a, b), points = grids
+        product = (integer.codes(a, points[0]) * integer.codes(b, points[1])).to(torch.int64)
         multiplier = points[0].scale.detach().double() * points[1].scale.detach().double() / out_point.scale.detach().double()
         return tag(integer.requantize(product, multiplier, out_point, activation), out_point)
     if category == "cat":
         seq = args[0] if args else kwargs.get("tensors")
-        points = _grid_inputs(list(seq)) if isinstance(seq, (list, tuple)) else None
-        if points is None:
+        grids = _grid_inputs(list(seq)) if isinstance(seq, (list, tuple)) else None
+        if grids is None:
             return None
+        seq, points = grids
         s_out = out_point.scale.detach().double()
         parts = []
         for t, p in zip(seq, points):
@@ -154,10 +163,10 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         rest = {k: v for k, v in kwargs.items() if k != "tensors"}
         return tag(func(parts, *args[1:], **rest), out_point)
     if category in ("mean", "avgpool"):
-        x = args[0] if args else None
-        points = _grid_inputs([x])
-        if points is None:
+        grids = _grid_inputs([args[0] if args else None])
+        if grids is None:
             return None
+        (x,), points = grids
         average = func(integer.codes(x, points[0]), *args[1:], **kwargs)  # float64: exact sum / count
         return tag(_rescale_average(average, points[0], out_point, activation), out_point)
     return None
@@ -173,9 +182,10 @@ def _rescale_average(average: torch.Tensor, in_point: QuantPoint, out_point: Qua
 def _integer_rescale_average(x: Any, output: torch.Tensor, module: nn.Module, out_point: QuantPoint | None):
     if out_point is None or out_point.mode != "fake" or out_point.spec.per_channel:
         return None
-    points = _grid_inputs([x])
-    if points is None:
+    grids = _grid_inputs([x])
+    if grids is None:
         return None
+    (x,), points = grids
     average = module.forward(integer.codes(x, points[0]))
     return tag(_rescale_average(average, points[0], out_point, None), out_point)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from qdebug.engine import integer
 from qdebug.engine.fake_quant import quantize_to_int
 from qdebug.engine.ops import register_module_category
-from qdebug.engine.point import QuantPoint, grid_of, tag
+from qdebug.engine.point import QuantPoint, on_grid, tag
 
 BN_MODES = ("none", "fused", "with_bn", "reverse_fold")
 
@@ -175,9 +175,12 @@ class _QWeighted(nn.Module):
         return cached.to(torch.float64)
 
     def _integer_forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_point = grid_of(x)
         out_point = self._out_point
         w_point = self.weight_point
+        if out_point is not None and w_point is not None and w_point.mode == "fake":
+            x, in_point = on_grid(x)  # a float-mode producer's output is projected onto its grid
+        else:
+            in_point = None
         if (
             in_point is None
             or out_point is None

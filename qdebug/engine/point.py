@@ -198,6 +198,17 @@ class QuantPoint(nn.Module):
 
     forward = apply
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` fake-quantized onto this point's grid whatever the mode, tagged with it.
+
+        What a quantize op at the border of a partially quantized model does: in the
+        quantized stage, an integer kernel fed by a point left in ``float`` mode first
+        projects its input onto that point's grid (see ``on_grid``).
+        """
+        out = fake_quantize(x.detach(), self.scale.detach(), self.zero_point, self.spec, kind=self.kind)
+        out._qdebug_point = self
+        return out
+
     def freeze(self, frozen: bool = True) -> None:
         self.frozen = frozen
 
@@ -222,6 +233,29 @@ class QuantPoint(nn.Module):
 def grid_of(x: torch.Tensor) -> QuantPoint | None:
     """The point whose grid ``x`` lies on (set by ``QuantPoint.apply`` and passthrough ops)."""
     return getattr(x, "_qdebug_point", None)
+
+
+def tag_pending(x: torch.Tensor, point: QuantPoint) -> torch.Tensor:
+    """Mark a float ``x`` as the output of ``point`` left in float mode (quantized stage)."""
+    if isinstance(x, torch.Tensor):
+        x._qdebug_pending = point
+    return x
+
+
+def pending_of(x: torch.Tensor) -> QuantPoint | None:
+    return getattr(x, "_qdebug_pending", None)
+
+
+def on_grid(x: torch.Tensor) -> tuple[torch.Tensor, QuantPoint | None]:
+    """(x on its grid, the grid's point): ``x`` itself when it lies on a grid, its projection
+    when it is a float-mode point's output (``tag_pending``), else (x, None)."""
+    point = grid_of(x)
+    if point is not None:
+        return x, point
+    pending = pending_of(x)
+    if pending is None or not pending.initialized:
+        return x, None
+    return pending.project(x), pending
 
 
 def tag(x: torch.Tensor, point: QuantPoint | None) -> torch.Tensor:

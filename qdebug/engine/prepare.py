@@ -59,6 +59,7 @@ class EngineState:
         self.listeners: list = []
         self.discovered: list[str] = []
         self.contexts: list[ForwardContext] = []
+        self.served = None  # qdebug.engine.served.ServedCalls while an experiment resumes a run
 
     def add_point(self, point: QuantPoint) -> None:
         self.table.add_module(PointTable.key(point.name), point)
@@ -110,6 +111,7 @@ def is_prepared(model: nn.Module) -> bool:
 def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     state: EngineState = getattr(module, STATE_ATTR)
     ctx = ForwardContext(module, QuantHandler(state), state.listeners)
+    ctx.served = getattr(state, "served", None)
     ctx.__enter__()
     state.contexts.append(ctx)
     return ctx.process_inputs(args, kwargs)
@@ -281,7 +283,7 @@ def _absorb_pair(qm: nn.Module, conv_path: str, bn_path: str) -> None:
     _replace_modules(qm, lambda path, m: placeholder if m is bn else None)
 
 
-def _glob_matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.startswith(pattern + ".")
 
 
@@ -301,7 +303,7 @@ def set_mode(
     for name, point in state.points.items():
         if kind is not None and point.kind != kind:
             continue
-        if _glob_matches(pattern, name) or (point.owner and _glob_matches(pattern, point.owner)):
+        if name_matches(pattern, name) or (point.owner and name_matches(pattern, point.owner)):
             point.mode = mode
             if observe is not None:
                 point.observe_in_fake = bool(observe)
@@ -394,7 +396,7 @@ def absorb_bn(model: nn.Module, pattern: str = "*") -> list[str]:
         conv = model.get_submodule(conv_path)
         if conv.bn is None:
             continue
-        if _glob_matches(pattern, conv_path) or _glob_matches(pattern, bn_path):
+        if name_matches(pattern, conv_path) or name_matches(pattern, bn_path):
             _absorb_pair(model, conv_path, bn_path)
             done.append(conv_path)
     return done

@@ -65,6 +65,48 @@ def plot_histograms(samples: dict, layers: list[tuple[str, str]], path: str | Pa
     return _save(fig, path)
 
 
+def plot_steps(frame: pd.DataFrame, path: str | Path, *, tasks: list[str], cumulative: bool,
+               ratio: float = 0.99, culprit: str | None = None) -> Path:
+    """One bar per step (a line along the network for a cumulative sweep): the metric's
+    ratio to float with the ``ratio`` line when there is a metric, else output SQNR.
+    The y axis is zoomed to the values (ratios near 1 differ in the third digit); a drill's
+    levels are separated by dotted lines; the costliest unit (``culprit``) is red."""
+    column = f"{tasks[0]}_ratio" if tasks else "sqnr_db"
+    rows = frame[frame["mode"] == "cumulative"] if cumulative else frame[frame["mode"] != "all"]
+    labels = [f"{s}" + (f" ({k})" if k != "both" else "") for s, k in zip(rows["selection"], rows["kind"])]
+    values = _finite(rows[column])
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.45), 4.2))
+    xs = list(range(len(labels)))
+    if cumulative:
+        ax.plot(xs, values, marker="o")
+        ax.set_xlabel("quantized up to and including (execution order)")
+    else:
+        red = [s == culprit and k == rows["kind"].iloc[0] for s, k in zip(rows["selection"], rows["kind"])]
+        ax.bar(xs, values, color=["tab:red" if r else "tab:blue" for r in red])
+        ax.set_xlabel("quantized alone (the rest in float)")
+        if "level" in rows:
+            levels = list(rows["level"])
+            for i in range(1, len(levels)):
+                if levels[i] != levels[i - 1]:
+                    ax.axvline(i - 0.5, color="gray", linestyle=":", linewidth=1)
+    shown = [v for v in values if not math.isnan(v)] + ([ratio] if tasks else [])
+    if shown:
+        lo, hi = min(shown), max(shown)
+        pad = max((hi - lo) * 0.15, 0.002 if tasks else 0.5)
+        ax.set_ylim(lo - pad, hi + pad)
+    if tasks:
+        ax.axhline(ratio, color="tab:red", linestyle="--", linewidth=1, label=f"{ratio:g} x float")
+        ax.legend(fontsize=8)
+        ax.set_ylabel(f"{tasks[0]} / float {tasks[0]}")
+    else:
+        ax.set_ylabel("output SQNR vs float (dB)")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def _save(fig, path: str | Path) -> Path:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)

@@ -1,0 +1,226 @@
+"""``qdebug step``: which part of the model is to blame -- partial quantization, step by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, List, Optional
+
+import typer
+
+from qdebug.cli.app import app
+from qdebug.cli.common import (
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts,
+    load_checkpoint, model_errors, progress_bar, resolve_batches,
+)
+from qdebug.cli.output import (
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
+    table_width,
+)
+from qdebug.errors import QDebugError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+MODE_FLAGS = ("only", "except", "auto", "cumulative", "drill")
+KINDS = ("both", "weight", "activation")
+# Worst first: a low SQNR, cosine or metric ratio; a large cost.
+SORT_DESCENDING = ("points", "macs_share", "params_share")
+COLUMNS = ("step", "level", "selection", "mode", "kind", "points", "macs_share", "params_share", "sqnr_db", "cosine",
+           "verdict")
+
+
+def render_step(frame: "pd.DataFrame", meta: dict, *, sort: Optional[str] = None, width: Optional[int] = None):
+    """The step table: one row per step, the costliest step highlighted."""
+    from qdebug.report.table import fixed, render_table
+
+    view = frame
+    if sort:
+        view = view.sort_values(sort, ascending=sort not in SORT_DESCENDING, na_position="first", kind="stable")
+    view = view.reset_index(drop=True)
+    tasks = meta.get("tasks") or []
+    ratios = [f"{t}_ratio" for t in tasks]
+    outputs = [c for c in view.columns if c.endswith("_sqnr_db") or (c.endswith("_cosine") and c != "cosine")]
+    lead = ["step", *(["level"] if "level" in view else []), "selection"]
+    priority = [*lead, *ratios, "sqnr_db", "verdict" if tasks else "", "kind", "mode", "macs_share", *tasks, "points",
+                "cosine", "params_share", *outputs]
+    priority = [c for c in priority if c and c in view]
+    formats = {c: fixed(2) for c in view.columns if c.endswith("_db")}
+    formats.update({c: fixed(6) for c in view.columns if c.endswith("cosine")})
+    formats.update({c: fixed(3) for c in [*ratios, "macs_share", "params_share"] if c in view})
+    formats.update({t: fixed(4) for t in tasks if t in view})
+    culprit = (meta.get("culprit") or {}).get("selection")
+    highlight = [i for i, (s, m, k) in enumerate(zip(view["selection"], view["mode"], view["kind"]))
+                 if s == culprit and m != "all" and k == meta.get("kind", "both")]
+    styles = [("bold red" if v == "fail" else None) for v in view["verdict"]] if "verdict" in view else None
+    title = f"step ({meta['mode']}{', kind ' + meta['kind'] if meta['kind'] != 'both' else ''}): output vs float, " \
+            f"{meta['batches']} batch(es)"
+    return render_table(view, title=title, columns=priority, priority=priority, width=width, names=("selection",),
+                        formats=formats, highlight=highlight[:1], row_styles=styles)
+
+
+def _paths(checkpoints: list[str]) -> list[str]:
+    if checkpoints:
+        return checkpoints
+    cfg = STATE.config()
+    quant = cfg.get("qat") or cfg.get("calibrated") or cfg.get("quantized")
+    return [p for p in (cfg.get("float"), quant) if p]
+
+
+def _mode(flags: dict[str, bool]) -> str:
+    chosen = [name for name, on in flags.items() if on]
+    if len(chosen) > 1:
+        raise QDebugError(f"choose one of --{', --'.join(chosen)}", "the modes are --only, --except, --auto, "
+                          "--cumulative and --drill")
+    return chosen[0] if chosen else "only"
+
+
+def _next_command(meta: dict, given: list[str], paths: list[str], options: str) -> tuple[str, str]:
+    """(why, command): drill into the costliest module, or see the culprit layer's own error."""
+    culprit = meta.get("culprit")
+    if not culprit:
+        return "", ""
+    again = " ".join(["qdebug step", *given])
+    if meta["mode"] != "drill":
+        return (f"drill into {culprit['selection']}, down to the layer",
+                f"{again} --drill --module {culprit['selection']}{options}")
+    pair = paths if len(paths) == 2 else ["FLOAT.pt", *paths]
+    return (f"see {culprit['selection']}'s own error and why (clipping or rounding)",
+            f"qdebug compare {' '.join(pair)}{_without_metric(options)} --sort isolated_sqnr_db --top 10")
+
+
+def _without_metric(options: str) -> str:
+    """The data options of ``options`` (compare takes no --metric or --ratio)."""
+    parts = options.split(" --")
+    return "".join(" --" + p for p in parts[1:] if not p.startswith(("metric ", "ratio ")))
+
+
+@app.command(
+    short_help="Which module is to blame: quantize part of the model at a time, down to the layer.",
+    help=(
+        "Step-wise partial quantization of a calibrated, QAT or quantized CHECKPOINT: some modules "
+        "quantized, the rest float, measured against the float model (FLOAT, or the checkpoint with every "
+        "quant point off; default: the config's float and qat, calibrated or quantized): output SQNR and "
+        "cosine, the metric's ratio to float and baseline's verdict, and each step's share of MACs. "
+        "Modes: --only (default) / --except the --module selection, --auto (each module at --depth "
+        "alone), --cumulative (module after module), --drill (into the worst, down to one layer). "
+        "Calls before a step's first quantized layer reuse the float run's outputs.\n\n"
+        "Example: qdebug step fixtures/demo/float.pt fixtures/demo/calibrated.pt --drill --metric top1 "
+        "--data fixtures/demo/eval.pt --batches 4\n\n"
+        "Example: qdebug step fixtures/demo/calibrated.pt --cumulative --depth 2 --out step-out"
+    ),
+)
+def step(
+    checkpoints: Optional[List[str]] = typer.Argument(None, metavar="[FLOAT] CHECKPOINT", hidden=True),
+    module: Optional[List[str]] = typer.Option(None, "--module", metavar="PATTERN",
+                                               help="Module path or glob to select, e.g. backbone or 'layer3.*' (repeatable)."),
+    only: bool = typer.Option(False, "--only", help="Quantize only the selection, the rest float (the default)."),
+    except_: bool = typer.Option(False, "--except", help="Quantize everything but the selection."),
+    auto: bool = typer.Option(False, "--auto", help="Each module at --depth alone (inside the selection, if any)."),
+    cumulative: bool = typer.Option(False, "--cumulative", help="Modules at --depth quantized one after another."),
+    drill: bool = typer.Option(False, "--drill", help="Each module alone, then into the worst, down to one layer."),
+    depth: int = typer.Option(1, "--depth", metavar="N", help="Module depth for --auto and --cumulative (1: top level)."),
+    kind: str = typer.Option("both", "--kind", metavar="weight|activation|both",
+                             help="Which of the selection's quant points to switch."),
+    metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
+                                         help="Metric: top1, top5, mse, agreement or package.module:function."),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
+    batches: Optional[int] = BATCHES_OPTION,
+    batch_size: Optional[int] = BATCH_SIZE_OPTION,
+    ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
+                                          help="Required metric ratio to float (default 0.99, or the config's)."),
+    sort: Optional[str] = typer.Option(None, "--sort", metavar="COLUMN", help="Sort rows by a column, worst first."),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
+    model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
+) -> None:
+    fmt = output_format(fmt, as_json)
+    mode = _mode({"only": only, "except": except_, "auto": auto, "cumulative": cumulative, "drill": drill})
+    modules = list(module or [])
+    if mode in ("only", "except") and not modules:
+        raise QDebugError(f"--{mode} needs --module", "e.g. --module backbone, or --auto / --drill to search every module")
+    if kind not in KINDS:
+        raise QDebugError(f"--kind {kind!r} must be weight, activation or both", "e.g. --kind weight")
+    if depth < 1:
+        raise QDebugError(f"--depth must be >= 1, got {depth}", "--depth 1 is the model's top-level modules")
+    if ratio is not None and not 0 < ratio <= 1.5:
+        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    check_counts(batches, batch_size)
+    given = list(checkpoints or [])
+    paths = _paths(given)
+    if not paths:
+        raise QDebugError("step needs a checkpoint", "e.g. qdebug step float.pt calibrated.pt --auto "
+                          "(or set float and calibrated/qat in qdebug.toml)")
+    if len(paths) > 2:
+        raise QDebugError(f"step takes one or two checkpoints, got {len(paths)}", "give [FLOAT] CHECKPOINT")
+    cfg = STATE.config()
+    spec = metric or cfg.get("metric")
+    tasks = [spec.rsplit(":", 1)[-1]] if spec else []
+    tasks += list(cfg.get("tasks") or {})
+    sortable = [*COLUMNS, *tasks, *(f"{t}_ratio" for t in tasks)]
+    if sort is not None and sort not in sortable and not sort.endswith(("_ratio", "_sqnr_db", "_cosine")):
+        raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(sortable)}")
+    out = prepare_out(out)
+
+    from qdebug.cli.baseline import task_rules
+    from qdebug.metrics import resolve_metric
+    from qdebug.engine import is_prepared
+    from qdebug.tools.step import check_selection, step as run_step
+
+    metric_fn = resolve_metric(spec) if spec else None
+    loaded = [load_checkpoint(p, model=model, unsafe=unsafe_load, command="step") for p in paths]
+    net, info = loaded[-1]
+    if info.stage == "float" and len(loaded) == 2 and loaded[0][1].stage != "float":
+        raise QDebugError(f"{paths[1]} is the float checkpoint: it goes first",
+                          f"qdebug step {paths[1]} {paths[0]} ...")
+    if info.stage == "float":
+        raise QDebugError(f"{paths[-1]} is a float checkpoint: there is nothing to step through",
+                          "give a calibrated, QAT or quantized checkpoint (last), e.g. qdebug step float.pt calibrated.pt")
+    reference = None
+    if len(loaded) == 2:
+        reference, ref_info = loaded[0]
+        if ref_info.stage != "float":
+            raise QDebugError(f"{paths[0]} is a {ref_info.stage} checkpoint, not the float model",
+                              "give FLOAT first, or the checkpoint alone (its float run is then the reference)")
+        if ref_info.model.target != info.model.target or ref_info.model.kwargs != info.model.kwargs:
+            raise QDebugError(f"{paths[0]} and {paths[1]} are not the same model "
+                              f"({ref_info.model.target} vs {info.model.target})",
+                              "step a checkpoint against the float checkpoint it came from")
+    if not is_prepared(net):
+        raise QDebugError(f"{paths[-1]} holds no quantized model", "give a calibrated, QAT or quantized checkpoint")
+    check_selection(net, modules)
+    batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
+    default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
+    rules = task_rules(metric_fn, default_ratio, ratio is not None)
+    task = spec.rsplit(":", 1)[-1] if spec else "metric"
+    rules.setdefault(task, rules["metric"])
+    with progress_bar("stepping", None) as advance, model_errors("stepping", batch_list[0]):
+        result = run_step(net, batch_list, reference=reference, modules=modules, mode=mode, depth=depth, kind=kind,
+                          metric=metric_fn, metric_name=task, rules=rules,
+                          progress=lambda done, total: advance(done, total))
+    frame = result.frame
+    if sort is not None and sort not in frame:
+        raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(frame.columns)}")
+    options = "".join(f" {flag} {value}" for flag, value in (
+        ("--metric", metric), ("--data", data), ("--batches", batches), ("--batch-size", batch_size),
+        ("--ratio", ratio)) if value is not None)
+    why, next_command = _next_command(result.meta, given, paths, options)
+    meta = {**result.meta, "checkpoints": paths, "ratio": default_ratio, "summary": result.summary, "next": next_command}
+    files = []
+    if out is not None:
+        from qdebug.report.plots import plot_steps
+
+        files.append(plot_steps(frame, out / "step.png", tasks=meta["tasks"], cumulative=mode == "cumulative",
+                                ratio=default_ratio, culprit=(meta.get("culprit") or {}).get("selection")))
+
+    def render() -> None:
+        print_table(render_step(frame, meta, sort=sort, width=table_width(wide)))
+        for line in result.summary.splitlines():
+            say(line)
+        if next_command:
+            say(f"next: {why}:")
+            say(f"  {next_command}")
+
+    emit(Report("step", frame, meta, files=files), fmt, out, render)

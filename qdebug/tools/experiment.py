@@ -1,0 +1,434 @@
+"""The experiment primitive: quantize these points, run the batches, measure against float.
+
+step, suggest and the tools after them ask one question many times: with *these*
+quant points quantized (every other point in float), how far are the model's
+outputs from the float model's, and does the task metric still hold?
+``Experiment(...).run(trials)`` answers it for a list of trials in one pass over
+the batches:
+
+- **batches outside, trials inside.**  Per batch the float reference runs once;
+  its outputs, and one recorded run, are all that is held, whatever the number of
+  batches;
+- **the float prefix is cached.**  Per batch the model first runs with every
+  point in float (the *base* run) and every call's output is recorded
+  (``qdebug.tap.Capture``).  A trial's forward then takes the stored output of
+  every call before its first quantized point instead of computing it
+  (``qdebug.engine.served``): those calls compute the same function, with the
+  same parameters, on the same inputs -- the isolated replay's reuse rule -- so
+  the result is bit-identical to a full rerun.  When a trial agrees with the
+  previous trial on a longer prefix than with the base run (trial k of a
+  cumulative sweep quantizes modules 1..k, trial k+1 adds module k+1), the
+  previous trial's run is recorded and served instead;
+- **statistics stream**: per trial and model output, float64 sums give
+  ``sqnr_db`` = 10 log10(sum x^2 / sum (x - y)^2) and ``cosine``;
+- **the metric**: one with a per-sample function (``top1``) is evaluated batch by
+  batch, nothing stored; any other metric is evaluated once per trial at the end,
+  on that trial's model outputs (outputs only, not feature maps), held until then.
+
+The reference is the float model when one is given, else the model itself with
+every point in float (its base run).  A point counts as quantizable when it is in
+``fake`` mode as loaded; the others stay as they are in every trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine import engine_state
+from qdebug.engine.context import Event, run_model, writes_its_inputs
+from qdebug.engine.modules import _QWeighted
+from qdebug.engine.ops import map_tensors, tensors_in
+from qdebug.engine.served import ServedCalls, serving
+from qdebug.errors import QDebugError
+from qdebug.metrics import Metric, call_metric, run_metric
+from qdebug.stats import cosine_of_sums, sqnr_db
+from qdebug.tap import Capture, tap
+from qdebug.tools.baseline import TaskRule, evaluate_rule
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting to measure: ``quantized`` points in their quantized mode, the rest float.
+    ``info``: columns carried into the result row unchanged (the selection, the mode...)."""
+
+    quantized: frozenset[str]
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+# -- what a run leaves behind -------------------------------------------------------
+class _Recording:
+    """One run's outputs by call name, and which of them a later call wrote in place
+    (served as copies, so the stored value survives the next forward)."""
+
+    def __init__(self) -> None:
+        self.capture = Capture(keep_inputs=False)
+        self.written: set[str] = set()
+        self._producer: dict[int, tuple[weakref.ref, str]] = {}
+
+    def __call__(self, event: Event) -> None:
+        if writes_its_inputs(event):
+            for t in tensors_in((event.args, event.kwargs)):
+                entry = self._producer.get(id(t))
+                if entry is not None and entry[0]() is t:
+                    self.written.add(entry[1])
+        self.capture(event)
+        for t in tensors_in(event.out):
+            self._producer[id(t)] = (weakref.ref(t), event.call.name)
+
+    def clear(self) -> None:
+        self.capture.clear()
+        self._producer.clear()
+
+    def order(self) -> list[str]:
+        return list(self.capture.records)
+
+    def served(self, before: int) -> ServedCalls:
+        names = self.order()[:before]
+        outputs = {name: self.capture.records[name].output for name in names}
+        return ServedCalls(outputs, clone=self.written & set(names))
+
+
+class _Costs:
+    """Multiply-accumulates per sample and parameters of each weighted layer (first batch)."""
+
+    def __init__(self) -> None:
+        self.macs: dict[str, int] = {}
+
+    def __call__(self, event: Event) -> None:
+        module = event.call.module
+        out = event.out
+        if isinstance(module, _QWeighted) and isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0]:
+            per_sample = out.numel() // out.shape[0]
+            self.macs[event.call.owner] = self.macs.get(event.call.owner, 0) + per_sample * module.weight[0].numel()
+
+
+def named_outputs(out: Any) -> dict[str, torch.Tensor]:
+    """A model output as named float tensors: ``output``; dict keys; ``output0``, ``output1``..."""
+    if isinstance(out, torch.Tensor):
+        return {"output": out}
+    if isinstance(out, Mapping):
+        found = {}
+        for key, value in out.items():
+            for sub, t in named_outputs(value).items():
+                found[str(key) if sub == "output" else f"{key}.{sub}"] = t
+        return found
+    tensors = [t for t in tensors_in(out) if torch.is_floating_point(t)]
+    return {f"output{i}": t for i, t in enumerate(tensors)}
+
+
+class _OutputStats:
+    """float64 sums of one trial's model outputs against the reference's."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {}  # name -> [sxx, see, sxy, syy]
+
+    def update(self, ref: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+        if ref.keys() != out.keys():
+            raise QDebugError(f"the model's outputs ({', '.join(out)}) differ from the float model's ({', '.join(ref)})",
+                              "compare checkpoints of one model")
+        for name, x in ref.items():
+            y = out[name]
+            if x.shape != y.shape:
+                raise QDebugError(f"output {name!r} has shape {list(y.shape)}, the float model's {list(x.shape)}",
+                                  "compare checkpoints of one model")
+            x64, y64 = x.detach().double(), y.detach().double()
+            e = x64 - y64
+            sums = self.sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            sums[0] += float((x64 * x64).sum())
+            sums[1] += float((e * e).sum())
+            sums[2] += float((x64 * y64).sum())
+            sums[3] += float((y64 * y64).sum())
+
+    def result(self) -> dict[str, dict[str, float]]:
+        return {name: {"sqnr_db": sqnr_db(s[0], s[1]), "cosine": cosine_of_sums(s[2], s[0], s[3])}
+                for name, s in self.sums.items()}
+
+
+class _Replay(nn.Module):
+    """Stands in for a model inside a metric: returns the stored output of each batch."""
+
+    def __init__(self, batches: Sequence[Any], outputs: list[Any]):
+        super().__init__()
+        self._batches = list(batches)
+        self._outputs = outputs
+        self._index = {id(_first(b)): i for i, b in enumerate(self._batches)}
+
+    def forward(self, *args, **kwargs):
+        first = _first((args, kwargs))
+        i = self._index.get(id(first))
+        if i is None and first is not None:
+            i = next((j for j, b in enumerate(self._batches)
+                      if (f := _first(b)) is not None and f.shape == first.shape and torch.equal(f, first)), None)
+        if i is None or i >= len(self._outputs):
+            raise QDebugError("the metric ran the model on inputs that are not the data's batches",
+                              "under step and suggest, a metric must call the model on each batch's inputs, "
+                              "e.g. for x, y in batches: model(x)")
+        return self._outputs[i]
+
+
+def _first(obj: Any) -> torch.Tensor | None:
+    obj = getattr(obj, "inputs", obj)
+    found = tensors_in(obj)
+    return found[0] if found else None
+
+
+def _sampler(metric: Metric | None) -> Callable | None:
+    sampler = getattr(metric, "per_sample", None)
+    if sampler is True:
+        return metric
+    return sampler if callable(sampler) else None
+
+
+class _MetricRun:
+    """One trial's metric: per-sample sums streamed batch by batch, or stored outputs."""
+
+    def __init__(self, streaming: bool):
+        self.streaming = streaming
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.outputs: list[Any] = []
+
+    def add(self, scores: Any) -> None:
+        scores = scores if isinstance(scores, Mapping) else {"metric": scores}
+        for task, value in scores.items():
+            if not isinstance(value, torch.Tensor):
+                raise QDebugError(f"per-sample metric returned {type(value).__name__} for task {task!r}",
+                                  "return one score per sample (or a dict task -> tensor)")
+            value = value.detach().double().reshape(-1)
+            self.sums[str(task)] = self.sums.get(str(task), 0.0) + float(value.sum())
+            self.counts[str(task)] = self.counts.get(str(task), 0) + value.numel()
+
+    def values(self) -> dict[str, float]:
+        return {task: self.sums[task] / max(self.counts[task], 1) for task in self.sums}
+
+
+@dataclass
+class TrialResult:
+    trial: Trial
+    outputs: dict[str, dict[str, float]]  # output name -> {"sqnr_db", "cosine"}
+    metric: dict[str, float]  # task -> value (empty without a metric)
+    points: int
+    macs_share: float
+    params_share: float
+    served_calls: int = 0
+    row: dict[str, Any] = field(default_factory=dict)  # what the calling tool derives from it
+
+
+class Experiment:
+    """Trials on one prepared ``model`` against the float outputs (see module docstring).
+
+    ``reference``: the float model (None: the model with every point in float).
+    ``metric``: ``metric(model, batches)`` as for baseline (None: outputs only).
+    ``progress(done, total)``: called after each forward.
+    """
+
+    def __init__(self, model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
+                 metric: Metric | None = None, metric_name: str = "metric",
+                 progress: Callable[[int, int], None] | None = None):
+        self.model = model
+        self.batches = list(batches)
+        if not self.batches:
+            raise QDebugError("the experiment got no batches", "pass --data with at least one batch")
+        self.reference = reference
+        self.metric = metric
+        self.metric_name = metric_name
+        self.progress = progress
+        self.state = engine_state(model)
+        # Points quantized as loaded: the ones trials switch.
+        self.quantizable = [name for name, p in self.state.points.items() if p.mode == "fake"]
+        self.float_metric: dict[str, float] | None = None
+        self._float_outputs: list[Any] = []  # for a metric evaluated on stored outputs
+        self.macs: dict[str, int] = {}
+        self.params, self._other_params = self._parameters()
+        self.call_order: list[str] = []  # the base run's calls, in execution order
+        self._acting_calls = self._calls_acted_on()
+        self._done = 0
+
+    # -- public -------------------------------------------------------------------
+    def run(self, trials: Sequence[Trial]) -> list[TrialResult]:
+        """Measure every trial over all batches (one pass; see module docstring)."""
+        trials = list(trials)
+        unknown = sorted({p for t in trials for p in t.quantized} - set(self.quantizable))
+        if unknown:
+            raise QDebugError(f"not a quantized point of this model: {', '.join(unknown[:5])}",
+                              "trials name quant points in fake mode (qdebug inspect lists them)")
+        sampler = _sampler(self.metric)
+        runs = [_MetricRun(streaming=sampler is not None) for _ in trials]
+        first_metric = self.metric is not None and self.float_metric is None
+        float_run = _MetricRun(streaming=sampler is not None) if first_metric else None
+        stats = [_OutputStats() for _ in trials]
+        served_counts = [0] * len(trials)
+        loaded = {name: p.mode for name, p in self.state.points.items()}
+        modes = [(self.model, self.model.training)] + ([(self.reference, self.reference.training)] if self.reference else [])
+        # The base run, and two trial runs in turn: trial k may serve from trial k-1's run while
+        # its own is recorded for trial k+1.
+        base, recordings = _Recording(), (_Recording(), _Recording())
+        total = len(self.batches) * (len(trials) + 1 + (self.reference is not None))
+        self._done = 0
+        for module, _ in modes:
+            module.eval()
+        try:
+            with torch.no_grad():
+                for batch in self.batches:
+                    inputs = getattr(batch, "inputs", batch)
+                    self._set(frozenset(), loaded)
+                    ref_out = self._record(inputs, base, costs=not self.macs)
+                    self._tick(total)
+                    if self.reference is not None:
+                        ref_out = run_model(self.reference, inputs)
+                        self._tick(total)
+                    ref_named = named_outputs(ref_out)
+                    if float_run is not None:
+                        self._score(float_run, sampler, ref_out, ref_out, batch)
+                    index = {name: i for i, name in enumerate(base.order())}
+                    end = len(index)
+                    earlier: frozenset[str] | None = None  # what the previous trial's recorded run quantized
+                    for k, trial in enumerate(trials):
+                        from_base = self._boundary(trial.quantized, frozenset(), index, end)
+                        from_earlier = self._boundary(trial.quantized, earlier, index, end) if earlier is not None else -1
+                        source, start = ((recordings[(k - 1) % 2], from_earlier) if from_earlier > from_base
+                                         else (base, from_base))
+                        keep = k + 1 < len(trials) and (
+                            self._boundary(trials[k + 1].quantized, trial.quantized, index, end)
+                            > self._boundary(trials[k + 1].quantized, frozenset(), index, end))
+                        served = source.served(start)
+                        self._set(trial.quantized, loaded)
+                        with serving(self.model, served):
+                            out = self._record(inputs, recordings[k % 2] if keep else None)
+                        earlier = trial.quantized if keep else None
+                        served_counts[k] += served.served
+                        stats[k].update(ref_named, named_outputs(out))
+                        if self.metric is not None:
+                            self._score(runs[k], sampler, out, ref_out, batch)
+                        self._tick(total)
+                    for recording in (base, *recordings):
+                        recording.clear()
+        finally:
+            for name, mode in loaded.items():
+                self.state.points[name].mode = mode
+            for module, training in modes:
+                module.train(training)
+            for recording in (base, *recordings):
+                recording.capture.release()
+        if float_run is not None:
+            self._float_outputs = float_run.outputs
+            self.float_metric = self._finish(float_run)
+        results = []
+        for k, trial in enumerate(trials):
+            metric = self._finish(runs[k]) if self.metric is not None else {}
+            results.append(TrialResult(trial, stats[k].result(), metric, len(trial.quantized),
+                                       *self.shares(trial.quantized), served_calls=served_counts[k]))
+        return results
+
+    def shares(self, quantized: Iterable[str]) -> tuple[float, float]:
+        """(macs_share, params_share): the multiply-accumulates and parameters of the layers
+        whose weight point is among ``quantized``, as shares of the model's."""
+        layers = {self.state.points[p].owner for p in quantized if self.state.points[p].kind == "weight"}
+        total_macs = sum(self.macs.values())
+        macs = sum(v for k, v in self.macs.items() if k in layers)
+        total_params = sum(self.params.values()) + self._other_params
+        params = sum(v for k, v in self.params.items() if k in layers)
+        return (macs / total_macs if total_macs else 0.0), (params / total_params if total_params else 0.0)
+
+    def verdict(self, values: Mapping[str, float], rules: Mapping[str, TaskRule]) -> dict[str, Any]:
+        """Per task the value and its ``<task>_ratio`` against the float metric (baseline's
+        score), and ``verdict``: pass when every task meets its rule."""
+        out: dict[str, Any] = {}
+        passed = True
+        for task, value in values.items():
+            rule = rules.get(task) or rules.get("metric") or TaskRule()
+            f = (self.float_metric or {}).get(task, math.nan)
+            score, _, _, ok = evaluate_rule(f, value, rule)
+            out[task], out[f"{task}_ratio"] = value, score
+            passed = passed and ok
+        out["verdict"] = "pass" if passed else "fail"
+        return out
+
+    # -- runs -------------------------------------------------------------------------
+    def _tick(self, total: int) -> None:
+        self._done += 1
+        if self.progress is not None:
+            self.progress(self._done, total)
+
+    def _set(self, quantized: frozenset[str], loaded: Mapping[str, str]) -> None:
+        for name, point in self.state.points.items():
+            point.mode = loaded[name] if name in quantized or loaded[name] != "fake" else "float"
+
+    def _record(self, inputs: Any, recording: _Recording | None, costs: bool = False) -> Any:
+        """One forward; with a recording, every call's output kept (and, once, the layers' costs)."""
+        with contextlib.ExitStack() as stack:
+            if recording is not None:
+                recording.clear()
+                stack.enter_context(tap(self.model, recording))
+            counter = _Costs() if costs else None
+            if counter is not None:
+                stack.enter_context(tap(self.model, counter))
+            out = run_model(self.model, inputs)
+        if counter is not None:
+            self.macs = counter.macs
+        if recording is not None and not self.call_order:
+            self.call_order = recording.order()
+        return out
+
+    def _boundary(self, a: frozenset[str], b: frozenset[str], index: Mapping[str, int], end: int) -> int:
+        """Index of the first call at which settings ``a`` and ``b`` differ (``end``: nowhere).
+        A weight point acts at its layer's (first) call; an activation point at its own."""
+        first = end
+        for name in a ^ b:
+            for call in self._acting_calls.get(name, (name,)):
+                first = min(first, index.get(call, end))
+        return first
+
+    def _calls_acted_on(self) -> dict[str, tuple[str, ...]]:
+        """Per point, the calls whose result it changes: a weight point its layer's calls; an
+        activation point its own call and, in the quantized stage, the integer kernel whose
+        output lands on its grid (a conv before its fused ReLU's point)."""
+        acting: dict[str, list[str]] = {}
+        for name, point in self.state.points.items():
+            acting[name] = [point.owner] if point.kind == "weight" else [name]
+        if self.state.stage == "quantized":
+            for record in self.state.plan.calls.values():
+                if record.output_point in acting and record.name not in acting[record.output_point]:
+                    acting[record.output_point].append(record.name)
+        return {name: tuple(calls) for name, calls in acting.items()}
+
+    # -- metric ---------------------------------------------------------------------------
+    def _score(self, run: _MetricRun, sampler, out: Any, ref_out: Any, batch: Any) -> None:
+        if not run.streaming:
+            run.outputs.append(_clone(out))
+            return
+        run.add(call_metric(sampler, _Replay([batch], [out]), [batch], _Replay([batch], [ref_out]), self.metric_name))
+
+    def _finish(self, run: _MetricRun) -> dict[str, float]:
+        """Task -> value; a single-number metric is the task named after the metric (as in baseline)."""
+        if run.streaming:
+            values = run.values()
+        else:
+            values = run_metric(self.metric, _Replay(self.batches, run.outputs), self.batches,
+                                reference=_Replay(self.batches, self._float_outputs), name=self.metric_name)
+        return {self.metric_name: values["metric"]} if list(values) == ["metric"] else values
+
+    def _parameters(self) -> tuple[dict[str, int], int]:
+        """Parameters of each weighted layer, and of everything else (quant points' own excluded)."""
+        params: dict[str, int] = {}
+        seen: set[int] = set()
+        for path, module in self.model.named_modules():
+            if isinstance(module, _QWeighted):
+                own = [p for p in (module.weight, module.bias) if p is not None]
+                params[path] = sum(p.numel() for p in own)
+                seen.update(id(p) for p in own)
+        points = getattr(self.model, "qdebug_points", None)
+        seen.update(id(p) for p in points.parameters()) if points is not None else None
+        other = sum(p.numel() for p in self.model.parameters() if id(p) not in seen)
+        return params, other
+
+
+def _clone(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.detach().clone())

@@ -1,0 +1,377 @@
+"""``step``: step-wise partial quantization -- which module is to blame, down to the layer.
+
+Every step is a trial of the experiment primitive (``qdebug.tools.experiment``):
+some quant points in their quantized mode, every other point in float, measured
+against the float model's outputs (and metric) over all batches.  Step 0 is the
+whole model quantized, for scale.
+
+Units.  A quant point's path is its layer's module path (a weight: its layer; a
+module's output: the module; an inline op: its name under its container, e.g.
+``layer1.0.add``), with the ``#k`` of a second call (``layer1.0.relu#2`` is a unit of
+its own, as it is a point of its own); a BN paired with a conv counts as
+the conv (a Conv-BN pair is one unit in every BN mode).  The unit at depth d is the
+first d components of the path: at depth 1 ``layer1``, at depth 2 ``layer1.0``.
+
+Modes:
+
+- ``only``: the selection (``--module`` patterns) quantized, the rest float;
+- ``except``: everything quantized but the selection;
+- ``auto``: every unit at ``depth`` alone (inside the selection, if given);
+- ``cumulative``: the units at ``depth`` quantized one after another in execution
+  order -- the error curve as quantization spreads through the network;
+- ``drill``: the units one level down alone, then the children of the worst, and so
+  on until the worst is a single quant point.
+
+``kind`` ("weight" | "activation" | "both") says which of a selection's points are
+switched (AIMET's weights-only / activations-only analysis).  When the costliest
+unit has both, two more steps quantize its weights alone and its activations alone,
+so the summary can say which one loses.
+
+"Worst" is the lowest metric score (quantized / float, baseline's rule) when a
+metric is given, else the lowest output SQNR.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+import torch.nn as nn
+
+from qdebug.engine import engine_state
+from qdebug.engine.prepare import name_matches
+from qdebug.errors import QDebugError
+from qdebug.metrics import Metric
+from qdebug.tools.baseline import TaskRule
+from qdebug.tools.experiment import Experiment, Trial, TrialResult
+
+MODES = ("only", "except", "auto", "cumulative", "drill")
+KINDS = ("both", "weight", "activation")
+
+
+@dataclass
+class StepResult:
+    frame: pd.DataFrame  # one row per step
+    meta: dict[str, Any]
+    summary: str
+
+
+class Units:
+    """The quantizable points of a model grouped by module path (see module docstring)."""
+
+    def __init__(self, model: nn.Module, points: Sequence[str]):
+        state = engine_state(model)
+        self.points = list(points)  # execution order
+        self.order = {name: i for i, name in enumerate(self.points)}
+        self.kind = {name: state.points[name].kind for name in self.points}
+        bn_to_conv = {bn: conv for conv, bn in state.plan.pairs}
+        self.path: dict[str, str] = {}
+        for name in self.points:
+            point = state.points[name]
+            path = point.owner if point.kind == "weight" else name  # ``relu#2``: its own unit
+            for bn, conv in bn_to_conv.items():
+                if path == bn or path.startswith(bn + "."):
+                    path = conv + path[len(bn):]
+            self.path[name] = path
+        self.owner = {name: state.points[name].owner for name in self.points}
+        self.modules = sorted({m for m, _ in model.named_modules() if m} | set(self.path.values()))
+
+    def select(self, patterns: Sequence[str]) -> list[str]:
+        """Points matching any pattern (a glob or module prefix, on point names, owners or paths)."""
+        chosen = []
+        for pattern in patterns:
+            hits = [n for n in self.points if name_matches(pattern, n) or name_matches(pattern, self.owner[n])
+                    or name_matches(pattern, self.path[n])]
+            if not hits:
+                close = difflib.get_close_matches(pattern, self.modules + self.points, n=3, cutoff=0.5)
+                raise QDebugError(f"--module {pattern!r} matches no quantized layer",
+                                  (f"closest names: {', '.join(close)}" if close else
+                                   "give a module path such as layer1 or a glob such as 'layer1.*'")
+                                  + "; qdebug inspect lists them")
+            chosen += hits
+        return sorted(set(chosen), key=self.order.__getitem__)
+
+    def of_kind(self, names: Sequence[str], kind: str) -> list[str]:
+        return [n for n in names if kind == "both" or self.kind[n] == kind]
+
+    def depth_of(self, names: Sequence[str]) -> int:
+        """Depth of the deepest module path containing all of ``names`` (0: the root)."""
+        parts = [self.path[n].split(".") for n in names]
+        depth = 0
+        while all(len(p) > depth for p in parts) and len({tuple(p[:depth + 1]) for p in parts}) == 1:
+            depth += 1
+        return depth
+
+    def group(self, names: Sequence[str], depth: int) -> dict[str, list[str]]:
+        """``names`` by unit at ``depth``, in execution order of each unit's first point."""
+        groups: dict[str, list[str]] = {}
+        for name in sorted(names, key=self.order.__getitem__):
+            groups.setdefault(".".join(self.path[name].split(".")[:depth]), []).append(name)
+        return groups
+
+    def children(self, names: Sequence[str]) -> dict[str, list[str]]:
+        """The next level of a drill inside ``names``: units one level below their common
+        module; a unit that cannot be split by path (a conv with its BN) splits into points."""
+        depth = self.depth_of(names)
+        while True:
+            groups = self.group(names, depth + 1)
+            if len(groups) > 1:
+                return groups
+            if max(len(self.path[n].split(".")) for n in names) <= depth + 1:
+                return {n: [n] for n in names} if len(names) > 1 else {}
+            depth += 1
+
+
+def check_selection(model: nn.Module, modules: Sequence[str]) -> list[str]:
+    """The points ``modules`` select among the model's quantized ones (an error names the
+    closest names when a pattern matches none): checked before any data is read."""
+    quantizable = [name for name, p in engine_state(model).points.items() if p.mode == "fake"]
+    return Units(model, quantizable).select(modules) if modules else quantizable
+
+
+def _score(result: TrialResult) -> tuple[float, float]:
+    """Sort key, lower is worse: (lowest task score, lowest output SQNR); NaN counts as worst."""
+    def clean(v: float) -> float:
+        return -math.inf if v is None or math.isnan(v) else v
+
+    sqnr = min((clean(o["sqnr_db"]) for o in result.outputs.values()), default=math.inf)
+    ratio = min((clean(v) for k, v in result.row.items() if k.endswith("_ratio")), default=math.inf)
+    return ratio, sqnr
+
+
+def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
+         modules: Sequence[str] = (), mode: str = "only", depth: int = 1, kind: str = "both",
+         metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
+         progress: Callable[[int, int], None] | None = None) -> StepResult:
+    """Partial-quantization steps of ``model`` against the float outputs (see module docstring).
+
+    ``reference``: the float model (None: ``model`` with every point in float).
+    ``rules``: task -> ``TaskRule`` (baseline's rule; ``"metric"`` for a single-number metric).
+    """
+    if mode not in MODES:
+        raise QDebugError(f"unknown step mode {mode!r}", f"choose one of {', '.join(MODES)}")
+    if kind not in KINDS:
+        raise QDebugError(f"unknown kind {kind!r}", f"choose one of {', '.join(KINDS)}")
+    if depth < 1:
+        raise QDebugError(f"depth must be >= 1, got {depth}", "depth 1 is the model's top-level modules")
+    if mode in ("only", "except") and not modules:
+        raise QDebugError(f"--{mode} needs the modules to select", "e.g. --module backbone (repeatable)")
+    experiment = Experiment(model, batches, reference=reference, metric=metric, metric_name=metric_name,
+                            progress=progress)
+    if not experiment.quantizable:
+        raise QDebugError("the model has no quantized point to step through",
+                          "give a calibrated, QAT or quantized checkpoint (qdebug inspect shows its points)")
+    units = Units(model, experiment.quantizable)
+    rules = dict(rules or {})
+    selected = units.select(modules) if modules else list(units.points)
+    everything = frozenset(units.points)
+    rows: list[dict[str, Any]] = []
+    results: list[TrialResult] = []
+
+    def measure(trials: list[Trial]) -> list[TrialResult]:
+        done = experiment.run(trials)
+        for result in done:
+            result.row = {**result.trial.info, **experiment.verdict(result.metric, rules)} if metric else dict(result.trial.info)
+        for result in done:
+            rows.append(_row(len(rows), result, experiment))
+            results.append(result)
+        return done
+
+    def alone(label: str, names: Sequence[str], level: int | None = None, step_mode: str = mode) -> Trial:
+        chosen = frozenset(units.of_kind(names, kind))
+        info = {"selection": label, "mode": step_mode, "kind": kind}
+        if level is not None:
+            info["level"] = level
+        return Trial(chosen, info)
+
+    whole = Trial(everything, {"selection": "*", "mode": "all", "kind": "both", **({"level": 0} if mode == "drill" else {})})
+    label = ",".join(modules)
+    drill_path: list[dict[str, Any]] = []
+    if mode == "only":
+        measure([whole, alone(label, selected)])
+        culprit = results[1]
+    elif mode == "except":
+        kept = frozenset(units.of_kind(selected, kind))
+        measure([whole, Trial(everything - kept, {"selection": label, "mode": "except", "kind": kind})])
+        culprit = None
+    elif mode in ("auto", "cumulative"):
+        groups = units.group(selected, depth)
+        if mode == "auto":
+            trials = [alone(name, names) for name, names in groups.items()]
+        else:
+            trials, grown = [], []
+            for name, names in groups.items():
+                grown += units.of_kind(names, kind)
+                trials.append(Trial(frozenset(grown), {"selection": name, "mode": "cumulative", "kind": kind}))
+        done = measure([whole, *trials])[1:]
+        culprit = _costliest(done, cumulative=mode == "cumulative")
+    else:  # drill
+        group = selected
+        level = 1
+        first = True
+        culprit = None
+        while True:
+            children = units.children(group)
+            if not children:
+                break
+            trials = [alone(name, names, level) for name, names in children.items()]
+            done = measure(([whole] if first else []) + trials)[(1 if first else 0):]
+            first = False
+            culprit = min(done, key=_score)
+            drill_path.append(_path_entry(culprit, experiment))
+            group = children[culprit.trial.info["selection"]]
+            if len(group) <= 1:
+                break
+            level += 1
+        if culprit is None:  # a single point selected: nothing to drill into
+            measure([whole, alone(label or units.points[0], selected, 1)])
+            culprit = results[1]
+    split = None
+    own: list[str] = []
+    if culprit is not None:
+        own = sorted(culprit.trial.quantized, key=units.order.__getitem__)
+        if mode == "cumulative":
+            own = units.of_kind(units.group(selected, depth)[culprit.trial.info["selection"]], kind)
+    if culprit is not None and kind == "both":
+        names = own
+        weights, activations = units.of_kind(names, "weight"), units.of_kind(names, "activation")
+        if weights and activations:
+            info = {"selection": culprit.trial.info["selection"], "mode": "only",
+                    **({"level": culprit.trial.info.get("level")} if mode == "drill" else {})}
+            split = measure([Trial(frozenset(weights), {**info, "kind": "weight"}),
+                             Trial(frozenset(activations), {**info, "kind": "activation"})])
+    frame = pd.DataFrame(rows)
+    tasks = list(experiment.float_metric or {})
+    meta = {
+        "mode": mode, "kind": kind, "depth": depth, "modules": list(modules), "batches": len(experiment.batches),
+        "points": len(units.points), "outputs": list(results[0].outputs) if results else [],
+        "float_metric": experiment.float_metric, "tasks": tasks,
+        "drill_path": drill_path,
+        "culprit": _culprit_meta(culprit, split, experiment, own, results) if culprit is not None else None,
+        "served_calls": sum(r.served_calls for r in results),
+        "reference": "float model" if reference is not None else "the model with every point in float",
+    }
+    return StepResult(frame, meta, summarize(frame, meta))
+
+
+def _row(index: int, result: TrialResult, experiment: Experiment) -> dict[str, Any]:
+    row: dict[str, Any] = {"step": index}
+    info = dict(result.trial.info)
+    if "level" in info:
+        row["level"] = info.pop("level")
+    row.update(selection=info.pop("selection"), mode=info.pop("mode"), kind=info.pop("kind"), **info)
+    row.update(points=result.points, macs_share=result.macs_share, params_share=result.params_share)
+    outputs = result.outputs
+    row["sqnr_db"] = min((o["sqnr_db"] for o in outputs.values()), default=math.nan, key=_nan_low)
+    row["cosine"] = min((o["cosine"] for o in outputs.values()), default=math.nan, key=_nan_low)
+    if len(outputs) > 1:
+        for name, values in outputs.items():
+            row[f"{name}_sqnr_db"], row[f"{name}_cosine"] = values["sqnr_db"], values["cosine"]
+    for key, value in getattr(result, "row", {}).items():
+        if key not in row:
+            row[key] = value
+    return row
+
+
+def _nan_low(v: float) -> float:
+    return -math.inf if v is None or math.isnan(v) else v
+
+
+def _costliest(done: list[TrialResult], *, cumulative: bool) -> TrialResult:
+    """The unit costing the most: the worst step, or in a cumulative sweep the step that lost
+    the most when its unit was added (score drop; noise power added, without a metric)."""
+    if not cumulative:
+        return min(done, key=_score)
+    best, best_cost = done[0], -math.inf
+    previous = (math.inf, math.inf)
+    for result in done:
+        ratio, sqnr = _score(result)
+        if math.isfinite(previous[0]) or math.isfinite(ratio):
+            cost = (previous[0] if math.isfinite(previous[0]) else 1.0) - ratio
+        else:
+            cost = _noise(sqnr) - _noise(previous[1])
+        if cost > best_cost:
+            best, best_cost = result, cost
+        previous = (ratio, sqnr)
+    return best
+
+
+def _noise(sqnr: float) -> float:
+    """Noise power relative to the signal: 10^(-SQNR/10)."""
+    if math.isnan(sqnr):
+        return math.inf
+    return 10 ** (-sqnr / 10) if math.isfinite(sqnr) else (0.0 if sqnr > 0 else math.inf)
+
+
+def _path_entry(result: TrialResult, experiment: Experiment) -> dict[str, Any]:
+    entry: dict[str, Any] = {"selection": result.trial.info["selection"],
+                             "sqnr_db": min((o["sqnr_db"] for o in result.outputs.values()), key=_nan_low)}
+    for task, value in result.metric.items():
+        f = (experiment.float_metric or {}).get(task)
+        entry[f"{task}_delta"] = value - f if f is not None else math.nan
+    return entry
+
+
+def _culprit_meta(culprit: TrialResult, split: list[TrialResult] | None, experiment: Experiment,
+                  own: list[str], results: list[TrialResult]) -> dict[str, Any]:
+    found = _path_entry(culprit, experiment)
+    found["macs_share"], found["params_share"] = experiment.shares(own)
+    if culprit.trial.info.get("mode") == "cumulative":
+        index = results.index(culprit)
+        before = results[index - 1] if index > 1 else None  # results[0] is the whole model
+        found["before_sqnr_db"] = (min((o["sqnr_db"] for o in before.outputs.values()), key=_nan_low)
+                                   if before is not None else math.inf)
+    if split:
+        w, a = (min((o["sqnr_db"] for o in r.outputs.values()), key=_nan_low) for r in split)
+        found.update(weights_sqnr_db=w, activations_sqnr_db=a,
+                     loss_in="weights" if _nan_low(w) < _nan_low(a) else "activations")
+    return found
+
+
+def _db(v: float) -> str:
+    if v is None or math.isnan(v):
+        return "NaN dB"
+    return "inf dB" if math.isinf(v) else f"{v:.1f} dB"
+
+
+def _delta(entry: Mapping[str, Any]) -> str:
+    """One path entry as a short loss: metric points when the metric is a fraction, else dB."""
+    deltas = [(k[:-6], v) for k, v in entry.items() if k.endswith("_delta")]
+    if deltas:
+        task, d = min(deltas, key=lambda kv: _nan_low(kv[1]))
+        return f"{d * 100:+.1f} pts" if abs(d) <= 1 else f"{d:+.3g}"
+    return _db(entry["sqnr_db"])
+
+
+def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
+    """A few short lines: the whole model, the costliest unit and its kind of loss, the drill path."""
+    if frame.empty:
+        return "no step measured"
+    lines = []
+    whole = frame.iloc[0]
+    tasks = meta.get("tasks") or []
+    scores = ", ".join(f"{t} {whole[t]:.4g} = {whole[t + '_ratio']:.3f} x float" for t in tasks if t in whole)
+    lines.append(f"all quantized: {_db(whole['sqnr_db'])} output SQNR" + (f"; {scores} ({whole['verdict']})" if scores else ""))
+    if meta["mode"] == "except":
+        row = frame.iloc[1]
+        scores = ", ".join(f"{t} {row[t + '_ratio']:.3f} x float" for t in tasks if t + "_ratio" in row)
+        lines.append(f"all but {row['selection']}: {_db(row['sqnr_db'])}" + (f"; {scores} ({row['verdict']})" if scores else ""))
+    culprit = meta.get("culprit")
+    if culprit:
+        share = f", {culprit['macs_share'] * 100:.0f}% of MACs" if culprit.get("macs_share") else ""
+        change = _delta(culprit)
+        if "before_sqnr_db" in culprit and not any(k.endswith("_delta") for k in culprit):
+            change = f"{_db(culprit['before_sqnr_db'])} -> {change} when added"
+        lines.append(f"costs the most: {culprit['selection']} ({change}{share})")
+        if "loss_in" in culprit:
+            lines.append(f"  loss in its {culprit['loss_in']}: weights alone {_db(culprit['weights_sqnr_db'])}, "
+                         f"activations alone {_db(culprit['activations_sqnr_db'])}")
+    if meta.get("drill_path"):
+        lines.append("drill: " + " > ".join(f"{e['selection']} ({_delta(e)})" for e in meta["drill_path"]))
+    return "\n".join(lines)
+
+
+__all__ = ["step", "check_selection", "StepResult", "Units", "MODES", "KINDS", "summarize"]

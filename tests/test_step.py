@@ -1,0 +1,305 @@
+"""``step`` and the experiment primitive under it: planted defects found, the cached float
+prefix bit-identical to full reruns, costs counted by hand, bad input answered in one line."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qdebug
+from qdebug.data import Batch
+from qdebug.engine import QConfig, calibrate, convert, prepare, quant_points, refresh_weight_qparams
+from qdebug.engine.context import run_model
+from qdebug.engine.observers import make_observer
+from qdebug.engine.point import grid_of
+from qdebug.errors import QDebugError
+from qdebug.tap import Capture, tap
+from qdebug.tools.experiment import Experiment, Trial
+from qdebug.tools.step import Units, step
+
+from tables import body_rows, table_lines
+
+DEFECT = "layer2.0.relu"  # the first block's ReLU output of stage 2 (small ResNet)
+
+
+def _calibrated(make_resnet, images, mode="fuse_bn"):
+    model = prepare(make_resnet(0), QConfig(), mode=mode, example_inputs=images(4, seed=1))
+    return calibrate(model, [images(16, seed=s) for s in (10, 11)])
+
+
+def _plant_small_scale(model, name=DEFECT, factor=10.0):
+    point = quant_points(model)[name]
+    point.set_qparams(point.scale / factor, point.zero_point)
+    return model
+
+
+def _plant_int2_weights(model, layer="layer1.0.conv2"):
+    point = quant_points(model)[f"{layer}.weight"]
+    point.spec = dataclasses.replace(point.spec, bits=2)
+    point.observer = make_observer(point.spec)
+    refresh_weight_qparams(model)
+    return model
+
+
+def _labelled(float_model, images, n=48, batch=16, seed=20):
+    """Batches whose targets are the float model's own predictions: float top1 = 1.0."""
+    out = []
+    for i in range(n // batch):
+        x = images(batch, seed=seed + i)
+        with torch.no_grad():
+            out.append(Batch(x, float_model(x).argmax(-1)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def defect(make_resnet, images):
+    float_model = make_resnet(0)
+    model = _plant_small_scale(_calibrated(make_resnet, images))
+    return float_model, model, _labelled(float_model, images)
+
+
+# -- the experiment primitive ----------------------------------------------------------------
+def _full_run(model, quantized, x):
+    loaded = {n: p.mode for n, p in quant_points(model).items()}
+    try:
+        for name, point in quant_points(model).items():
+            point.mode = loaded[name] if name in quantized else "float"
+        with torch.no_grad():
+            return run_model(model.eval(), x)
+    finally:
+        for name, point in quant_points(model).items():
+            point.mode = loaded[name]
+
+
+@pytest.mark.parametrize("stage", ["fuse_bn", "with_bn", "quantized"])
+def test_cached_prefix_is_bit_identical_to_full_reruns(make_resnet, images, monkeypatch, stage):
+    model = _calibrated(make_resnet, images, "with_bn" if stage == "with_bn" else "fuse_bn")
+    if stage == "quantized":
+        model = convert(model)
+    points = list(quant_points(model))
+    units = Units(model, points)
+    groups = units.group(points, 2)
+    trials = [Trial(frozenset(names), {"unit": unit}) for unit, names in groups.items()]
+    grown: list[str] = []
+    for names in groups.values():  # cumulative trials resume from the previous trial's run
+        grown += names
+        trials.append(Trial(frozenset(grown)))
+    seen = []
+    import qdebug.tools.experiment as experiment
+
+    original = experiment._OutputStats.update
+    monkeypatch.setattr(experiment._OutputStats, "update",
+                        lambda self, ref, out: (seen.append(out["output"].clone()), original(self, ref, out))[1])
+    batches = [images(6, seed=s) for s in (30, 31)]
+    results = Experiment(model, batches).run(trials)
+    assert sum(r.served_calls for r in results) > 0  # the prefix was served, not recomputed
+    assert len(seen) == len(batches) * len(trials)
+    for b, x in enumerate(batches):
+        for k, trial in enumerate(trials):
+            assert torch.equal(seen[b * len(trials) + k], _full_run(model, trial.quantized, x)), (b, k)
+    # Every point is back in its loaded mode.
+    assert all(p.mode == "fake" for p in quant_points(model).values())
+
+
+def test_served_outputs_survive_in_place_consumers(make_resnet, images):
+    # ReLU(inplace=True) writes the conv output it consumes: a served conv output must be a copy.
+    model = _calibrated(make_resnet, images)
+    for m in model.modules():
+        if isinstance(m, nn.ReLU):
+            m.inplace = True
+    x = images(6, seed=30)
+    boundary = frozenset(n for n in quant_points(model) if n.startswith("layer1.0.relu"))
+    results = Experiment(model, [x, x]).run([Trial(boundary), Trial(boundary)])
+    expected = _full_run(model, boundary, x)
+    assert results[0].outputs == results[1].outputs
+    ref = _full_run(model, frozenset(), x).double()
+    noise = float(((ref - expected.double()) ** 2).sum())
+    assert results[0].outputs["output"]["sqnr_db"] == pytest.approx(10 * torch.log10(ref.pow(2).sum() / noise).item(), rel=1e-9)
+
+
+def test_costs_are_counted_by_hand(make_resnet, images):
+    model = _calibrated(make_resnet, images)
+    experiment = Experiment(model, [images(2, seed=3)])
+    experiment.run([Trial(frozenset())])
+    # conv1: 1 -> 8 channels, 3x3, 16x16 output (small stem); fc: 16 -> 10.
+    assert experiment.macs["conv1"] == 8 * 16 * 16 * (1 * 3 * 3)
+    assert experiment.macs["fc"] == 10 * 16
+    total_macs = sum(experiment.macs.values())
+    macs, params = experiment.shares(["conv1.weight", "relu"])
+    assert macs == pytest.approx(8 * 16 * 16 * 9 / total_macs)
+    conv1 = model.get_submodule("conv1")
+    total_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("qdebug_points"))
+    assert params == pytest.approx((conv1.weight.numel() + conv1.bias.numel()) / total_params)
+
+
+# -- planted defects ----------------------------------------------------------------------------
+def test_drill_ends_at_the_planted_activation_scale(defect):
+    float_model, model, batches = defect
+    result = step(model, batches, reference=float_model, mode="drill", metric=qdebug.metrics.top1, metric_name="top1")
+    path = [entry["selection"] for entry in result.meta["drill_path"]]
+    assert path == ["layer2", DEFECT], path
+    assert result.meta["culprit"]["selection"] == DEFECT
+    assert result.meta["float_metric"] == {"top1": 1.0}
+    assert "drill: layer2 (" in result.summary and f"> {DEFECT} (" in result.summary
+
+
+def test_cumulative_curve_drops_where_the_defect_is_added(defect):
+    float_model, model, batches = defect
+    frame = step(model, batches, reference=float_model, mode="cumulative", depth=2).frame
+    curve = frame[frame["mode"] == "cumulative"].set_index("selection")["sqnr_db"]
+    drops = curve.shift(1) - curve
+    assert drops.idxmax() == "layer2.0"
+    assert curve["layer1.0"] > 35 and curve["layer2.0"] < 15
+
+
+def test_except_the_defect_recovers_the_float_metric(defect):
+    float_model, model, batches = defect
+    frame = step(model, batches, reference=float_model, mode="except", modules=[DEFECT],
+                 metric=qdebug.metrics.top1, metric_name="top1").frame
+    whole, rest = frame.iloc[0], frame.iloc[1]
+    assert whole["verdict"] == "fail" and whole["top1_ratio"] < 0.9
+    assert rest["verdict"] == "pass" and rest["top1_ratio"] >= 0.99
+
+
+def test_a_weight_defect_shows_under_kind_weight_only(make_resnet, images):
+    model = _plant_int2_weights(_calibrated(make_resnet, images))
+    batches = [images(8, seed=s) for s in (40, 41)]
+    by_kind = {kind: step(model, batches, mode="auto", depth=2, kind=kind) for kind in ("weight", "activation")}
+    weight, activation = (by_kind[k].frame.set_index("selection") for k in ("weight", "activation"))
+    assert by_kind["weight"].meta["culprit"]["selection"] == "layer1.0"
+    assert weight.loc["layer1.0", "sqnr_db"] < 15  # int2 weights: a few dB
+    assert activation.loc["layer1.0", "sqnr_db"] > 30  # its activations are fine
+    assert by_kind["activation"].meta["culprit"]["selection"] != "layer1.0" or activation.loc["layer1.0", "sqnr_db"] > 30
+
+
+def test_both_kinds_split_the_costliest_unit(defect):
+    float_model, model, batches = defect
+    result = step(model, batches, reference=float_model, mode="auto", depth=1)
+    culprit = result.meta["culprit"]
+    assert culprit["selection"] == "layer2" and culprit["loss_in"] == "activations"
+    assert culprit["weights_sqnr_db"] > 30 > culprit["activations_sqnr_db"]
+    kinds = result.frame[result.frame["selection"] == "layer2"]["kind"].tolist()
+    assert kinds == ["both", "weight", "activation"]
+
+
+def test_a_metric_without_per_sample_scores_runs_on_stored_outputs(defect):
+    float_model, model, batches = defect
+    calls = []
+
+    def agreement_count(m, data, reference=None):
+        calls.append(len(data))
+        return qdebug.metrics.agreement(m, data, reference=reference)
+
+    frame = step(model, batches, reference=float_model, mode="only", modules=["layer1"], metric=agreement_count,
+                 metric_name="agree").frame
+    # float, all quantized, layer1, then layer1's weights and its activations: each once over every batch.
+    assert calls == [len(batches)] * 5
+    assert frame["agree_ratio"].iloc[1] >= 0.99
+
+
+def test_quantized_stage_projects_inputs_from_float_points(make_resnet, images):
+    """A conv whose input point is left in float still runs its integer kernel, on its input
+    projected onto that point's grid: its output lies on its own grid."""
+    model = convert(_calibrated(make_resnet, images))
+    quant_points(model)["layer1.0.relu"].mode = "float"
+    capture = Capture(keep_inputs=False)
+    with torch.no_grad(), tap(model, capture):
+        run_model(model, images(4, seed=2))
+    conv = model.get_submodule("layer1.0.conv2")
+    assert conv.integer_fallbacks == 0
+    out = capture.records["layer1.0.conv2"].output
+    scale = quant_points(model)["layer1.0.bn2"].scale
+    off_grid = lambda t, s: float((t / s - torch.round(t / s)).abs().max())  # noqa: E731
+    assert off_grid(out, scale) < 1e-3
+    relu = capture.records["layer1.0.relu"].output
+    relu_scale = quant_points(model)["layer1.0.relu"].scale
+    assert off_grid(relu, relu_scale) > 0.1  # the point itself stayed float
+    assert grid_of(relu) is None
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def defect_files(defect, tmp_path_factory):
+    float_model, model, batches = defect
+    d = tmp_path_factory.mktemp("step")
+    qdebug.save(float_model, d / "float.pt", stage="float", sample_inputs=batches[0].inputs)
+    qdebug.save(model, d / "calibrated.pt", stage="calibrated", sample_inputs=batches[0].inputs)
+    torch.save((torch.cat([b.inputs for b in batches]), torch.cat([b.target for b in batches])), d / "eval.pt")
+    return d
+
+
+def test_cli_drill_table_summary_and_json(cli, defect_files):
+    d = defect_files
+    args = [d / "float.pt", d / "calibrated.pt", "--drill", "--metric", "top1", "--data", d / "eval.pt"]
+    result = cli("step", *args)
+    assert result.code == 0, result.err
+    assert f"drill: layer2 (" in result.out and f"costs the most: {DEFECT}" in result.out
+    assert "next: see layer2.0.relu's own error" in result.out
+    assert "qdebug compare" in result.out and "--sort isolated_sqnr_db" in result.out
+    data = json.loads(cli("step", *args, "--format", "json").out)
+    assert [e["selection"] for e in data["meta"]["drill_path"]] == ["layer2", DEFECT]
+    row = data["rows"][0]
+    for key in ("step", "level", "selection", "mode", "kind", "points", "macs_share", "params_share", "sqnr_db",
+                "cosine", "top1", "top1_ratio", "verdict"):
+        assert key in row, key
+    csv = cli("step", *args, "--format", "csv").out.splitlines()
+    assert csv[0].startswith("step,level,selection,mode,kind")
+
+
+def test_cli_out_writes_table_json_and_plot(cli, defect_files, tmp_path):
+    d = defect_files
+    result = cli("step", d / "calibrated.pt", "--cumulative", "--depth", "2", "--out", tmp_path / "o")
+    assert result.code == 0, result.err
+    assert {p.name for p in (tmp_path / "o").iterdir()} == {"step.csv", "step.json", "step.png"}
+    assert (tmp_path / "o" / "step.png").read_bytes()[:4] == b"\x89PNG"
+    assert "next: drill into layer2.0" in result.out
+    assert "qdebug step" in result.out and "--drill --module layer2.0" in result.out
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_cli_table_fits_the_width(cli, defect_files, monkeypatch, width):
+    from qdebug.cli.common import console
+
+    monkeypatch.setattr(console, "_width", width)
+    result = cli("step", defect_files / "calibrated.pt", "--auto", "--depth", "2")
+    assert result.code == 0, result.err
+    head, body = table_lines(result.out)
+    assert max(len(line) for line in head + body) <= width
+    assert any("layer2.0" in row for row in body_rows(result.out))
+    assert "sqnr_db" in result.out
+
+
+def test_cli_bad_input_is_one_error_line(cli, defect_files, make_resnet, images, tmp_path):
+    d = defect_files
+    cli("step", d / "calibrated.pt", "--module", "layer9").assert_error("matches no quantized layer", "closest names")
+    cli("step", d / "calibrated.pt", "--module", "layr2").assert_error("closest names: layer2")
+    cli("step", d / "calibrated.pt").assert_error("--only needs --module")
+    cli("step", d / "calibrated.pt", "--auto", "--drill").assert_error("choose one of --auto, --drill")
+    cli("step", d / "calibrated.pt", "--auto", "--kind", "weights").assert_error("--kind")
+    cli("step", d / "calibrated.pt", "--auto", "--depth", "0").assert_error("--depth")
+    cli("step", d / "float.pt", "--auto").assert_error("float checkpoint")
+    cli("step", d / "calibrated.pt", d / "float.pt", "--auto").assert_error("float checkpoint: it goes first")
+    cli("step", d / "calibrated.pt", d / "calibrated.pt", "--auto").assert_error("not the float model")
+    # A float checkpoint of another model (other widths).
+    other = tmp_path / "other.pt"
+    qdebug.save(make_resnet(0, widths=[4, 8]), other, stage="float", sample_inputs=images(2))
+    cli("step", other, d / "calibrated.pt", "--auto").assert_error("not the same model")
+    (tmp_path / "badmetric.py").write_text("def metric(model, batches):\n    raise ValueError('boom')\n")
+    cli("step", d / "calibrated.pt", "--auto", "--metric", "badmetric:metric", "--data", d / "eval.pt").assert_error(
+        "metric metric raised ValueError: boom")
+    cli("step", d / "calibrated.pt", "--auto", "--sort", "nope").assert_error("cannot sort by 'nope'")
+    cli("step", tmp_path / "missing.pt", "--auto").assert_error("no such file")
+
+
+def test_python_api(defect_files):
+    frame = qdebug.step(str(defect_files / "float.pt"), str(defect_files / "calibrated.pt"), mode="drill",
+                        data=str(defect_files / "eval.pt"), metric="top1")
+    assert frame.attrs["meta"]["culprit"]["selection"] == DEFECT
+    assert "drill:" in frame.attrs["summary"]
+    with pytest.raises(QDebugError, match="matches no quantized layer"):
+        qdebug.step(str(defect_files / "calibrated.pt"), module="nothing")
