@@ -303,3 +303,14 @@ def test_python_api(defect_files):
     assert "drill:" in frame.attrs["summary"]
     with pytest.raises(QDebugError, match="matches no quantized layer"):
         qdebug.step(str(defect_files / "calibrated.pt"), module="nothing")
+
+
+def test_a_qat_checkpoint_reports_the_floor_its_own_weights_set(make_resnet, images, qat_steps):
+    float_model = make_resnet(0)
+    qat = qat_steps(_calibrated(make_resnet, images), steps=2)
+    result = step(qat, [images(8, seed=50)], reference=float_model, mode="auto")
+    floor = result.meta["floor_sqnr_db"]
+    assert 0 < floor < 60  # trained weights: even with no point quantized the output differs
+    assert f"nothing quantized: {floor:.1f} dB vs float" in result.summary
+    # Against its own float run there is no floor.
+    assert step(qat, [images(8, seed=50)], mode="auto").meta["floor_sqnr_db"] is None

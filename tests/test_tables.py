@@ -19,6 +19,7 @@ from rich.console import Console
 from qdebug.cli.baseline import render_baseline
 from qdebug.cli.compare import render_compare
 from qdebug.cli.inspect import render_checks, render_layers
+from qdebug.cli.step import render_step
 from qdebug.report.table import render_table, shorten_left, split_header, table_width
 from qdebug.tools.baseline import TaskRule, gate
 from tables import table_lines
@@ -148,6 +149,24 @@ def _baseline_frame() -> pd.DataFrame:
     return gate(floats, quants, rules, ratio=0.99).frame
 
 
+def _step_frame() -> tuple[pd.DataFrame, dict]:
+    rows = [
+        (0, 0, "*", "all", "both", 62, 1.0, 1.0, 14.21, 0.981234, 0.8412, 0.9312, "fail"),
+        (1, 1, "input", "drill", "both", 1, 0.0, 0.0, 52.97, 0.999998, 0.9031, 0.9997, "pass"),
+        (2, 1, "backbone", "drill", "both", 48, 0.912, 0.801, 14.9, 0.983311, 0.8501, 0.9411, "fail"),
+        (3, 1, "head.classifier", "drill", "both", 13, 0.088, 0.199, 43.08, 0.999877, 0.9012, 0.9976, "pass"),
+        (4, 2, "backbone.layer3", "drill", "both", 12, 0.251, 0.302, 15.2, 0.984101, 0.8602, 0.9523, "fail"),
+        (5, 3, "backbone.layer3.1.conv2", "drill", "both", 2, 0.061, 0.075, 15.9, 0.985401, 0.8713, 0.9645, "fail"),
+        (6, 3, "backbone.layer3.1.conv2", "only", "weight", 1, 0.061, 0.075, 44.2, 0.999912, 0.9031, 0.9997, "pass"),
+        (7, 3, "backbone.layer3.1.conv2", "only", "activation", 1, 0.0, 0.0, 16.0, 0.985522, 0.8722, 0.9656, "fail"),
+    ]
+    cols = ["step", "level", "selection", "mode", "kind", "points", "macs_share", "params_share", "sqnr_db", "cosine",
+            "top1", "top1_ratio", "verdict"]
+    meta = {"mode": "drill", "kind": "both", "batches": 8, "tasks": ["top1"],
+            "culprit": {"selection": "backbone.layer3.1.conv2"}}
+    return pd.DataFrame(rows, columns=cols), meta
+
+
 TABLES = {
     "compare": lambda width: render_compare(_compare_frame(), ["sqnr_db", "isolated_sqnr_db", "cosine", "saturation",
                                                                "max_abs_scales", "min_channel_sqnr_db"],
@@ -158,6 +177,7 @@ TABLES = {
     "inspect_checks": lambda width: render_checks(_checks_frame(), width=width),
     "calibrate": lambda width: render_layers(_layers_frame(), title="calibrated on 8 batch(es)", width=width),
     "convert": lambda width: render_layers(_layers_frame(), title="quantized layers", width=width),
+    "step": lambda width: render_step(*_step_frame(), width=width),
     "baseline": lambda width: render_baseline(_baseline_frame(), ratio=0.99, confidence=None, width=width),
 }
 

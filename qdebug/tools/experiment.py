@@ -244,6 +244,9 @@ class Experiment:
         # Points quantized as loaded: the ones trials switch.
         self.quantizable = [name for name, p in self.state.points.items() if p.mode == "fake"]
         self.float_metric: dict[str, float] | None = None
+        # Output SQNR/cosine of the model with every point in float against ``reference``: the
+        # best any trial can do (below inf when the weights differ from float: QAT, BN folded).
+        self.floor: dict[str, dict[str, float]] = {}
         self._float_outputs: list[Any] = []  # for a metric evaluated on stored outputs
         self.macs: dict[str, int] = {}
         self.params, self._other_params = self._parameters()
@@ -264,6 +267,7 @@ class Experiment:
         first_metric = self.metric is not None and self.float_metric is None
         float_run = _MetricRun(streaming=sampler is not None) if first_metric else None
         stats = [_OutputStats() for _ in trials]
+        floor = _OutputStats()  # the model with no point quantized against the float model
         served_counts = [0] * len(trials)
         loaded = {name: p.mode for name, p in self.state.points.items()}
         modes = [(self.model, self.model.training)] + ([(self.reference, self.reference.training)] if self.reference else [])
@@ -279,12 +283,14 @@ class Experiment:
                 for batch in self.batches:
                     inputs = getattr(batch, "inputs", batch)
                     self._set(frozenset(), loaded)
-                    ref_out = self._record(inputs, base, costs=not self.macs)
+                    ref_out = base_out = self._record(inputs, base, costs=not self.macs)
                     self._tick(total)
                     if self.reference is not None:
                         ref_out = run_model(self.reference, inputs)
                         self._tick(total)
                     ref_named = named_outputs(ref_out)
+                    if self.reference is not None:
+                        floor.update(ref_named, named_outputs(base_out))
                     if float_run is not None:
                         self._score(float_run, sampler, ref_out, ref_out, batch)
                     index = {name: i for i, name in enumerate(base.order())}
@@ -317,6 +323,8 @@ class Experiment:
                 module.train(training)
             for recording in (base, *recordings):
                 recording.capture.release()
+        if self.reference is not None:
+            self.floor = floor.result()
         if float_run is not None:
             self._float_outputs = float_run.outputs
             self.float_metric = self._finish(float_run)

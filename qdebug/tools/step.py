@@ -252,6 +252,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         "drill_path": drill_path,
         "culprit": _culprit_meta(culprit, split, experiment, own, results) if culprit is not None else None,
         "served_calls": sum(r.served_calls for r in results),
+        "floor_sqnr_db": min((o["sqnr_db"] for o in experiment.floor.values()), key=_nan_low) if experiment.floor else None,
         "reference": "float model" if reference is not None else "the model with every point in float",
     }
     return StepResult(frame, meta, summarize(frame, meta))
@@ -355,6 +356,9 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     tasks = meta.get("tasks") or []
     scores = ", ".join(f"{t} {whole[t]:.4g} = {whole[t + '_ratio']:.3f} x float" for t in tasks if t in whole)
     lines.append(f"all quantized: {_db(whole['sqnr_db'])} output SQNR" + (f"; {scores} ({whole['verdict']})" if scores else ""))
+    floor = meta.get("floor_sqnr_db")
+    if floor is not None and not math.isinf(floor):
+        lines.append(f"nothing quantized: {_db(floor)} vs float (the checkpoint's weights differ from float)")
     if meta["mode"] == "except":
         row = frame.iloc[1]
         scores = ", ".join(f"{t} {row[t + '_ratio']:.3f} x float" for t in tasks if t + "_ratio" in row)
