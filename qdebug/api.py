@@ -73,12 +73,12 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
 
 
 def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
-         module: str | list[str] = (), mode: str = "only", depth: int = 1, kind: str = "both",
+         module: str | list[str] = (), mode: str | None = None, depth: int = 1, kind: str = "both",
          metric: Any = None, ratio: float = 0.99) -> pd.DataFrame:
     """Step-wise partial quantization (see docs/step.md); a DataFrame, one row per step.
 
     ``checkpoints``: ``[float,] model`` as paths or modules; without the float one, the model
-    with every quant point off is the reference.  ``metric``: a name (``"top1"``) or a
+    with every quant point off is the reference.  ``mode``: default "only" with ``module``, else "auto".  ``metric``: a name (``"top1"``) or a
     function ``metric(model, batches)``.  ``frame.attrs["summary"]`` and ``["meta"]``
     (``drill_path``, ``culprit``) hold the rest.
     """
@@ -101,8 +101,8 @@ def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_
         batch_list = batches_from_inputs(info.sample_inputs)
     metric_fn = resolve_metric(metric) if metric is not None else None
     name = (metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric"))
-    result = run(model, batch_list, reference=reference, modules=[module] if isinstance(module, str) else list(module),
-                 mode=mode, depth=depth, kind=kind, metric=metric_fn, metric_name=name,
+    modules = [module] if isinstance(module, str) else list(module)
+    result = run(model, batch_list, reference=reference, modules=modules, mode=mode or ("only" if modules else "auto"), depth=depth, kind=kind, metric=metric_fn, metric_name=name,
                  rules={"metric": TaskRule(ratio=ratio)})
     frame = result.frame
     frame.attrs["summary"] = result.summary

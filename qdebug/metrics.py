@@ -140,7 +140,7 @@ def resolve_metric(spec: str | Metric) -> Metric:
                           "package.module:function")
     from qdebug.modelspec import resolve
 
-    fn = resolve(spec, from_user=True)
+    fn = resolve(spec, from_user=True, what="metric (package.module:function)")
     if not callable(fn):
         raise QDebugError(f"metric {spec!r} is not callable",
                           "name a function metric(model, batches) as package.module:function")

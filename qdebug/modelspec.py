@@ -67,8 +67,9 @@ def is_trusted(module_name: str, trusted: tuple[str, ...] | list[str]) -> bool:
     return any(module_name == p or module_name.startswith(p + ".") for p in trusted)
 
 
-def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = ()) -> Any:
-    """The object named by ``target``, with the safety rules of the module docstring."""
+def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = (), what: str = "model spec") -> Any:
+    """The object named by ``target``, with the safety rules of the module docstring.
+    ``what`` names the spec in messages ("model spec", "metric")."""
     module_name, attr = split_target(target)
     allowed = (
         from_user
@@ -88,7 +89,7 @@ def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = 
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise QDebugError(f"{module_name!r} has no attribute {attr!r}", "check the spelling of the model spec")
+            raise QDebugError(f"{module_name!r} has no attribute {attr!r}", f"check the spelling of the {what}")
     if not from_user and not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
         raise QDebugError(
             f"refusing to call {target!r} named by a file: it is not an nn.Module subclass",

@@ -278,7 +278,8 @@ def test_cli_bad_input_is_one_error_line(cli, defect_files, make_resnet, images,
     d = defect_files
     cli("step", d / "calibrated.pt", "--module", "layer9").assert_error("matches no quantized layer", "closest names")
     cli("step", d / "calibrated.pt", "--module", "layr2").assert_error("closest names: layer2")
-    cli("step", d / "calibrated.pt").assert_error("--only needs --module")
+    cli("step", d / "calibrated.pt", "--only").assert_error("--only needs --module")
+    cli("step", d / "calibrated.pt", "--module", "").assert_error("--module '' names nothing")
     cli("step", d / "calibrated.pt", "--auto", "--drill").assert_error("choose one of --auto, --drill")
     cli("step", d / "calibrated.pt", "--auto", "--kind", "weights").assert_error("--kind")
     cli("step", d / "calibrated.pt", "--auto", "--depth", "0").assert_error("--depth")
@@ -314,3 +315,34 @@ def test_a_qat_checkpoint_reports_the_floor_its_own_weights_set(make_resnet, ima
     assert f"nothing quantized: {floor:.1f} dB vs float" in result.summary
     # Against its own float run there is no floor.
     assert step(qat, [images(8, seed=50)], mode="auto").meta["floor_sqnr_db"] is None
+
+
+def test_bad_data_and_metrics_are_errors_not_numbers(defect, tmp_path):
+    float_model, model, batches = defect
+    nan = [Batch(batches[0].inputs.clone(), batches[0].target)]
+    nan[0].inputs[0, 0, 0, 0] = float("nan")
+    with pytest.raises(QDebugError, match="batch 0 of the data holds NaN/Inf inputs"):
+        step(model, nan, reference=float_model, mode="auto")
+    wrong = [Batch(b.inputs, torch.full_like(b.target, 99)) for b in batches]  # no class 99: float top1 = 0
+    with pytest.raises(QDebugError, match="the float model scores 0 on top1"):
+        step(model, wrong, reference=float_model, mode="auto", metric=qdebug.metrics.top1, metric_name="top1")
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(QDebugError, match="float metric for task 'odd' is"):
+            step(model, batches, mode="auto", metric=lambda m, data, v=value: [m(x) for x, _ in data] and v,
+                 metric_name="odd")
+    with pytest.raises(QDebugError, match="metric constant never called the model"):
+        step(model, batches, mode="auto", metric=lambda m, data: 0.5, metric_name="constant")
+    broken = copy.deepcopy(float_model)
+    with torch.no_grad():
+        broken.fc.weight[0, 0] = float("nan")
+    with pytest.raises(QDebugError, match="the float model's output output is NaN/Inf on batch 0"):
+        step(model, batches, reference=broken, mode="auto")
+
+
+def test_next_command_quotes_what_the_shell_would_expand(cli, defect_files):
+    result = cli("step", defect_files / "calibrated.pt", "--module", "layer*", "--auto", "--depth", "2")
+    assert result.code == 0, result.err
+    assert "--drill --module layer2.0" in result.out
+    result = cli("step", defect_files / "calibrated.pt", "--auto", "--data", "random:4x1x16x16")
+    assert result.code == 0, result.err
+    assert "--data random:4x1x16x16" in result.out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
@@ -66,12 +67,13 @@ def _paths(checkpoints: list[str]) -> list[str]:
     return [p for p in (cfg.get("float"), quant) if p]
 
 
-def _mode(flags: dict[str, bool]) -> str:
+def _mode(flags: dict[str, bool], modules: list[str]) -> str:
+    """The chosen mode; unnamed, --only with a --module selection, else --auto."""
     chosen = [name for name, on in flags.items() if on]
     if len(chosen) > 1:
         raise QDebugError(f"choose one of --{', --'.join(chosen)}", "the modes are --only, --except, --auto, "
                           "--cumulative and --drill")
-    return chosen[0] if chosen else "only"
+    return chosen[0] if chosen else ("only" if modules else "auto")
 
 
 def _next_command(meta: dict, given: list[str], paths: list[str], options: str) -> tuple[str, str]:
@@ -79,13 +81,13 @@ def _next_command(meta: dict, given: list[str], paths: list[str], options: str) 
     culprit = meta.get("culprit")
     if not culprit:
         return "", ""
-    again = " ".join(["qdebug step", *given])
+    again = " ".join(["qdebug step", *map(shlex.quote, given)])
     if meta["mode"] != "drill":
         return (f"drill into {culprit['selection']}, down to the layer",
-                f"{again} --drill --module {culprit['selection']}{options}")
+                f"{again} --drill --module {shlex.quote(culprit['selection'])}{options}")
     pair = paths if len(paths) == 2 else ["FLOAT.pt", *paths]
     return (f"see {culprit['selection']}'s own error and why (clipping or rounding)",
-            f"qdebug compare {' '.join(pair)}{_without_metric(options)} --sort isolated_sqnr_db --top 10")
+            f"qdebug compare {' '.join(map(shlex.quote, pair))}{_without_metric(options)} --sort isolated_sqnr_db --top 10")
 
 
 def _without_metric(options: str) -> str:
@@ -113,7 +115,8 @@ def step(
     checkpoints: Optional[List[str]] = typer.Argument(None, metavar="[FLOAT] CHECKPOINT", hidden=True),
     module: Optional[List[str]] = typer.Option(None, "--module", metavar="PATTERN",
                                                help="Module path or glob to select, e.g. backbone or 'layer3.*' (repeatable)."),
-    only: bool = typer.Option(False, "--only", help="Quantize only the selection, the rest float (the default)."),
+    only: bool = typer.Option(False, "--only", help="Quantize only the selection, the rest float (the default with --module; "
+                              "without it, --auto)."),
     except_: bool = typer.Option(False, "--except", help="Quantize everything but the selection."),
     auto: bool = typer.Option(False, "--auto", help="Each module at --depth alone (inside the selection, if any)."),
     cumulative: bool = typer.Option(False, "--cumulative", help="Modules at --depth quantized one after another."),
@@ -137,8 +140,10 @@ def step(
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
     fmt = output_format(fmt, as_json)
-    mode = _mode({"only": only, "except": except_, "auto": auto, "cumulative": cumulative, "drill": drill})
     modules = list(module or [])
+    if any(not m.strip() for m in modules):
+        raise QDebugError("--module '' names nothing", "give a module path such as layer1 or a glob such as 'layer1.*'")
+    mode = _mode({"only": only, "except": except_, "auto": auto, "cumulative": cumulative, "drill": drill}, modules)
     if mode in ("only", "except") and not modules:
         raise QDebugError(f"--{mode} needs --module", "e.g. --module backbone, or --auto / --drill to search every module")
     if kind not in KINDS:
@@ -203,7 +208,7 @@ def step(
     frame = result.frame
     if sort is not None and sort not in frame:
         raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(frame.columns)}")
-    options = "".join(f" {flag} {value}" for flag, value in (
+    options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
         ("--metric", metric), ("--data", data), ("--batches", batches), ("--batch-size", batch_size),
         ("--ratio", ratio)) if value is not None)
     why, next_command = _next_command(result.meta, given, paths, options)

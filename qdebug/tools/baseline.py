@@ -50,7 +50,7 @@ class BaselineResult:
         return bool((self.frame["verdict"] != "fail").all())
 
 
-def _check_values(name: str, values: dict[str, float]) -> None:
+def check_metric_values(name: str, values: dict[str, float]) -> None:
     for task, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise QDebugError(f"{name} metric for task {task!r} is not a number: {value!r}",
@@ -131,8 +131,8 @@ def gate(
         raise QDebugError(f"ratio {ratio} is out of range", "use e.g. 0.99")
     if confidence is not None and not 0.5 <= confidence < 1:
         raise QDebugError(f"confidence {confidence} must be in [0.5, 1)", "e.g. --confidence 0.95")
-    _check_values("float", float_metrics)
-    _check_values("quantized", quant_metrics)
+    check_metric_values("float", float_metrics)
+    check_metric_values("quantized", quant_metrics)
     missing_q = sorted(set(float_metrics) - set(quant_metrics))
     missing_f = sorted(set(quant_metrics) - set(float_metrics))
     if missing_q or missing_f:

@@ -50,7 +50,7 @@ from qdebug.errors import QDebugError
 from qdebug.metrics import Metric, call_metric, run_metric
 from qdebug.stats import cosine_of_sums, sqnr_db
 from qdebug.tap import Capture, tap
-from qdebug.tools.baseline import TaskRule, evaluate_rule
+from qdebug.tools.baseline import TaskRule, check_metric_values, evaluate_rule
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,10 @@ class _Replay(nn.Module):
         self._batches = list(batches)
         self._outputs = outputs
         self._index = {id(_first(b)): i for i, b in enumerate(self._batches)}
+        self.calls = 0
 
     def forward(self, *args, **kwargs):
+        self.calls += 1
         first = _first((args, kwargs))
         i = self._index.get(id(first))
         if i is None and first is not None:
@@ -280,14 +282,16 @@ class Experiment:
             module.eval()
         try:
             with torch.no_grad():
-                for batch in self.batches:
+                for batch_index, batch in enumerate(self.batches):
                     inputs = getattr(batch, "inputs", batch)
+                    self._check_batch(batch_index, inputs)
                     self._set(frozenset(), loaded)
                     ref_out = base_out = self._record(inputs, base, costs=not self.macs)
                     self._tick(total)
                     if self.reference is not None:
                         ref_out = run_model(self.reference, inputs)
                         self._tick(total)
+                    self._check_reference(batch_index, ref_out)
                     ref_named = named_outputs(ref_out)
                     if self.reference is not None:
                         floor.update(ref_named, named_outputs(base_out))
@@ -327,7 +331,7 @@ class Experiment:
             self.floor = floor.result()
         if float_run is not None:
             self._float_outputs = float_run.outputs
-            self.float_metric = self._finish(float_run)
+            self.float_metric = self._finish(float_run, of_float=True)
         results = []
         for k, trial in enumerate(trials):
             metric = self._finish(runs[k]) if self.metric is not None else {}
@@ -412,16 +416,47 @@ class Experiment:
         if not run.streaming:
             run.outputs.append(_clone(out))
             return
-        run.add(call_metric(sampler, _Replay([batch], [out]), [batch], _Replay([batch], [ref_out]), self.metric_name))
+        model = _Replay([batch], [out])
+        run.add(call_metric(sampler, model, [batch], _Replay([batch], [ref_out]), self.metric_name))
+        self._called(model)
 
-    def _finish(self, run: _MetricRun) -> dict[str, float]:
-        """Task -> value; a single-number metric is the task named after the metric (as in baseline)."""
+    def _finish(self, run: _MetricRun, *, of_float: bool = False) -> dict[str, float]:
+        """Task -> value; a single-number metric is the task named after the metric (as in baseline).
+        The float model's values must be finite and not all zero: every ratio divides by them."""
         if run.streaming:
             values = run.values()
         else:
-            values = run_metric(self.metric, _Replay(self.batches, run.outputs), self.batches,
-                                reference=_Replay(self.batches, self._float_outputs), name=self.metric_name)
-        return {self.metric_name: values["metric"]} if list(values) == ["metric"] else values
+            model = _Replay(self.batches, run.outputs)
+            values = run_metric(self.metric, model, self.batches, reference=_Replay(self.batches, self._float_outputs),
+                                name=self.metric_name)
+            self._called(model)
+        values = {self.metric_name: values["metric"]} if list(values) == ["metric"] else values
+        if of_float:
+            check_metric_values("float", values)
+            if all(v == 0 for v in values.values()):
+                raise QDebugError(f"the float model scores 0 on {self.metric_name}: a ratio to it means nothing",
+                                  "check that the data's targets match the model's outputs (class indices), "
+                                  "or choose another metric")
+        return values
+
+    def _called(self, model: "_Replay") -> None:
+        if not model.calls:
+            raise QDebugError(f"metric {self.metric_name} never called the model",
+                              "a metric gets (model, batches) and must run model(inputs) on each batch")
+
+    def _check_batch(self, index: int, inputs: Any) -> None:
+        for t in tensors_in(inputs):
+            if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
+                raise QDebugError(f"batch {index} of the data holds NaN/Inf inputs",
+                                  "step measures against the float model's outputs: give finite data")
+
+    @staticmethod
+    def _check_reference(index: int, out: Any) -> None:
+        for name, t in named_outputs(out).items():
+            if not bool(torch.isfinite(t).all()):
+                raise QDebugError(f"the float model's output {name} is NaN/Inf on batch {index}",
+                                  "the float model must give finite outputs on the data (check its weights "
+                                  "with qdebug inspect)")
 
     def _parameters(self) -> tuple[dict[str, int], int]:
         """Parameters of each weighted layer, and of everything else (quant points' own excluded)."""
