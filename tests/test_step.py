@@ -76,9 +76,26 @@ def _full_run(model, quantized, x):
             point.mode = loaded[name]
 
 
-@pytest.mark.parametrize("stage", ["fuse_bn", "with_bn", "quantized"])
+def _shufflenet(images):
+    from qdebug.modelspec import ModelSpec, build
+
+    from small_models import SMALL_SHUFFLENETV2
+
+    torch.manual_seed(0)
+    model = build(ModelSpec("qdebug.zoo.shufflenetv2:ShuffleNetV2", SMALL_SHUFFLENETV2), from_user=True).eval()
+    model = prepare(model, QConfig(), mode="fuse_bn", example_inputs=images(4, seed=1))
+    return calibrate(model, [images(16, seed=s) for s in (10, 11)])
+
+
+@pytest.mark.parametrize("stage", ["fuse_bn", "with_bn", "quantized", "maxpool_stem", "shufflenet"])
 def test_cached_prefix_is_bit_identical_to_full_reruns(make_resnet, images, monkeypatch, stage):
-    model = _calibrated(make_resnet, images, "with_bn" if stage == "with_bn" else "fuse_bn")
+    if stage == "shufflenet":  # channel shuffle, split, cat; a max-pool stem
+        model = _shufflenet(images)
+    elif stage == "maxpool_stem":
+        model = prepare(make_resnet(0, stem="imagenet"), QConfig(), example_inputs=images(4, seed=1))
+        model = calibrate(model, [images(16, seed=s) for s in (10, 11)])
+    else:
+        model = _calibrated(make_resnet, images, "with_bn" if stage == "with_bn" else "fuse_bn")
     if stage == "quantized":
         model = convert(model)
     points = list(quant_points(model))
@@ -96,8 +113,11 @@ def test_cached_prefix_is_bit_identical_to_full_reruns(make_resnet, images, monk
     monkeypatch.setattr(experiment._OutputStats, "update",
                         lambda self, ref, out: (seen.append(out["output"].clone()), original(self, ref, out))[1])
     batches = [images(6, seed=s) for s in (30, 31)]
-    results = Experiment(model, batches).run(trials)
+    experiment = Experiment(model, batches)
+    results = experiment.run(trials)
     assert sum(r.served_calls for r in results) > 0  # the prefix was served, not recomputed
+    if stage in ("maxpool_stem", "shufflenet"):
+        assert "maxpool" in experiment.call_order  # a passthrough module is recorded, so served too
     assert len(seen) == len(batches) * len(trials)
     for b, x in enumerate(batches):
         for k, trial in enumerate(trials):

@@ -138,6 +138,9 @@ class ForwardContext(TorchFunctionMode):
         self.leaf_depth = 0
         self.busy = 0  # >0 while engine code runs: its own torch calls are not the model's
         self.served = None  # qdebug.engine.served.ServedCalls: outputs taken instead of computed
+        # Called with (call, output) after each passthrough module call (max-pool, flatten...):
+        # no listener sees those, but a recording of the run for ``served`` needs them.
+        self.on_passthrough_call: Callable[[Call, Any], None] | None = None
         self._handles: list[Any] = []
 
     # -- entering / leaving --------------------------------------------------------
@@ -296,6 +299,8 @@ class ForwardContext(TorchFunctionMode):
         try:
             if frame.call.category == "passthrough":
                 new = self.handler.on_passthrough(self, None, args, output)
+                if self.on_passthrough_call is not None:
+                    self.on_passthrough_call(frame.call, new)
             else:
                 new = self.handler.on_module_output(self, frame.call, module, args, output)
         finally:

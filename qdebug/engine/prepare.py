@@ -60,6 +60,7 @@ class EngineState:
         self.discovered: list[str] = []
         self.contexts: list[ForwardContext] = []
         self.served = None  # qdebug.engine.served.ServedCalls while an experiment resumes a run
+        self.passthrough_recorder = None  # (call, output) -> None while an experiment records a run
 
     def add_point(self, point: QuantPoint) -> None:
         self.table.add_module(PointTable.key(point.name), point)
@@ -112,6 +113,7 @@ def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     state: EngineState = getattr(module, STATE_ATTR)
     ctx = ForwardContext(module, QuantHandler(state), state.listeners)
     ctx.served = getattr(state, "served", None)
+    ctx.on_passthrough_call = getattr(state, "passthrough_recorder", None)
     ctx.__enter__()
     state.contexts.append(ctx)
     return ctx.process_inputs(args, kwargs)

@@ -13,8 +13,11 @@ what that run computed (same function, same parameters, same inputs), so its
 stored output is bit-identical to a recomputation.  Deciding which calls those
 are is the caller's job (``qdebug.tools.experiment``); the engine only serves.
 
-Model inputs, passthrough ops (max-pool, reshape) and fallback ops are always
-computed: they are cheap, and fallbacks are only recognised after they ran.
+Leaf passthrough modules (a stem's max-pool, which costs more than a small conv)
+are served too; their outputs reach a recording through
+``ForwardContext.on_passthrough_call``, as no listener sees them.  Model inputs,
+inline passthrough ops (reshape, flatten) and fallback ops are always computed:
+they are cheap, and fallbacks are only recognised after they ran.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def serving(model: nn.Module, served: ServedCalls | None) -> Iterator[None]:
     patched = []
     for module in model.modules():
         category = module_category(module)
-        if category is None or category == "passthrough" or "forward" in module.__dict__:
+        if category is None or "forward" in module.__dict__:
             continue
         module.__dict__["forward"] = _serving_forward(module, module.forward)
         patched.append(module)

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import engine_state
-from qdebug.engine.context import Event, run_model, writes_its_inputs
+from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.served import ServedCalls, serving
@@ -81,6 +81,10 @@ class _Recording:
         self.capture(event)
         for t in tensors_in(event.out):
             self._producer[id(t)] = (weakref.ref(t), event.call.name)
+
+    def passthrough(self, call: Call, out: Any) -> None:
+        """A passthrough module call (max-pool): recorded, so it can be served too."""
+        self(Event(call, (), {}, None, out, out))
 
     def clear(self) -> None:
         self.capture.clear()
@@ -379,6 +383,8 @@ class Experiment:
             if recording is not None:
                 recording.clear()
                 stack.enter_context(tap(self.model, recording))
+                self.state.passthrough_recorder = recording.passthrough
+                stack.callback(setattr, self.state, "passthrough_recorder", None)
             counter = _Costs() if costs else None
             if counter is not None:
                 stack.enter_context(tap(self.model, counter))
