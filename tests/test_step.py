@@ -165,7 +165,7 @@ def test_drill_ends_at_the_planted_activation_scale(defect):
     assert path == ["layer2", DEFECT], path
     assert result.meta["culprit"]["selection"] == DEFECT
     assert result.meta["float_metric"] == {"top1": 1.0}
-    assert "drill: layer2 (" in result.summary and f"> {DEFECT} (" in result.summary
+    assert "drill: layer2 (" in result.summary and f"> {DEFECT} activation (" in result.summary
 
 
 def test_cumulative_curve_drops_where_the_defect_is_added(defect):
@@ -366,3 +366,62 @@ def test_next_command_quotes_what_the_shell_would_expand(cli, defect_files):
     result = cli("step", defect_files / "calibrated.pt", "--auto", "--data", "random:4x1x16x16")
     assert result.code == 0, result.err
     assert "--data random:4x1x16x16" in result.out
+
+
+def _multitask(images, aux_defect: bool):
+    from qdebug.modelspec import ModelSpec, build
+
+    torch.manual_seed(0)
+    float_model = build(ModelSpec("qdebug.zoo.multitask:MultiTaskNet", {"width": 8, "num_aux_classes": 10}),
+                        from_user=True).eval()
+    model = prepare(float_model, QConfig(), mode="fuse_bn", example_inputs=images(4, seed=1))
+    calibrate(model, [images(16, seed=s) for s in (10, 11)])
+    if aux_defect:
+        _plant_small_scale(model, "head_aux.2", factor=20.0)
+    batches = []
+    for seed in (60, 61, 62):
+        x = images(16, seed=seed)
+        with torch.no_grad():
+            out = float_model(x)
+        batches.append(Batch(x, {task: logits.argmax(-1) for task, logits in out.items()}))
+    return float_model, model, batches
+
+
+def test_multitask_outputs_and_tasks_each_get_columns_and_rules(images):
+    from qdebug.tools.baseline import TaskRule
+
+    float_model, model, batches = _multitask(images, aux_defect=True)
+    result = step(model, batches, reference=float_model, mode="drill", metric=qdebug.metrics.top1, metric_name="top1")
+    frame = result.frame
+    for column in ("cls", "cls_ratio", "aux", "aux_ratio", "cls_sqnr_db", "aux_sqnr_db", "cls_cosine", "verdict"):
+        assert column in frame, column
+    assert result.meta["outputs"] == ["cls", "aux"] and result.meta["tasks"] == ["cls", "aux"]
+    # sqnr_db is the worse output's; the defect is in the aux head only.
+    whole = frame.iloc[0]
+    assert whole["sqnr_db"] == min(whole["cls_sqnr_db"], whole["aux_sqnr_db"]) == whole["aux_sqnr_db"] < 5
+    assert whole["cls_sqnr_db"] > 30
+    path = result.meta["drill_path"]
+    assert [(e["selection"], e["kind"]) for e in path] == [("head_aux", "both"), ("head_aux.2", "both"),
+                                                          ("head_aux.2", "activation")]
+    assert "drill: head_aux (-100.0 pts) > head_aux.2 (-100.0 pts) > head_aux.2 activation" in result.summary
+    # Each task is judged by its own rule.
+    only_cls = dict(reference=float_model, mode="only", modules=["head_cls"], metric=qdebug.metrics.top1,
+                    metric_name="top1")
+    row = step(model, batches, **only_cls, rules={"metric": TaskRule(ratio=0.99)}).frame.iloc[1]
+    assert 0.9 < row["cls_ratio"] < 0.99 and row["aux_ratio"] == 1.0 and row["verdict"] == "fail"
+    loose = {"cls": TaskRule(ratio=0.9), "metric": TaskRule(ratio=0.99)}
+    assert step(model, batches, **only_cls, rules=loose).frame.iloc[1]["verdict"] == "pass"
+
+
+def test_cli_reads_task_rules_from_the_config(cli, images, tmp_path):
+    float_model, model, batches = _multitask(images, aux_defect=True)
+    qdebug.save(float_model, tmp_path / "float.pt", stage="float", sample_inputs=batches[0].inputs)
+    qdebug.save(model, tmp_path / "calibrated.pt", stage="calibrated", sample_inputs=batches[0].inputs)
+    torch.save({"inputs": torch.cat([b.inputs for b in batches]),
+                "targets": {t: torch.cat([b.target[t] for b in batches]) for t in ("cls", "aux")}}, tmp_path / "eval.pt")
+    (tmp_path / "qdebug.toml").write_text('metric = "top1"\n[tasks.cls]\nratio = 0.9\n')
+    args = ["step", "float.pt", "calibrated.pt", "--module", "head_cls", "--data", "eval.pt"]
+    rows = json.loads(cli(*args, "--format", "json").out)["rows"]
+    assert rows[1]["cls_ratio"] < 0.99 and rows[1]["verdict"] == "pass"  # the config lets cls lose up to 10%
+    rows = json.loads(cli(*args, "--ratio", "0.99", "--format", "json").out)["rows"]
+    assert rows[1]["verdict"] == "fail"  # --ratio overrides the config's per-task ratios

@@ -228,8 +228,23 @@ class _QWeighted(nn.Module):
             point.forget_cached()
 
 
+def _own_forward(layer: nn.Module, *bases: type) -> object | None:
+    """The ``forward`` a subclass of a torch layer defines itself (TF-style SAME padding convs
+    pad inside it), or None when it keeps the base class's."""
+    forward = type(layer).forward
+    return None if any(forward is base.forward for base in bases) else forward
+
+
 class QConv(_QWeighted):
-    """Conv1d/Conv2d with a fake-quantized (or integer) weight; see module docstring."""
+    """Conv1d/Conv2d with a fake-quantized (or integer) weight; see module docstring.
+
+    A subclass with a forward of its own (``Conv2dStaticSamePadding``: pad, then
+    ``F.conv2d(x, self.weight, ...)``) keeps it: its children and public attributes come
+    along, and its forward runs with ``self.weight``/``self.bias`` standing for the
+    quantized weight (or the integer codes), so the padding stays part of the layer --
+    as in a deployed conv, whose zero padding is the zero point.  A forward that
+    transforms the weight itself (weight standardization) would see the quantized weight.
+    """
 
     def __init__(self, conv: nn.Conv1d | nn.Conv2d):
         super().__init__()
@@ -238,8 +253,19 @@ class QConv(_QWeighted):
         self.dims = 1 if isinstance(conv, nn.Conv1d) else 2
         self._reversed_padding_repeated_twice = getattr(conv, "_reversed_padding_repeated_twice", None)
         self._init_common(conv)
+        own = _own_forward(conv, nn.Conv1d, nn.Conv2d)
+        object.__setattr__(self, "_own_forward", own)
+        self.own_forward_of = f"{type(conv).__module__}.{type(conv).__qualname__}" if own is not None else ""
+        if own is not None:
+            for name, child in conv.named_children():
+                self.add_module(name, child)
+            for key, value in vars(conv).items():
+                if not key.startswith("_") and key not in vars(self) and key != "training":
+                    object.__setattr__(self, key, value)
 
     def _op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._own_forward is not None:
+            return self._run_own_forward(x, weight, bias)
         fn = F.conv1d if self.dims == 1 else F.conv2d
         padding = self.padding
         if self.padding_mode != "zeros":
@@ -248,6 +274,17 @@ class QConv(_QWeighted):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         return fn(x, weight.to(x.dtype), bias, self.stride, padding, self.dilation, self.groups)
+
+    def _run_own_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Instance attributes shadow the parameters (nn.Module looks those up only when
+        # normal lookup fails): the layer's own forward reads the weight we give it.
+        shadow = self.__dict__
+        shadow["weight"] = weight.to(x.dtype)
+        shadow["bias"] = bias.to(x.dtype) if bias is not None else None
+        try:
+            return self._own_forward(self, x)
+        finally:
+            del shadow["weight"], shadow["bias"]
 
     def extra_repr(self) -> str:
         return (

@@ -182,7 +182,9 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
 
     def alone(label: str, names: Sequence[str], level: int | None = None, step_mode: str = mode) -> Trial:
         chosen = frozenset(units.of_kind(names, kind))
-        info = {"selection": label, "mode": step_mode, "kind": kind}
+        # A single point is of one kind: say which (a layer's output point shares its name).
+        shown_kind = units.kind[next(iter(chosen))] if len(chosen) == 1 else kind
+        info = {"selection": label, "mode": step_mode, "kind": shown_kind}
         if level is not None:
             info["level"] = level
         return Trial(chosen, info)
@@ -308,7 +310,7 @@ def _noise(sqnr: float) -> float:
 
 
 def _path_entry(result: TrialResult, experiment: Experiment) -> dict[str, Any]:
-    entry: dict[str, Any] = {"selection": result.trial.info["selection"],
+    entry: dict[str, Any] = {"selection": result.trial.info["selection"], "kind": result.trial.info["kind"],
                              "sqnr_db": min((o["sqnr_db"] for o in result.outputs.values()), key=_nan_low)}
     for task, value in result.metric.items():
         f = (experiment.float_metric or {}).get(task)
@@ -347,6 +349,12 @@ def _delta(entry: Mapping[str, Any]) -> str:
     return _db(entry["sqnr_db"])
 
 
+def _unit(entry: Mapping[str, Any]) -> str:
+    """A unit as the summary names it: ``layer3`` or, for one kind of point, ``fc activation``."""
+    kind = entry.get("kind", "both")
+    return entry["selection"] if kind == "both" else f"{entry['selection']} {kind}"
+
+
 def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     """A few short lines: the whole model, the costliest unit and its kind of loss, the drill path."""
     if frame.empty:
@@ -357,7 +365,8 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     scores = ", ".join(f"{t} {whole[t]:.4g} = {whole[t + '_ratio']:.3f} x float" for t in tasks if t in whole)
     lines.append(f"all quantized: {_db(whole['sqnr_db'])} output SQNR" + (f"; {scores} ({whole['verdict']})" if scores else ""))
     floor = meta.get("floor_sqnr_db")
-    if floor is not None and not math.isinf(floor):
+    # Said when it matters next to the quantization loss (not BN folding's ~150 dB rounding).
+    if floor is not None and not math.isinf(floor) and floor < _nan_low(whole["sqnr_db"]) + 20:
         lines.append(f"nothing quantized: {_db(floor)} vs float (the checkpoint's weights differ from float)")
     if meta["mode"] == "except":
         row = frame.iloc[1]
@@ -369,12 +378,12 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
         change = _delta(culprit)
         if "before_sqnr_db" in culprit and not any(k.endswith("_delta") for k in culprit):
             change = f"{_db(culprit['before_sqnr_db'])} -> {change} when added"
-        lines.append(f"costs the most: {culprit['selection']} ({change}{share})")
+        lines.append(f"costs the most: {_unit(culprit)} ({change}{share})")
         if "loss_in" in culprit:
             lines.append(f"  loss in its {culprit['loss_in']}: weights alone {_db(culprit['weights_sqnr_db'])}, "
                          f"activations alone {_db(culprit['activations_sqnr_db'])}")
     if meta.get("drill_path"):
-        lines.append("drill: " + " > ".join(f"{e['selection']} ({_delta(e)})" for e in meta["drill_path"]))
+        lines.append("drill: " + " > ".join(f"{_unit(e)} ({_delta(e)})" for e in meta["drill_path"]))
     return "\n".join(lines)
 
 
