@@ -28,7 +28,9 @@ unit has both, two more steps quantize its weights alone and its activations alo
 so the summary can say which one loses.
 
 "Worst" is the lowest metric score (quantized / float, baseline's rule) when a
-metric is given, else the lowest output SQNR.
+metric is given -- steps within one sample's worth of it (1 / samples) count as tied
+and are ranked by output SQNR, since one flipped sample is noise -- else the lowest
+output SQNR.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from qdebug.tools.baseline import TaskRule
 from qdebug.tools.experiment import Experiment, Trial, TrialResult
 
 MODES = ("only", "except", "auto", "cumulative", "drill")
+SMALL_EVAL = 1000  # below this many samples the summary says how coarse the metric is
 KINDS = ("both", "weight", "activation")
 
 
@@ -132,6 +135,15 @@ def check_selection(model: nn.Module, modules: Sequence[str]) -> list[str]:
     return Units(model, quantizable).select(modules) if modules else quantizable
 
 
+def _worst(done: Sequence[TrialResult], tolerance: float) -> TrialResult:
+    """The worst step: the lowest metric score -- steps within ``tolerance`` of it (one
+    sample's worth: a single flipped sample is noise) are ranked by output SQNR -- or,
+    without a metric, the lowest output SQNR."""
+    lowest = min(_score(r)[0] for r in done)
+    close = [r for r in done if _score(r)[0] <= lowest + tolerance] if math.isfinite(lowest) else list(done)
+    return min(close, key=lambda r: (_score(r)[1], _score(r)[0]))
+
+
 def _score(result: TrialResult) -> tuple[float, float]:
     """Sort key, lower is worse: (lowest task score, lowest output SQNR); NaN counts as worst."""
     def clean(v: float) -> float:
@@ -165,6 +177,8 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         raise QDebugError("the model has no quantized point to step through",
                           "give a calibrated, QAT or quantized checkpoint (qdebug inspect shows its points)")
     units = Units(model, experiment.quantizable)
+    samples = sum(_samples(b) for b in experiment.batches)
+    tolerance = 1.0 / samples if metric is not None and samples else 0.0  # one sample, as a share of the score
     rules = dict(rules or {})
     selected = units.select(modules) if modules else list(units.points)
     everything = frozenset(units.points)
@@ -209,7 +223,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
                 grown += units.of_kind(names, kind)
                 trials.append(Trial(frozenset(grown), {"selection": name, "mode": "cumulative", "kind": kind}))
         done = measure([whole, *trials])[1:]
-        culprit = _costliest(done, cumulative=mode == "cumulative")
+        culprit = _costliest(done, cumulative=mode == "cumulative", tolerance=tolerance)
     else:  # drill
         group = selected
         level = 1
@@ -222,7 +236,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
             trials = [alone(name, names, level) for name, names in children.items()]
             done = measure(([whole] if first else []) + trials)[(1 if first else 0):]
             first = False
-            culprit = min(done, key=_score)
+            culprit = _worst(done, tolerance)
             drill_path.append(_path_entry(culprit, experiment))
             group = children[culprit.trial.info["selection"]]
             if len(group) <= 1:
@@ -256,8 +270,16 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         "served_calls": sum(r.served_calls for r in results),
         "floor_sqnr_db": min((o["sqnr_db"] for o in experiment.floor.values()), key=_nan_low) if experiment.floor else None,
         "reference": "float model" if reference is not None else "the model with every point in float",
+        "samples": samples,
     }
     return StepResult(frame, meta, summarize(frame, meta))
+
+
+def _samples(batch: Any) -> int:
+    from qdebug.engine.ops import tensors_in
+
+    found = tensors_in(getattr(batch, "inputs", batch))
+    return int(found[0].shape[0]) if found and found[0].dim() else 1
 
 
 def _row(index: int, result: TrialResult, experiment: Experiment) -> dict[str, Any]:
@@ -283,11 +305,11 @@ def _nan_low(v: float) -> float:
     return -math.inf if v is None or math.isnan(v) else v
 
 
-def _costliest(done: list[TrialResult], *, cumulative: bool) -> TrialResult:
+def _costliest(done: list[TrialResult], *, cumulative: bool, tolerance: float) -> TrialResult:
     """The unit costing the most: the worst step, or in a cumulative sweep the step that lost
     the most when its unit was added (score drop; noise power added, without a metric)."""
     if not cumulative:
-        return min(done, key=_score)
+        return _worst(done, tolerance)
     best, best_cost = done[0], -math.inf
     previous = (math.inf, math.inf)
     for result in done:
@@ -384,6 +406,8 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
                          f"activations alone {_db(culprit['activations_sqnr_db'])}")
     if meta.get("drill_path"):
         lines.append("drill: " + " > ".join(f"{_unit(e)} ({_delta(e)})" for e in meta["drill_path"]))
+    if tasks and meta.get("samples", 0) < SMALL_EVAL:
+        lines.append(f"note: metric on {meta['samples']} samples: steps within one sample of the worst rank by SQNR")
     return "\n".join(lines)
 
 
