@@ -22,7 +22,11 @@ from qdebug.tap import Capture, tap
 from qdebug.tools.experiment import Experiment, Trial
 from qdebug.tools.step import Units, step
 
-from tables import body_rows, table_lines
+from tables import body_rows, header_cells, table_lines
+
+
+def header_index(out: str, name: str) -> int:
+    return header_cells(out).index(name)
 
 DEFECT = "layer2.0.relu"  # the first block's ReLU output of stage 2 (small ResNet)
 
@@ -425,3 +429,24 @@ def test_cli_reads_task_rules_from_the_config(cli, images, tmp_path):
     assert rows[1]["cls_ratio"] < 0.99 and rows[1]["verdict"] == "pass"  # the config lets cls lose up to 10%
     rows = json.loads(cli(*args, "--ratio", "0.99", "--format", "json").out)["rows"]
     assert rows[1]["verdict"] == "fail"  # --ratio overrides the config's per-task ratios
+
+
+def test_a_model_that_meets_the_rule_has_nothing_to_fix(cli, stages):
+    result = cli("step", stages.float, stages.calibrated, "--metric", "agreement", "--data", stages.data)
+    assert result.code == 0, result.err
+    data = json.loads(cli("step", stages.float, stages.calibrated, "--metric", "agreement", "--data", stages.data,
+                          "--format", "json").out)
+    assert data["meta"]["passed"] is (data["rows"][0]["verdict"] == "pass")
+    if data["meta"]["passed"]:
+        assert "nothing to fix" in result.out and "next:" not in result.out
+    else:
+        assert "next:" in result.out
+
+
+def test_sort_puts_the_worst_first(cli, defect_files):
+    result = cli("step", defect_files / "calibrated.pt", "--auto", "--depth", "2", "--sort", "sqnr_db",
+                 "--format", "table", "--wide")
+    rows = [[c for c in row if c] for row in body_rows(result.out)]  # the right-aligned step leaves a blank cell
+    assert rows[0][header_index(result.out, "selection")] in ("*", "layer2.0")  # the defect's block: ~7 dB
+    values = [float(r[header_index(result.out, "sqnr_db")]) for r in rows]
+    assert values == sorted(values)

@@ -79,7 +79,7 @@ def _mode(flags: dict[str, bool], modules: list[str]) -> str:
 def _next_command(meta: dict, given: list[str], paths: list[str], options: str) -> tuple[str, str]:
     """(why, command): drill into the costliest module, or see the culprit layer's own error."""
     culprit = meta.get("culprit")
-    if not culprit:
+    if not culprit or meta.get("passed"):
         return "", ""
     again = " ".join(["qdebug step", *map(shlex.quote, given)])
     if meta["mode"] != "drill":

@@ -271,6 +271,8 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         "floor_sqnr_db": min((o["sqnr_db"] for o in experiment.floor.values()), key=_nan_low) if experiment.floor else None,
         "reference": "float model" if reference is not None else "the model with every point in float",
         "samples": samples,
+        "passed": (bool(frame.iloc[0]["verdict"] == "pass") if metric is not None and "verdict" in frame
+                   and frame.iloc[0]["mode"] == "all" else None),
     }
     return StepResult(frame, meta, summarize(frame, meta))
 
@@ -395,6 +397,8 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
         scores = ", ".join(f"{t} {row[t + '_ratio']:.3f} x float" for t in tasks if t + "_ratio" in row)
         lines.append(f"all but {row['selection']}: {_db(row['sqnr_db'])}" + (f"; {scores} ({row['verdict']})" if scores else ""))
     culprit = meta.get("culprit")
+    if meta.get("passed"):
+        lines.append("nothing to fix: the whole model meets the rule (the costliest part, for the record:)")
     if culprit:
         share = f", {culprit['macs_share'] * 100:.0f}% of MACs" if culprit.get("macs_share") else ""
         change = _delta(culprit)
