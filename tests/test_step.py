@@ -262,7 +262,7 @@ def test_cli_drill_table_summary_and_json(cli, defect_files):
     args = [d / "float.pt", d / "calibrated.pt", "--drill", "--metric", "top1", "--data", d / "eval.pt"]
     result = cli("step", *args)
     assert result.code == 0, result.err
-    assert f"drill: layer2 (" in result.out and f"costs the most: {DEFECT}" in result.out
+    assert "drill: layer2 (" in result.out and f"costs the most: {DEFECT}" in result.out
     assert "next: see layer2.0.relu's own error" in result.out
     assert "qdebug compare" in result.out and "--sort isolated_sqnr_db" in result.out
     data = json.loads(cli("step", *args, "--format", "json").out)

@@ -51,6 +51,7 @@ from qdebug.metrics import Metric, call_metric, run_metric
 from qdebug.stats import cosine_of_sums, sqnr_db
 from qdebug.tap import Capture, tap
 from qdebug.tools.baseline import TaskRule, check_metric_values, evaluate_rule
+from qdebug.tools.metric_replay import MetricRun, ReplayModel, per_sample_function
 
 
 @dataclass(frozen=True)
@@ -155,66 +156,6 @@ class _OutputStats:
                 for name, s in self.sums.items()}
 
 
-class _Replay(nn.Module):
-    """Stands in for a model inside a metric: returns the stored output of each batch."""
-
-    def __init__(self, batches: Sequence[Any], outputs: list[Any]):
-        super().__init__()
-        self._batches = list(batches)
-        self._outputs = outputs
-        self._index = {id(_first(b)): i for i, b in enumerate(self._batches)}
-        self.calls = 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        first = _first((args, kwargs))
-        i = self._index.get(id(first))
-        if i is None and first is not None:
-            i = next((j for j, b in enumerate(self._batches)
-                      if (f := _first(b)) is not None and f.shape == first.shape and torch.equal(f, first)), None)
-        if i is None or i >= len(self._outputs):
-            raise QDebugError("the metric ran the model on inputs that are not the data's batches",
-                              "under step and suggest, a metric must call the model on each batch's inputs, "
-                              "e.g. for x, y in batches: model(x)")
-        return self._outputs[i]
-
-
-def _first(obj: Any) -> torch.Tensor | None:
-    obj = getattr(obj, "inputs", obj)
-    found = tensors_in(obj)
-    return found[0] if found else None
-
-
-def _sampler(metric: Metric | None) -> Callable | None:
-    sampler = getattr(metric, "per_sample", None)
-    if sampler is True:
-        return metric
-    return sampler if callable(sampler) else None
-
-
-class _MetricRun:
-    """One trial's metric: per-sample sums streamed batch by batch, or stored outputs."""
-
-    def __init__(self, streaming: bool):
-        self.streaming = streaming
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        self.outputs: list[Any] = []
-
-    def add(self, scores: Any) -> None:
-        scores = scores if isinstance(scores, Mapping) else {"metric": scores}
-        for task, value in scores.items():
-            if not isinstance(value, torch.Tensor):
-                raise QDebugError(f"per-sample metric returned {type(value).__name__} for task {task!r}",
-                                  "return one score per sample (or a dict task -> tensor)")
-            value = value.detach().double().reshape(-1)
-            self.sums[str(task)] = self.sums.get(str(task), 0.0) + float(value.sum())
-            self.counts[str(task)] = self.counts.get(str(task), 0) + value.numel()
-
-    def values(self) -> dict[str, float]:
-        return {task: self.sums[task] / max(self.counts[task], 1) for task in self.sums}
-
-
 @dataclass
 class TrialResult:
     trial: Trial
@@ -268,10 +209,10 @@ class Experiment:
         if unknown:
             raise QDebugError(f"not a quantized point of this model: {', '.join(unknown[:5])}",
                               "trials name quant points in fake mode (qdebug inspect lists them)")
-        sampler = _sampler(self.metric)
-        runs = [_MetricRun(streaming=sampler is not None) for _ in trials]
+        sampler = per_sample_function(self.metric)
+        runs = [MetricRun(streaming=sampler is not None) for _ in trials]
         first_metric = self.metric is not None and self.float_metric is None
-        float_run = _MetricRun(streaming=sampler is not None) if first_metric else None
+        float_run = MetricRun(streaming=sampler is not None) if first_metric else None
         stats = [_OutputStats() for _ in trials]
         floor = _OutputStats()  # the model with no point quantized against the float model
         served_counts = [0] * len(trials)
@@ -418,22 +359,22 @@ class Experiment:
         return {name: tuple(calls) for name, calls in acting.items()}
 
     # -- metric ---------------------------------------------------------------------------
-    def _score(self, run: _MetricRun, sampler, out: Any, ref_out: Any, batch: Any) -> None:
+    def _score(self, run: MetricRun, sampler, out: Any, ref_out: Any, batch: Any) -> None:
         if not run.streaming:
             run.outputs.append(_clone(out))
             return
-        model = _Replay([batch], [out])
-        run.add(call_metric(sampler, model, [batch], _Replay([batch], [ref_out]), self.metric_name))
+        model = ReplayModel([batch], [out])
+        run.add(call_metric(sampler, model, [batch], ReplayModel([batch], [ref_out]), self.metric_name))
         self._called(model)
 
-    def _finish(self, run: _MetricRun, *, of_float: bool = False) -> dict[str, float]:
+    def _finish(self, run: MetricRun, *, of_float: bool = False) -> dict[str, float]:
         """Task -> value; a single-number metric is the task named after the metric (as in baseline).
         The float model's values must be finite and not all zero: every ratio divides by them."""
         if run.streaming:
             values = run.values()
         else:
-            model = _Replay(self.batches, run.outputs)
-            values = run_metric(self.metric, model, self.batches, reference=_Replay(self.batches, self._float_outputs),
+            model = ReplayModel(self.batches, run.outputs)
+            values = run_metric(self.metric, model, self.batches, reference=ReplayModel(self.batches, self._float_outputs),
                                 name=self.metric_name)
             self._called(model)
         values = {self.metric_name: values["metric"]} if list(values) == ["metric"] else values
@@ -445,7 +386,7 @@ class Experiment:
                                   "or choose another metric")
         return values
 
-    def _called(self, model: "_Replay") -> None:
+    def _called(self, model: "ReplayModel") -> None:
         if not model.calls:
             raise QDebugError(f"metric {self.metric_name} never called the model",
                               "a metric gets (model, batches) and must run model(inputs) on each batch")
