@@ -1,0 +1,104 @@
+"""Quant points at another bit width for a while: the int16 experiments of ``suggest``.
+
+``raise_bits(model, {point: bits})`` gives each named point what calibrating it at
+``bits`` would have given, from the statistics it already holds, and returns a
+``Respec`` that puts everything back (``restore()``):
+
+- an activation point (frozen scale): a new observer for the wider spec takes over
+  the old observer's state (min/max, histogram) and computes the qparams -- what
+  ``calibrate`` with an override ``bits = 16`` on the same data computes, since the
+  observer's statistics do not depend on the bit width;
+- a weight point with a dynamic scale: its qparams from the weight at the new width;
+- a learned scale (lsq, qte), or an observer that holds no statistics: the same real
+  range as the current grid, [(qmin - z) s, (qmax - z) s], at the new width;
+- in the quantized stage a layer's cached integer weight codes (``weight_int``) are
+  dropped, so the integer kernel recomputes them on the new grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.modules import _QWeighted
+from qdebug.engine.observers import make_observer
+from qdebug.engine.point import QuantPoint
+from qdebug.engine.spec import qparams_from_range
+from qdebug.errors import QDebugError
+
+
+@dataclass
+class Respec:
+    """What ``raise_bits`` changed, to put back."""
+
+    saved: list[tuple[QuantPoint, Any, Any, torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)
+    codes: list[tuple[_QWeighted, torch.Tensor | None]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        for point, spec, observer, scale, zero_point, cache_key in reversed(self.saved):
+            point.spec, point.observer = spec, observer
+            point.set_qparams(scale, zero_point)
+            point._cache_key = cache_key
+            point.forget_cached() if cache_key is None else setattr(point, "_fq_cache", None)
+        for layer, codes in self.codes:
+            layer._buffers.pop("weight_int", None)
+            if codes is not None:
+                layer.register_buffer("weight_int", codes)
+        self.saved.clear()
+        self.codes.clear()
+
+
+def _grid_range(point: QuantPoint) -> tuple[torch.Tensor, torch.Tensor]:
+    scale, zero_point = point.scale.detach().float(), point.zero_point.float()
+    return (point.spec.qmin - zero_point) * scale, (point.spec.qmax - zero_point) * scale
+
+
+def _layers_by_weight_point(model: nn.Module) -> dict[str, _QWeighted]:
+    return {m.weight_point.name: m for m in model.modules() if isinstance(m, _QWeighted) and m.weight_point is not None}
+
+
+def raise_bits(model: nn.Module, bits: Mapping[str, int], points: Mapping[str, QuantPoint]) -> Respec:
+    """Set each named point to ``bits`` (see module docstring); returns the undo."""
+    undo = Respec()
+    if not bits:
+        return undo
+    layers = _layers_by_weight_point(model)
+    try:
+        for name, width in bits.items():
+            point = points.get(name)
+            if point is None:
+                raise QDebugError(f"no quant point {name!r}", "qdebug inspect lists the points")
+            if width == point.spec.bits:
+                continue
+            undo.saved.append((point, point.spec, point.observer, point.scale.detach().clone(),
+                               point.zero_point.clone(), point._cache_key))
+            spec = point.spec.replace(bits=width)
+            layer = layers.get(name)
+            learned = spec.learnable_scale and point.initialized
+            if point.kind == "weight" and layer is not None and not point.frozen and not learned:
+                observer = make_observer(spec)
+                point.spec, point.observer = spec, observer
+                weight, key = layer.quantized_input_weight()
+                point.compute_from(weight.detach())
+                point._cache_key = key
+            else:
+                observer = make_observer(spec)
+                old = point.observer
+                if getattr(old, "initialized", False) and not learned:
+                    for key, value in old.named_buffers(recurse=False):  # shapes may differ from a fresh one's
+                        observer._buffers[key] = value.clone()
+                    scale, zero_point = observer.calculate_qparams()
+                else:
+                    scale, zero_point = qparams_from_range(*_grid_range(point), spec)
+                point.spec, point.observer = spec, observer
+                point.set_qparams(scale, zero_point)
+            point._fq_cache = None
+            if layer is not None and getattr(layer, "stage", "fake") == "quantized":
+                undo.codes.append((layer, layer._buffers.pop("weight_int", None)))
+    except Exception:
+        undo.restore()
+        raise
+    return undo
