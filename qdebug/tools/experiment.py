@@ -44,6 +44,7 @@ import torch.nn as nn
 from qdebug.engine import engine_state
 from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
 from qdebug.engine.modules import _QWeighted
+from qdebug.engine.respec import raise_bits
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.served import ServedCalls, serving
 from qdebug.errors import QDebugError
@@ -56,11 +57,24 @@ from qdebug.tools.metric_replay import MetricRun, ReplayModel, per_sample_functi
 
 @dataclass(frozen=True)
 class Trial:
-    """One setting to measure: ``quantized`` points in their quantized mode, the rest float.
+    """One setting to measure: ``quantized`` points in their quantized mode, the rest float;
+    ``bits``: some of the quantized points at another width (``qdebug.engine.respec``).
     ``info``: columns carried into the result row unchanged (the selection, the mode...)."""
 
     quantized: frozenset[str]
     info: Mapping[str, Any] = field(default_factory=dict)
+    bits: Mapping[str, int] = field(default_factory=dict)
+
+    def differs_at(self, other: "Trial") -> set[str]:
+        """The points treated differently by the two trials (mode or width)."""
+        changed = set(self.quantized ^ other.quantized)
+        for name in set(self.bits) | set(other.bits):
+            if name in self.quantized and name in other.quantized and self.bits.get(name) != other.bits.get(name):
+                changed.add(name)
+        return changed
+
+
+NOTHING = Trial(frozenset())  # the base run: every point in float
 
 
 # -- what a run leaves behind -------------------------------------------------------
@@ -205,7 +219,7 @@ class Experiment:
     def run(self, trials: Sequence[Trial]) -> list[TrialResult]:
         """Measure every trial over all batches (one pass; see module docstring)."""
         trials = list(trials)
-        unknown = sorted({p for t in trials for p in t.quantized} - set(self.quantizable))
+        unknown = sorted({p for t in trials for p in (*t.quantized, *t.bits)} - set(self.quantizable))
         if unknown:
             raise QDebugError(f"not a quantized point of this model: {', '.join(unknown[:5])}",
                               "trials name quant points in fake mode (qdebug inspect lists them)")
@@ -218,9 +232,10 @@ class Experiment:
         served_counts = [0] * len(trials)
         loaded = {name: p.mode for name, p in self.state.points.items()}
         modes = [(self.model, self.model.training)] + ([(self.reference, self.reference.training)] if self.reference else [])
-        # The base run, and two trial runs in turn: trial k may serve from trial k-1's run while
-        # its own is recorded for trial k+1.
-        base, recordings = _Recording(), (_Recording(), _Recording())
+        # The base run; the first trial's run (the anchor: "everything quantized" in suggest's
+        # ranking, where each later trial changes one point of it); and two trial runs in turn:
+        # trial k may serve from trial k-1's run while its own is recorded for trial k+1.
+        base, anchor, recordings = _Recording(), _Recording(), (_Recording(), _Recording())
         total = len(self.batches) * (len(trials) + 1 + (self.reference is not None))
         self._done = 0
         for module, _ in modes:
@@ -243,34 +258,17 @@ class Experiment:
                     if float_run is not None:
                         self._score(float_run, sampler, ref_out, ref_out, batch)
                     index = {name: i for i, name in enumerate(base.order())}
-                    end = len(index)
-                    earlier: frozenset[str] | None = None  # what the previous trial's recorded run quantized
-                    for k, trial in enumerate(trials):
-                        from_base = self._boundary(trial.quantized, frozenset(), index, end)
-                        from_earlier = self._boundary(trial.quantized, earlier, index, end) if earlier is not None else -1
-                        source, start = ((recordings[(k - 1) % 2], from_earlier) if from_earlier > from_base
-                                         else (base, from_base))
-                        keep = k + 1 < len(trials) and (
-                            self._boundary(trials[k + 1].quantized, trial.quantized, index, end)
-                            > self._boundary(trials[k + 1].quantized, frozenset(), index, end))
-                        served = source.served(start)
-                        self._set(trial.quantized, loaded)
-                        with serving(self.model, served):
-                            out = self._record(inputs, recordings[k % 2] if keep else None)
-                        earlier = trial.quantized if keep else None
-                        served_counts[k] += served.served
-                        stats[k].update(ref_named, named_outputs(out))
-                        if self.metric is not None:
-                            self._score(runs[k], sampler, out, ref_out, batch)
-                        self._tick(total)
-                    for recording in (base, *recordings):
+                    self._run_trials(trials, loaded, inputs, index, base, anchor, recordings, served_counts,
+                                     lambda k, out: self._measure(k, out, stats, runs, sampler, ref_named, ref_out,
+                                                                  batch, total))
+                    for recording in (base, anchor, *recordings):
                         recording.clear()
         finally:
             for name, mode in loaded.items():
                 self.state.points[name].mode = mode
             for module, training in modes:
                 module.train(training)
-            for recording in (base, *recordings):
+            for recording in (base, anchor, *recordings):
                 recording.capture.release()
         if self.reference is not None:
             self.floor = floor.result()
@@ -283,6 +281,48 @@ class Experiment:
             results.append(TrialResult(trial, stats[k].result(), metric, len(trial.quantized),
                                        *self.shares(trial.quantized), served_calls=served_counts[k]))
         return results
+
+    def _run_trials(self, trials: list[Trial], loaded: Mapping[str, str], inputs: Any, index: Mapping[str, int],
+                    base: "_Recording", anchor: "_Recording", recordings: tuple, served_counts: list[int],
+                    measure: Callable[[int, Any], None]) -> None:
+        """One batch through every trial, each serving from the recorded run (base, anchor or
+        previous trial) that agrees with it on the longest prefix of calls."""
+        end = len(index)
+
+        def start(a: Trial, b: Trial) -> int:
+            return self._boundary(a.differs_at(b), index, end)
+
+        anchored = len(trials) > 1 and any(start(t, trials[0]) > start(t, NOTHING) for t in trials[1:])
+        previous: tuple[Trial, _Recording] | None = None  # the last trial recorded, and where
+        for k, trial in enumerate(trials):
+            sources = [(start(trial, NOTHING), base)]
+            if anchored and k > 0:
+                sources.append((start(trial, trials[0]), anchor))
+            if previous is not None:
+                sources.append((start(trial, previous[0]), previous[1]))
+            first, source = max(sources, key=lambda item: item[0])
+            following = trials[k + 1] if k + 1 < len(trials) else None
+            keep = following is not None and start(following, trial) > max(
+                start(following, NOTHING), start(following, trials[0]) if anchored else -1)
+            record = anchor if (k == 0 and anchored) else (recordings[k % 2] if keep else None)
+            served = source.served(first)
+            self._set(trial.quantized, loaded)
+            undo = raise_bits(self.model, trial.bits, self.state.points)
+            try:
+                with serving(self.model, served):
+                    out = self._record(inputs, record)
+            finally:
+                undo.restore()
+            previous = (trial, record) if record is not None else None
+            served_counts[k] += served.served
+            measure(k, out)
+
+    def _measure(self, k: int, out: Any, stats: list, runs: list, sampler, ref_named: dict, ref_out: Any, batch: Any,
+                 total: int) -> None:
+        stats[k].update(ref_named, named_outputs(out))
+        if self.metric is not None:
+            self._score(runs[k], sampler, out, ref_out, batch)
+        self._tick(total)
 
     def shares(self, quantized: Iterable[str]) -> tuple[float, float]:
         """(macs_share, params_share): the multiply-accumulates and parameters of the layers
@@ -336,11 +376,11 @@ class Experiment:
             self.call_order = recording.order()
         return out
 
-    def _boundary(self, a: frozenset[str], b: frozenset[str], index: Mapping[str, int], end: int) -> int:
-        """Index of the first call at which settings ``a`` and ``b`` differ (``end``: nowhere).
-        A weight point acts at its layer's (first) call; an activation point at its own."""
+    def _boundary(self, changed: Iterable[str], index: Mapping[str, int], end: int) -> int:
+        """Index of the first call that a change of the ``changed`` points affects (``end``:
+        none).  A weight point acts at its layer's (first) call; an activation point at its own."""
         first = end
-        for name in a ^ b:
+        for name in changed:
             for call in self._acting_calls.get(name, (name,)):
                 first = min(first, index.get(call, end))
         return first
