@@ -194,6 +194,9 @@ def test_a_weight_defect_shows_under_kind_weight_only(make_resnet, images):
     model = _plant_int2_weights(_calibrated(make_resnet, images))
     batches = [images(8, seed=s) for s in (40, 41)]
     by_kind = {kind: step(model, batches, mode="auto", depth=2, kind=kind) for kind in ("weight", "activation")}
+    for result in by_kind.values():  # a unit with no point of the kind asked for is left out
+        assert (result.frame["points"] > 0).all()
+    assert "input" not in set(by_kind["weight"].frame["selection"])
     weight, activation = (by_kind[k].frame.set_index("selection") for k in ("weight", "activation"))
     assert by_kind["weight"].meta["culprit"]["selection"] == "layer1.0"
     assert weight.loc["layer1.0", "sqnr_db"] < 15  # int2 weights: a few dB
@@ -207,8 +210,9 @@ def test_both_kinds_split_the_costliest_unit(defect):
     culprit = result.meta["culprit"]
     assert culprit["selection"] == "layer2" and culprit["loss_in"] == "activations"
     assert culprit["weights_sqnr_db"] > 30 > culprit["activations_sqnr_db"]
-    kinds = result.frame[result.frame["selection"] == "layer2"]["kind"].tolist()
-    assert kinds == ["both", "weight", "activation"]
+    rows = result.frame[result.frame["selection"] == "layer2"]
+    assert rows["kind"].tolist() == ["both", "weight", "activation"]
+    assert rows["mode"].tolist() == ["auto", "split", "split"]
 
 
 def test_a_metric_without_per_sample_scores_runs_on_stored_outputs(defect):

@@ -42,7 +42,7 @@ def render_step(frame: "pd.DataFrame", meta: dict, *, sort: Optional[str] = None
     ratios = [f"{t}_ratio" for t in tasks]
     outputs = [c for c in view.columns if c.endswith("_sqnr_db") or (c.endswith("_cosine") and c != "cosine")]
     lead = ["step", *(["level"] if "level" in view else []), "selection"]
-    priority = [*lead, *ratios, "sqnr_db", "verdict" if tasks else "", "kind", "mode", "macs_share", *tasks, "points",
+    priority = [*lead, *ratios, "sqnr_db", "verdict" if tasks else "", "kind", "macs_share", *tasks, "mode", "points",
                 "cosine", "params_share", *outputs]
     priority = [c for c in priority if c and c in view]
     formats = {c: fixed(2) for c in view.columns if c.endswith("_db")}
@@ -53,7 +53,10 @@ def render_step(frame: "pd.DataFrame", meta: dict, *, sort: Optional[str] = None
     highlight = [i for i, (s, m, k) in enumerate(zip(view["selection"], view["mode"], view["kind"]))
                  if s == culprit and m != "all" and k == meta.get("kind", "both")]
     styles = [("bold red" if v == "fail" else None) for v in view["verdict"]] if "verdict" in view else None
-    title = f"step ({meta['mode']}{', kind ' + meta['kind'] if meta['kind'] != 'both' else ''}): output vs float, " \
+    checkpoints = meta.get("checkpoints") or []
+    against = f"{Path(checkpoints[-1]).name} vs {Path(checkpoints[0]).name if len(checkpoints) == 2 else 'its float run'}" \
+        if checkpoints else "output vs float"
+    title = f"step ({meta['mode']}{', kind ' + meta['kind'] if meta['kind'] != 'both' else ''}): {against}, " \
             f"{meta['batches']} batch(es)"
     return render_table(view, title=title, columns=priority, priority=priority, width=width, names=("selection",),
                         formats=formats, highlight=highlight[:1], row_styles=styles)

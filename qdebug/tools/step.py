@@ -194,14 +194,17 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
             results.append(result)
         return done
 
+    def kind_of(names: Sequence[str]) -> str:
+        # Points all of one kind say which (a layer's output point shares the layer's name).
+        kinds = {units.kind[n] for n in names}
+        return kinds.pop() if len(kinds) == 1 else kind
+
     def alone(label: str, names: Sequence[str], level: int | None = None, step_mode: str = mode) -> Trial:
-        chosen = frozenset(units.of_kind(names, kind))
-        # A single point is of one kind: say which (a layer's output point shares its name).
-        shown_kind = units.kind[next(iter(chosen))] if len(chosen) == 1 else kind
-        info = {"selection": label, "mode": step_mode, "kind": shown_kind}
+        chosen = units.of_kind(names, kind)
+        info = {"selection": label, "mode": step_mode, "kind": kind_of(chosen)}
         if level is not None:
             info["level"] = level
-        return Trial(chosen, info)
+        return Trial(frozenset(chosen), info)
 
     whole = Trial(everything, {"selection": "*", "mode": "all", "kind": "both", **({"level": 0} if mode == "drill" else {})})
     label = ",".join(modules)
@@ -214,14 +217,17 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         measure([whole, Trial(everything - kept, {"selection": label, "mode": "except", "kind": kind})])
         culprit = None
     elif mode in ("auto", "cumulative"):
-        groups = units.group(selected, depth)
+        # Units with no point of the kind asked for would switch nothing: left out.
+        groups = {name: names for name, names in units.group(selected, depth).items() if units.of_kind(names, kind)}
         if mode == "auto":
             trials = [alone(name, names) for name, names in groups.items()]
         else:
             trials, grown = [], []
             for name, names in groups.items():
-                grown += units.of_kind(names, kind)
-                trials.append(Trial(frozenset(grown), {"selection": name, "mode": "cumulative", "kind": kind}))
+                added = units.of_kind(names, kind)
+                grown += added
+                trials.append(Trial(frozenset(grown), {"selection": name, "mode": "cumulative",
+                                                       "kind": kind_of(added)}))
         done = measure([whole, *trials])[1:]
         culprit = _costliest(done, cumulative=mode == "cumulative", tolerance=tolerance)
     else:  # drill
@@ -231,6 +237,9 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         culprit = None
         while True:
             children = units.children(group)
+            if not children:
+                break
+            children = {name: names for name, names in children.items() if units.of_kind(names, kind)}
             if not children:
                 break
             trials = [alone(name, names, level) for name, names in children.items()]
@@ -255,7 +264,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         names = own
         weights, activations = units.of_kind(names, "weight"), units.of_kind(names, "activation")
         if weights and activations:
-            info = {"selection": culprit.trial.info["selection"], "mode": "only",
+            info = {"selection": culprit.trial.info["selection"], "mode": "split",
                     **({"level": culprit.trial.info.get("level")} if mode == "drill" else {})}
             split = measure([Trial(frozenset(weights), {**info, "kind": "weight"}),
                              Trial(frozenset(activations), {**info, "kind": "activation"})])
@@ -364,13 +373,29 @@ def _db(v: float) -> str:
     return "inf dB" if math.isinf(v) else f"{v:.1f} dB"
 
 
-def _delta(entry: Mapping[str, Any]) -> str:
-    """One path entry as a short loss: metric points when the metric is a fraction, else dB."""
+def _delta(entry: Mapping[str, Any], samples: int | None = None) -> str:
+    """One path entry as a short loss: metric points when the metric is a fraction (and, on
+    few samples, how many samples that is), else the step's output SQNR."""
     deltas = [(k[:-6], v) for k, v in entry.items() if k.endswith("_delta")]
-    if deltas:
-        task, d = min(deltas, key=lambda kv: _nan_low(kv[1]))
-        return f"{d * 100:+.1f} pts" if abs(d) <= 1 else f"{d:+.3g}"
-    return _db(entry["sqnr_db"])
+    if not deltas:
+        return _db(entry["sqnr_db"])
+    task, d = min(deltas, key=lambda kv: _nan_low(kv[1]))
+    if math.isnan(d) or abs(d) > 1:
+        return f"{d:+.3g}"
+    text = f"{d * 100:+.1f} pts" if abs(d) >= 0.001 or d == 0 else f"{d * 100:+.2f} pts"
+    if samples and samples < SMALL_EVAL and d:
+        flipped = round(abs(d) * samples)
+        text += f", {flipped} sample{'s' if flipped != 1 else ''}"
+    return f"{text}; {_db(entry['sqnr_db'])}"
+
+
+def _share(value: float) -> str:
+    """A share as a percentage that never rounds a part to 0% or 100%."""
+    if 0 < value < 0.01:
+        return "<1%"
+    if 0.99 < value < 1:
+        return ">99%"
+    return f"{value * 100:.0f}%"
 
 
 def _unit(entry: Mapping[str, Any]) -> str:
@@ -398,10 +423,10 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
         lines.append(f"all but {row['selection']}: {_db(row['sqnr_db'])}" + (f"; {scores} ({row['verdict']})" if scores else ""))
     culprit = meta.get("culprit")
     if meta.get("passed"):
-        lines.append("nothing to fix: the whole model meets the rule (the costliest part, for the record:)")
+        lines.append("nothing to fix: the whole model meets the rule")
     if culprit:
-        share = f", {culprit['macs_share'] * 100:.0f}% of MACs" if culprit.get("macs_share") else ""
-        change = _delta(culprit)
+        share = f", {_share(culprit['macs_share'])} of MACs" if culprit.get("macs_share") else ""
+        change = _delta(culprit, meta.get("samples"))
         if "before_sqnr_db" in culprit and not any(k.endswith("_delta") for k in culprit):
             change = f"{_db(culprit['before_sqnr_db'])} -> {change} when added"
         lines.append(f"costs the most: {_unit(culprit)} ({change}{share})")
@@ -409,7 +434,7 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
             lines.append(f"  loss in its {culprit['loss_in']}: weights alone {_db(culprit['weights_sqnr_db'])}, "
                          f"activations alone {_db(culprit['activations_sqnr_db'])}")
     if meta.get("drill_path"):
-        lines.append("drill: " + " > ".join(f"{_unit(e)} ({_delta(e)})" for e in meta["drill_path"]))
+        lines.append("drill: " + " > ".join(f"{_unit(e)} ({_delta(e).split(';')[0]})" for e in meta["drill_path"]))
     if tasks and meta.get("samples", 0) < SMALL_EVAL:
         lines.append(f"note: metric on {meta['samples']} samples: steps within one sample of the worst rank by SQNR")
     return "\n".join(lines)
