@@ -115,16 +115,21 @@ class _Recording:
 
 
 class _Costs:
-    """Multiply-accumulates per sample and parameters of each weighted layer (first batch)."""
+    """Per sample (first batch): multiply-accumulates of each weighted layer, and the size of
+    each call's output (the activation memory a quant point's width multiplies)."""
 
     def __init__(self) -> None:
         self.macs: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
 
     def __call__(self, event: Event) -> None:
         module = event.call.module
         out = event.out
-        if isinstance(module, _QWeighted) and isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0]:
-            per_sample = out.numel() // out.shape[0]
+        if not (isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0]):
+            return
+        per_sample = out.numel() // out.shape[0]
+        self.sizes[event.call.name] = per_sample
+        if isinstance(module, _QWeighted):
             self.macs[event.call.owner] = self.macs.get(event.call.owner, 0) + per_sample * module.weight[0].numel()
 
 
@@ -210,6 +215,7 @@ class Experiment:
         self.floor: dict[str, dict[str, float]] = {}
         self._float_outputs: list[Any] = []  # for a metric evaluated on stored outputs
         self.macs: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}  # call -> output values per sample
         self.params, self._other_params = self._parameters()
         self.call_order: list[str] = []  # the base run's calls, in execution order
         self._acting_calls = self._calls_acted_on()
@@ -334,6 +340,12 @@ class Experiment:
         params = sum(v for k, v in self.params.items() if k in layers)
         return (macs / total_macs if total_macs else 0.0), (params / total_params if total_params else 0.0)
 
+    def activation_share(self, points: Iterable[str]) -> float:
+        """The activation values the given points quantize, as a share of all activation points'."""
+        sizes = {n: self.sizes.get(n, 0) for n, p in self.state.points.items() if p.kind == "activation"}
+        total = sum(sizes.values())
+        return sum(sizes.get(n, 0) for n in points) / total if total else 0.0
+
     def verdict(self, values: Mapping[str, float], rules: Mapping[str, TaskRule]) -> dict[str, Any]:
         """Per task the value and its ``<task>_ratio`` against the float metric (baseline's
         score), and ``verdict``: pass when every task meets its rule."""
@@ -371,7 +383,7 @@ class Experiment:
                 stack.enter_context(tap(self.model, counter))
             out = run_model(self.model, inputs)
         if counter is not None:
-            self.macs = counter.macs
+            self.macs, self.sizes = counter.macs, counter.sizes
         if recording is not None and not self.call_order:
             self.call_order = recording.order()
         return out

@@ -1,0 +1,291 @@
+"""``suggest``: the smallest set of int16 changes proven to bring the model back over its target.
+
+Candidates.  Every quantized point below ``bits`` (16), as a qconfig override can
+name it, so that the plan can be written as one and reproduced by ``calibrate``: a
+layer's weight (override ``<layer>`` ``weight``), and an activation point (override
+``<name>`` ``activation``; an override on a module that is called several times
+raises every call, so the candidate ``relu`` holds ``relu`` and ``relu#2``, while
+``relu#2`` alone is a candidate of its own).  An activation point diagnosed
+``clipping`` by ``compare`` is a range problem, not a resolution one: it is not a
+candidate, and is reported for recalibration instead.
+
+Ranking (``rank="exact"``): every candidate alone at ``bits``, the rest as loaded, in
+one pass of the experiment primitive (each trial resumes from the "everything
+quantized" run at its point); the gain is the output SQNR gained over everything
+quantized (and each task's metric gain).  Candidates are ordered by metric gain --
+gains within one sample's worth are tied -- then by SQNR gain.
+
+Plan.  The target: every task's metric >= its rule (baseline's, ratio 0.99 by
+default) with a metric, else output SQNR >= ``min_sqnr``.  With all candidates
+raised (evaluation 1) the target must be reachable; a binary search finds the
+shortest prefix of the ranking that meets it (<= ceil(log2 L) evaluations); then each
+member is dropped in turn, last first, and stays out when the target still holds
+(|plan| evaluations), so no member of the plan can be removed.  Evaluations after
+ranking <= 1 + ceil(log2 L) + |plan|.  Unreachable: the best value is reported, and
+the same search on keeping candidates in float says which layers would reach it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+import torch.nn as nn
+
+from qdebug.engine import engine_state
+from qdebug.errors import QDebugError
+from qdebug.metrics import Metric
+from qdebug.tools.baseline import TaskRule
+from qdebug.tools.experiment import Experiment, Trial, TrialResult
+
+DEFAULT_MIN_SQNR = 30.0
+COLUMNS = ["rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One change a qconfig override can express: ``glob`` at ``bits`` for ``kind``."""
+
+    glob: str
+    kind: str  # "weight" | "activation"
+    points: tuple[str, ...]
+    layer: str
+    bits: int
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate] = field(default_factory=list)
+    before: dict[str, float] = field(default_factory=dict)
+    after: dict[str, float] = field(default_factory=dict)
+    passed: bool = False
+    evaluations: int = 0
+    keep_float: list[Candidate] = field(default_factory=list)  # unreachable at int16: these in float
+
+    def overrides(self, bits: int) -> dict[str, dict[str, dict[str, int]]]:
+        """The qconfig overrides that apply the plan (``qdebug calibrate --qconfig``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for c in self.candidates:
+            out.setdefault(c.glob, {})[c.kind] = {"bits": bits}
+        for c in self.keep_float:
+            out.setdefault(c.glob, {})[c.kind] = None
+        return out
+
+
+@dataclass
+class SuggestResult:
+    frame: pd.DataFrame  # one row per candidate, in rank order
+    plan: Plan
+    meta: dict[str, Any]
+    summary: str
+
+
+def candidates(model: nn.Module, quantizable: Sequence[str], bits: int) -> list[Candidate]:
+    """Every change below ``bits`` an override can name (see module docstring), in execution order."""
+    state = engine_state(model)
+    found: list[Candidate] = []
+    for name in quantizable:
+        point = state.points[name]
+        if point.spec.bits >= bits:
+            continue
+        if point.kind == "weight":
+            found.append(Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits))
+            continue
+        calls = (name,) if "#" in name else (name, *(n for n in quantizable if n.startswith(name + "#")
+                                                       and state.points[n].spec.bits < bits))
+        found.append(Candidate(name, "activation", calls, point.owner or name, point.spec.bits))
+    return found
+
+
+def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
+            metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
+            min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16, diagnoses: Mapping[str, str] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> SuggestResult:
+    """Rank int16 candidates and find the minimal verified plan (see module docstring).
+
+    ``diagnoses``: compare's diagnosis per call name (``clipping`` rows are not candidates).
+    """
+    if not 2 <= bits <= 16:
+        raise QDebugError(f"bits must be in [2, 16], got {bits}", "e.g. --bits 16")
+    if not math.isfinite(min_sqnr):
+        raise QDebugError(f"min_sqnr must be a number of dB, got {min_sqnr}", "e.g. --min-sqnr 30")
+    experiment = Experiment(model, batches, reference=reference, metric=metric, metric_name=metric_name,
+                            progress=progress)
+    rules = dict(rules or {})
+    diagnoses = dict(diagnoses or {})
+    everything = frozenset(experiment.quantizable)
+    whole = Trial(everything, {"label": "as loaded"})
+    found = candidates(model, experiment.quantizable, bits)
+    clipping = [c for c in found if c.kind == "activation" and any(diagnoses.get(p) == "clipping" for p in c.points)]
+    ranked_pool = [c for c in found if c not in clipping]
+    samples = sum(_samples(b) for b in experiment.batches)
+
+    def meets(result: TrialResult) -> bool:
+        if metric is not None:
+            return experiment.verdict(result.metric, rules)["verdict"] == "pass"
+        return _sqnr(result) >= min_sqnr
+
+    def raised(chosen: Sequence[Candidate]) -> Trial:
+        return Trial(everything, {"label": "plan"}, {p: bits for c in chosen for p in c.points})
+
+    # Ranking: everything as loaded, then each candidate alone at ``bits``.
+    ranking = experiment.run([whole, *(raised([c]) for c in ranked_pool)])
+    base, singles = ranking[0], ranking[1:]
+    base_sqnr = _sqnr(base)
+    gains = []
+    for c, result in zip(ranked_pool, singles):
+        task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
+        gains.append((c, _sqnr(result) - base_sqnr, task_gain, result))
+    tolerance = 1.0 / samples if metric is not None and samples else 0.0
+    gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -_clean(g[1])))
+    order = [g[0] for g in gains]
+
+    plan = Plan(before=_values(base, experiment, rules if metric is not None else None))
+    if meets(base):
+        plan.passed, plan.after = True, plan.before
+    elif order:
+        scored = rules if metric is not None else None
+        plan = _search(order, lambda chosen: experiment.run([raised(chosen)])[0], meets, plan, experiment, scored)
+        if not plan.passed:
+            def floated(chosen: Sequence[Candidate]) -> Trial:
+                return Trial(everything - {p for c in chosen for p in c.points}, {"label": "float"},
+                             {p: bits for c in order for p in c.points if c not in chosen})
+
+            fallback = _search(order, lambda chosen: experiment.run([floated(chosen)])[0], meets,
+                               Plan(before=plan.before), experiment, scored)
+            plan.evaluations += fallback.evaluations
+            if fallback.passed:
+                plan.keep_float = fallback.candidates
+    frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None)
+    meta = {
+        "bits": bits, "target": "metric" if metric is not None else f"sqnr_db >= {min_sqnr:g}",
+        "min_sqnr": None if metric is not None else min_sqnr, "candidates": len(ranked_pool),
+        "clipping": [c.glob for c in clipping], "batches": len(experiment.batches), "samples": samples,
+        "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
+        "ranking_evaluations": 1, "served_calls": sum(r.served_calls for r in ranking),
+        "plan": _plan_meta(plan, bits),
+    }
+    return SuggestResult(frame, plan, meta, summarize(meta))
+
+
+def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], TrialResult],
+            meets: Callable[[TrialResult], bool], plan: Plan, experiment: Experiment,
+            rules: Mapping[str, TaskRule] | None) -> Plan:
+    """Shortest passing prefix of ``order`` by binary search, then drop members last first."""
+    results: dict[tuple, TrialResult] = {}
+
+    def check(chosen: Sequence[Candidate]) -> bool:
+        key = tuple(c.glob + "/" + c.kind for c in chosen)
+        if key not in results:
+            results[key] = evaluate(chosen)
+            plan.evaluations += 1
+        return meets(results[key])
+
+    if not check(order):
+        best = results[tuple(c.glob + "/" + c.kind for c in order)]
+        plan.after, plan.candidates, plan.passed = _values(best, experiment, rules), list(order), False
+        return plan
+    lo, hi = 1, len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if check(order[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    chosen = list(order[:lo])
+    for c in reversed(list(chosen)):
+        trial = [x for x in chosen if x is not c]
+        if trial and check(trial):
+            chosen = trial
+    final = results[tuple(c.glob + "/" + c.kind for c in chosen)]
+    plan.candidates, plan.after, plan.passed = chosen, _values(final, experiment, rules), True
+    return plan
+
+
+def _samples(batch: Any) -> int:
+    from qdebug.engine.ops import tensors_in
+
+    found = tensors_in(getattr(batch, "inputs", batch))
+    return int(found[0].shape[0]) if found and found[0].dim() else 1
+
+
+def _clean(v: float) -> float:
+    return -math.inf if v is None or math.isnan(v) else v
+
+
+def _sqnr(result: TrialResult) -> float:
+    return min((_clean(o["sqnr_db"]) for o in result.outputs.values()), default=math.nan)
+
+
+def _bucket(gain: float, tolerance: float) -> float:
+    """Metric gains within one sample's worth count as equal (a flipped sample is noise)."""
+    return round(gain / tolerance) if tolerance else gain
+
+
+def _values(result: TrialResult, experiment: Experiment, rules: Mapping[str, TaskRule] | None) -> dict[str, float]:
+    """Output SQNR and, with a metric (``rules`` not None), each task's value, its score
+    against float (baseline's ``<task>_ratio``) and the verdict."""
+    values: dict[str, Any] = {"sqnr_db": _sqnr(result)}
+    if rules is not None:
+        values.update(experiment.verdict(result.metric, rules))
+    return values
+
+
+def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mapping[str, str],
+           with_metric: bool) -> pd.DataFrame:
+    chosen = {(c.glob, c.kind) for c in plan.candidates} if plan.passed else set()
+    rows = []
+    for rank, (c, gain_db, task_gain, _) in enumerate(gains, start=1):
+        macs, _ = experiment.shares(c.points) if c.kind == "weight" else (0.0, 0.0)
+        row = {"rank": rank, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
+               "diagnosis": next((diagnoses[p] for p in c.points if diagnoses.get(p)), ""), "gain_db": gain_db}
+        for task, value in task_gain.items():
+            row[f"{task}_gain"] = value
+        row.update(macs_share=macs, act_share=experiment.activation_share(c.points) if c.kind == "activation" else 0.0,
+                   in_plan=(c.glob, c.kind) in chosen)
+        rows.append(row)
+    for c in clipping:
+        rows.append({"rank": None, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
+                     "diagnosis": "clipping", "gain_db": math.nan, "macs_share": 0.0,
+                     "act_share": experiment.activation_share(c.points), "in_plan": False})
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        frame = pd.DataFrame(columns=COLUMNS)
+    return frame
+
+
+def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
+    return {"points": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.candidates] if plan.passed else [],
+            "before": plan.before, "after": plan.after, "passed": plan.passed, "evaluations": plan.evaluations,
+            "keep_float": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.keep_float],
+            "overrides": plan.overrides(bits) if plan.passed else {}}
+
+
+def _fmt(values: Mapping[str, float], tasks: Sequence[str]) -> str:
+    parts = [f"{values['sqnr_db']:.1f} dB"] if "sqnr_db" in values else []
+    parts += [f"{t} {values[t]:.4g} ({values[t + '_ratio']:.3f} x float)" for t in tasks if t in values]
+    return ", ".join(parts)
+
+
+def summarize(meta: Mapping[str, Any]) -> str:
+    plan = meta["plan"]
+    tasks = meta.get("tasks") or []
+    target = "every task >= its ratio x float" if tasks else meta["target"]
+    lines = [f"as quantized: {_fmt(plan['before'], tasks)}; target: {target}"]
+    if plan["passed"] and not plan["points"]:
+        lines.append("already meets the target: no change needed")
+    elif plan["passed"]:
+        lines.append(f"plan: {len(plan['points'])} point(s) at {meta['bits']} bits: {', '.join(plan['points'])}")
+        lines.append(f"  after: {_fmt(plan['after'], tasks)} -- verified in {plan['evaluations']} evaluation(s)")
+    else:
+        lines.append(f"no plan at {meta['bits']} bits reaches the target: at best {_fmt(plan['after'], tasks)}")
+        if plan["keep_float"]:
+            lines.append(f"  kept in float, these reach it: {', '.join(plan['keep_float'])}")
+    if meta["clipping"]:
+        lines.append(f"clipping (recalibrate, not int16): {', '.join(meta['clipping'])}")
+    return "\n".join(lines)
+
+
+__all__ = ["suggest", "candidates", "Candidate", "Plan", "SuggestResult", "summarize", "DEFAULT_MIN_SQNR"]
