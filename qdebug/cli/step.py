@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
+from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts,
-    load_checkpoint, model_errors, progress_bar, resolve_batches,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, model_errors,
+    progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -60,14 +61,6 @@ def render_step(frame: "pd.DataFrame", meta: dict, *, sort: Optional[str] = None
             f"{meta['batches']} batch(es)"
     return render_table(view, title=title, columns=priority, priority=priority, width=width, names=("selection",),
                         formats=formats, highlight=highlight[:1], row_styles=styles)
-
-
-def _paths(checkpoints: list[str]) -> list[str]:
-    if checkpoints:
-        return checkpoints
-    cfg = STATE.config()
-    quant = cfg.get("qat") or cfg.get("calibrated") or cfg.get("quantized")
-    return [p for p in (cfg.get("float"), quant) if p]
 
 
 def _mode(flags: dict[str, bool], modules: list[str]) -> str:
@@ -157,12 +150,7 @@ def step(
         raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
     check_counts(batches, batch_size)
     given = list(checkpoints or [])
-    paths = _paths(given)
-    if not paths:
-        raise QDebugError("step needs a checkpoint", "e.g. qdebug step float.pt calibrated.pt --auto "
-                          "(or set float and calibrated/qat in qdebug.toml)")
-    if len(paths) > 2:
-        raise QDebugError(f"step takes one or two checkpoints, got {len(paths)}", "give [FLOAT] CHECKPOINT")
+    paths = checkpoint_paths(given, "step")
     cfg = STATE.config()
     spec = metric or cfg.get("metric")
     tasks = [spec.rsplit(":", 1)[-1]] if spec else []
@@ -174,30 +162,11 @@ def step(
 
     from qdebug.cli.baseline import task_rules
     from qdebug.metrics import resolve_metric
-    from qdebug.engine import is_prepared
     from qdebug.tools.step import check_selection, step as run_step
 
     metric_fn = resolve_metric(spec) if spec else None
-    loaded = [load_checkpoint(p, model=model, unsafe=unsafe_load, command="step") for p in paths]
-    net, info = loaded[-1]
-    if info.stage == "float" and len(loaded) == 2 and loaded[0][1].stage != "float":
-        raise QDebugError(f"{paths[1]} is the float checkpoint: it goes first",
-                          f"qdebug step {paths[1]} {paths[0]} ...")
-    if info.stage == "float":
-        raise QDebugError(f"{paths[-1]} is a float checkpoint: there is nothing to step through",
-                          "give a calibrated, QAT or quantized checkpoint (last), e.g. qdebug step float.pt calibrated.pt")
-    reference = None
-    if len(loaded) == 2:
-        reference, ref_info = loaded[0]
-        if ref_info.stage != "float":
-            raise QDebugError(f"{paths[0]} is a {ref_info.stage} checkpoint, not the float model",
-                              "give FLOAT first, or the checkpoint alone (its float run is then the reference)")
-        if ref_info.model.target != info.model.target or ref_info.model.kwargs != info.model.kwargs:
-            raise QDebugError(f"{paths[0]} and {paths[1]} are not the same model "
-                              f"({ref_info.model.target} vs {info.model.target})",
-                              "step a checkpoint against the float checkpoint it came from")
-    if not is_prepared(net):
-        raise QDebugError(f"{paths[-1]} holds no quantized model", "give a calibrated, QAT or quantized checkpoint")
+    found = load_against_float(paths, model=model, unsafe=unsafe_load, command="step")
+    net, info, reference = found.model, found.info, found.reference
     check_selection(net, modules)
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
     default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
