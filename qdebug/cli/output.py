@@ -45,6 +45,7 @@ class Report:
     meta: dict[str, Any]
     tables: dict[str, "pd.DataFrame"] = field(default_factory=dict)  # e.g. inspect's "checks"
     files: list[Path] = field(default_factory=list)  # written by the command itself (plots)
+    json_extra: dict[str, Any] = field(default_factory=dict)  # further top-level JSON values (suggest's plan)
 
 
 def output_format(fmt: Optional[str], as_json: bool) -> str:
@@ -98,10 +99,10 @@ def emit(report: Report, fmt: str, out: Optional[Path], render: Callable[[], Non
         written.append(write_csv(out / f"{report.command}.csv", report.frame))
         for name, frame in report.tables.items():
             written.append(write_csv(out / f"{report.command}_{name}.csv", frame))
-        extra = {name: records(frame) for name, frame in report.tables.items()}
+        extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
         written.append(write_json(out / f"{report.command}.json", report.frame, report.meta, **extra))
     if fmt == "json":
-        extra = {name: records(frame) for name, frame in report.tables.items()}
+        extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
         _stdout(to_json(report.frame, report.meta, **extra))
     elif fmt == "csv":
         _stdout(report.frame.to_csv(index=False).rstrip("\n"))

@@ -107,6 +107,42 @@ def plot_steps(frame: pd.DataFrame, path: str | Path, *, tasks: list[str], cumul
     return _save(fig, path)
 
 
+def plot_suggest(frame: pd.DataFrame, meta: dict, path: str | Path, *, top: int = 30) -> Path:
+    """Left: output SQNR gained by each candidate alone at the plan's width (the plan's members
+    red). Right: each evaluation of the plan search -- plan size against the target measure
+    (the first task's ratio to float with the ratio line, else output SQNR with --min-sqnr)."""
+    ranked = frame[frame["rank"].notna()].head(top)
+    fig, (ax_gain, ax_plan) = plt.subplots(1, 2, figsize=(max(9, 4 + len(ranked) * 0.3), 4.4),
+                                           gridspec_kw={"width_ratios": [2, 1]})
+    xs = list(range(len(ranked)))
+    ax_gain.bar(xs, _finite(ranked["gain_db"]), color=["tab:red" if v else "tab:blue" for v in ranked["in_plan"]])
+    ax_gain.set_xticks(xs)
+    ax_gain.set_xticklabels([f"{p} ({k[0]})" for p, k in zip(ranked["point"], ranked["kind"])], rotation=70,
+                            ha="right", fontsize=7)
+    ax_gain.set_ylabel(f"output SQNR gained at {meta['bits']} bits (dB)")
+    ax_gain.set_title("each candidate alone (plan in red)", fontsize=9)
+    ax_gain.grid(alpha=0.3, axis="y")
+    history = meta["plan"].get("history") or []
+    tasks = meta.get("tasks") or []
+    column = f"{tasks[0]}_ratio" if tasks else "sqnr_db"
+    target = meta.get("ratio", 0.99) if tasks else meta.get("min_sqnr")
+    if history:
+        sizes = [h["size"] for h in history]
+        values = _finite(h.get(column) for h in history)
+        ax_plan.scatter(sizes, values, c=["tab:green" if h["passed"] else "tab:red" for h in history], zorder=3)
+        for i, (x, y) in enumerate(zip(sizes, values)):
+            ax_plan.annotate(str(i + 1), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if target is not None:
+        ax_plan.axhline(target, color="tab:red", linestyle="--", linewidth=1, label="target")
+        ax_plan.legend(fontsize=8)
+    ax_plan.set_xlabel("candidates raised (evaluations numbered)")
+    ax_plan.set_ylabel(f"{tasks[0]} / float" if tasks else "output SQNR (dB)")
+    ax_plan.set_title("the plan search", fontsize=9)
+    ax_plan.grid(alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def _save(fig, path: str | Path) -> Path:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)

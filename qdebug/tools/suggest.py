@@ -63,6 +63,7 @@ class Plan:
     passed: bool = False
     evaluations: int = 0
     keep_float: list[Candidate] = field(default_factory=list)  # unreachable at int16: these in float
+    history: list[dict[str, Any]] = field(default_factory=list)  # each evaluation: size, values, passed
 
     def overrides(self, bits: int) -> dict[str, dict[str, dict[str, int]]]:
         """The qconfig overrides that apply the plan (``qdebug calibrate --qconfig``)."""
@@ -181,6 +182,8 @@ def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], Tr
         if key not in results:
             results[key] = evaluate(chosen)
             plan.evaluations += 1
+            plan.history.append({"size": len(chosen), **_values(results[key], experiment, rules),
+                                 "passed": meets(results[key])})
         return meets(results[key])
 
     if not check(order):
@@ -260,7 +263,7 @@ def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
     return {"points": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.candidates] if plan.passed else [],
             "before": plan.before, "after": plan.after, "passed": plan.passed, "evaluations": plan.evaluations,
             "keep_float": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.keep_float],
-            "overrides": plan.overrides(bits) if plan.passed else {}}
+            "overrides": plan.overrides(bits) if plan.passed else {}, "history": plan.history}
 
 
 def _fmt(values: Mapping[str, float], tasks: Sequence[str]) -> str:

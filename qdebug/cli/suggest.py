@@ -1,0 +1,222 @@
+"""``qdebug suggest``: the smallest verified set of int16 changes, and the plan as config."""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, List, Optional
+
+import typer
+
+from qdebug.cli.against_float import checkpoint_paths, load_against_float
+from qdebug.cli.app import app
+from qdebug.cli.common import (
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, model_errors,
+    progress_bar, resolve_batches, writable_file,
+)
+from qdebug.cli.output import (
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
+    table_width,
+)
+from qdebug.errors import QDebugError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+SHOWN_RANKS = 20  # rows of the ranking on the terminal; --wide, CSV and JSON have them all
+
+
+def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None, top: Optional[int] = SHOWN_RANKS):
+    """The ranking: one row per candidate, best gain first, the plan's members highlighted."""
+    from qdebug.report.table import fixed, render_table
+
+    view = frame if top is None else frame.head(top)
+    view = view.reset_index(drop=True).copy()
+    view["in_plan"] = ["yes" if v else "" for v in view["in_plan"]]
+    gains = [c for c in view.columns if c.endswith("_gain")]
+    priority = ["rank", "point", "kind", "gain_db", *gains, "in_plan", "diagnosis", "macs_share", "act_share", "bits",
+                "layer"]
+    formats = {"gain_db": fixed(2), "macs_share": fixed(3), "act_share": fixed(3)}
+    formats.update({c: fixed(4) for c in gains})
+    highlight = [i for i, v in enumerate(view["in_plan"]) if v]
+    shown = f"top {len(view)} of {len(frame)}" if len(view) < len(frame) else f"{len(frame)}"
+    title = f"suggest: {shown} candidate(s) at {meta['bits']} bits, gain over everything quantized"
+    return render_table(view, title=title, columns=[c for c in priority if c in view], priority=priority, width=width,
+                        names=("point", "layer"), formats=formats, highlight=highlight)
+
+
+def _diagnoses(reference, model, batches, advance) -> dict[str, str]:
+    """compare's diagnosis per call of ``model`` against the float model (its own float run when
+    no float checkpoint was given): ``clipping`` rows are not int16 candidates."""
+    from qdebug.engine import set_mode
+    from qdebug.tools.compare import compare
+
+    if reference is None:
+        reference = copy.deepcopy(model)
+        set_mode(reference, "float")
+    result = compare([("float", reference), ("quantized", model)], batches, progress=advance)
+    frame = result.frame
+    return {row.layer: row.diagnosis for row in frame.itertuples() if row.diagnosis}
+
+
+def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
+    """The plan as a qconfig file ``qdebug calibrate --qconfig`` applies as it is: the
+    checkpoint's own weight/activation settings and overrides, then the plan's."""
+    from qdebug.config import toml_value
+
+    lines = [f"# qdebug suggest: {len(meta['plan']['points'])} point(s) at {meta['bits']} bits, "
+             f"verified in {meta['plan']['evaluations']} evaluation(s)",
+             f"# apply: {command}", ""]
+    for kind in ("weight", "activation"):
+        lines.append(f"[{kind}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in (qconfig.get(kind) or {}).items()]
+        lines.append("")
+    overrides = dict(qconfig.get("overrides") or {})
+    skipped = [g for g, e in overrides.items() if any(v is None for v in e.values())]
+    for glob, entry in list(overrides.items()) + list(meta["plan"]["overrides"].items()):
+        if glob in skipped and entry is overrides.get(glob):
+            continue
+        lines.append(f"[overrides.{toml_value(glob)}]")
+        lines += [f"{kind} = {{{', '.join(f'{k} = {toml_value(v)}' for k, v in spec.items())}}}"
+                  for kind, spec in entry.items() if spec is not None]
+        lines.append("")
+    if skipped:
+        lines.insert(2, f"# kept from the project config's qconfig (TOML has no null): float overrides {skipped}")
+    return "\n".join(lines)
+
+
+def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) -> None:
+    """The checkpoint with the plan applied (what calibrating with the plan's overrides gives
+    from the statistics it holds), its qconfig carrying the overrides."""
+    import dataclasses
+
+    from qdebug.checkpoint import save
+    from qdebug.engine import engine_state, quant_points
+    from qdebug.engine.respec import raise_bits
+    from qdebug.engine.spec import QConfig
+
+    net = found.model
+    state = engine_state(net)
+    points = [p for c in candidates for p in c.points]
+    raise_bits(net, {p: bits for p in points}, quant_points(net))  # kept: this is the fixed model
+    merged = {**state.qconfig.overrides}
+    for glob, entry in overrides.items():
+        merged[glob] = {**dict(merged.get(glob) or {}), **entry}
+    state.qconfig = dataclasses.replace(state.qconfig, overrides=merged)
+    QConfig.from_dict(state.qconfig.to_dict())  # the merged config must load back
+    save(net, output, stage=found.info.stage, model_spec=found.info.model, sample_inputs=found.info.sample_inputs)
+
+
+@app.command(
+    short_help="The smallest set of int16 changes proven to bring the model back over its target.",
+    help=(
+        "Rank every quant point of a calibrated, QAT or quantized CHECKPOINT raised to 16 bits (or --bits) "
+        "by the output SQNR and metric it wins back, then search the shortest prefix of the ranking that "
+        "meets the target -- every task's metric >= --ratio x float (baseline's rule) with --metric, "
+        "else output SQNR >= --min-sqnr -- and drop every member that is not needed: a plan verified on "
+        "the data, written as qconfig overrides (--out DIR: plan.toml for qdebug calibrate --qconfig) "
+        "or applied (--apply -o FILE). Points that clip are left to recalibration, not int16.\n\n"
+        "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data "
+        "fixtures/demo/eval.pt --metric top1 --out suggest-out\n\n"
+        "Example: qdebug suggest fixtures/demo/calibrated.pt --min-sqnr 30 --apply -o fixed.pt"
+    ),
+)
+def suggest(
+    checkpoints: Optional[List[str]] = typer.Argument(None, metavar="[FLOAT] CHECKPOINT", hidden=True),
+    metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
+                                         help="Metric: top1, top5, mse, agreement or package.module:function."),
+    min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", metavar="DB",
+                                             help="Without a metric: the output SQNR to reach (default 30)."),
+    ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
+                                          help="Required metric ratio to float (default 0.99, or the config's)."),
+    bits: int = typer.Option(16, "--bits", metavar="N", help="The width to raise points to (default 16)."),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
+    batches: Optional[int] = BATCHES_OPTION,
+    batch_size: Optional[int] = BATCH_SIZE_OPTION,
+    apply: bool = typer.Option(False, "--apply", help="Write the checkpoint with the plan applied (-o FILE)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="FILE",
+                                          help="With --apply: the checkpoint to write."),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
+    model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
+) -> None:
+    fmt = output_format(fmt, as_json)
+    if not 2 <= bits <= 16:
+        raise QDebugError(f"--bits must be in [2, 16], got {bits}", "e.g. --bits 16")
+    if ratio is not None and not 0 < ratio <= 1.5:
+        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    if apply != (output is not None):
+        raise QDebugError("--apply writes a checkpoint: give both --apply and -o FILE",
+                          "e.g. --apply -o fixed.pt (or neither)")
+    check_counts(batches, batch_size)
+    given = list(checkpoints or [])
+    paths = checkpoint_paths(given, "suggest")
+    cfg = STATE.config()
+    spec = metric or cfg.get("metric")
+    if spec and min_sqnr is not None:
+        raise QDebugError("--min-sqnr is the target without a metric; with --metric the target is the metric",
+                          "drop one of them")
+    if output is not None:
+        writable_file(output)
+    out = prepare_out(out)
+
+    from qdebug.cli.baseline import task_rules
+    from qdebug.metrics import resolve_metric
+    from qdebug.tools.suggest import DEFAULT_MIN_SQNR, suggest as run_suggest
+
+    metric_fn = resolve_metric(spec) if spec else None
+    found = load_against_float(paths, model=model, unsafe=unsafe_load, command="suggest")
+    batch_list = resolve_batches(data, batches, found.info, batch_size=batch_size)
+    default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
+    rules = task_rules(metric_fn, default_ratio, ratio is not None)
+    task = spec.rsplit(":", 1)[-1] if spec else "metric"
+    rules.setdefault(task, rules["metric"])
+    with progress_bar("diagnosing", len(batch_list)) as advance, model_errors("comparing", batch_list[0]):
+        diagnoses = _diagnoses(found.reference, found.model, batch_list, advance)
+    with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list[0]):
+        result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
+                             rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
+                             diagnoses=diagnoses, progress=lambda done, total: advance(done, total))
+    frame, meta = result.frame, result.meta
+    options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
+        ("--data", data), ("--batches", batches), ("--batch-size", batch_size)) if value is not None)
+    float_path = paths[0] if len(paths) == 2 else "FLOAT.pt"
+    apply_command = f"qdebug calibrate {shlex.quote(float_path)}{options} --qconfig plan.toml -o calibrated16.pt"
+    meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
+    files = []
+    plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
+    if out is not None:
+        from qdebug.atomic import atomic_path
+        from qdebug.report.plots import plot_suggest
+
+        qconfig = found.info.qconfig.to_dict() if found.info.qconfig is not None else {}
+        if plan_ok:
+            with atomic_path(out / "plan.toml") as tmp:
+                Path(tmp).write_text(_plan_toml(meta, qconfig, apply_command))
+            files.append(out / "plan.toml")
+        files.append(plot_suggest(frame, meta, out / "suggest.png"))
+    if output is not None:
+        if not plan_ok:
+            raise QDebugError("no plan to apply: " + ("the model already meets the target" if meta["plan"]["passed"]
+                                                      else "no plan at this width reaches the target"),
+                              "see the summary; nothing was written")
+        _apply(found, result.plan.candidates, meta["plan"]["overrides"], bits, output)
+        files.append(output)
+    plan = meta.pop("plan")
+    report = Report("suggest", frame, {**meta, "plan_points": plan["points"]}, files=files, json_extra={"plan": plan})
+
+    def render() -> None:
+        print_table(render_suggest(frame, meta, width=table_width(wide), top=None if wide else SHOWN_RANKS))
+        for line in result.summary.splitlines():
+            say(line)
+        if plan_ok and out is not None:
+            say(f"next: recalibrate with the plan ({out / 'plan.toml'}):")
+            say(f"  {apply_command.replace('plan.toml', shlex.quote(str(out / 'plan.toml')))}")
+        elif plan_ok:
+            say("next: write the plan as config (--out DIR writes plan.toml) or apply it (--apply -o fixed.pt)")
+
+    emit(report, fmt, out, render)
