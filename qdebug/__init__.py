@@ -17,9 +17,9 @@ from importlib import import_module
 
 from qdebug.errors import QDebugError
 
-_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api"}
+_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api", "suggest": "qdebug.api"}
 
-__all__ = ["load", "save", "compare", "step", "QDebugError", "__version__"]
+__all__ = ["load", "save", "compare", "step", "suggest", "QDebugError", "__version__"]
 
 
 def _version() -> str:

@@ -91,14 +91,7 @@ def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_
     loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
     _, model, info = loaded[-1]
     reference = loaded[0][1] if len(loaded) == 2 else None
-    if isinstance(data, str):
-        batch_list = load_batches(data, batch_size=batch_size, batches=batches)
-    elif data is not None:
-        batch_list = [to_batch(b) for b in data][:batches]
-    else:
-        if info is None or info.sample_inputs is None:
-            raise QDebugError("no data given and the checkpoint has no sample inputs", "pass data=...")
-        batch_list = batches_from_inputs(info.sample_inputs)
+    batch_list = _batches(data, batches, batch_size, info)
     metric_fn = resolve_metric(metric) if metric is not None else None
     name = (metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric"))
     modules = [module] if isinstance(module, str) else list(module)
@@ -108,3 +101,43 @@ def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_
     frame.attrs["summary"] = result.summary
     frame.attrs["meta"] = result.meta
     return frame
+
+
+def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
+            metric: Any = None, ratio: float = 0.99, min_sqnr: float = 30.0, bits: int = 16) -> pd.DataFrame:
+    """The ranked int16 candidates and the minimal verified plan (see docs/suggest.md); a DataFrame.
+
+    ``checkpoints``: ``[float,] model``.  ``frame.attrs["plan"]`` holds the plan (``points``,
+    ``before``, ``after``, ``passed``, ``evaluations``, ``overrides``), ``["summary"]`` and
+    ``["meta"]`` the rest.
+    """
+    from qdebug.metrics import resolve_metric
+    from qdebug.tools.baseline import TaskRule
+    from qdebug.tools.suggest import diagnoses_of, suggest as run
+
+    if not 1 <= len(checkpoints) <= 2:
+        raise QDebugError(f"suggest takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
+    loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
+    _, model, info = loaded[-1]
+    reference = loaded[0][1] if len(loaded) == 2 else None
+    batch_list = _batches(data, batches, batch_size, info)
+    metric_fn = resolve_metric(metric) if metric is not None else None
+    name = metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric")
+    result = run(model, batch_list, reference=reference, metric=metric_fn, metric_name=name,
+                 rules={"metric": TaskRule(ratio=ratio)}, min_sqnr=min_sqnr, bits=bits,
+                 diagnoses=diagnoses_of(reference, model, batch_list))
+    frame = result.frame
+    frame.attrs.update(summary=result.summary, meta={k: v for k, v in result.meta.items() if k != "plan"},
+                       plan=result.meta["plan"])
+    return frame
+
+
+def _batches(data: Any, batches: int | None, batch_size: int | None, info: Any) -> list[Batch]:
+    """``data`` as batches: a data spec string, a list of batches, or None for the checkpoint's samples."""
+    if isinstance(data, str):
+        return load_batches(data, batch_size=batch_size, batches=batches)
+    if data is not None:
+        return [to_batch(b) for b in data][:batches]
+    if info is None or info.sample_inputs is None:
+        raise QDebugError("no data given and the checkpoint has no sample inputs", "pass data=...")
+    return batches_from_inputs(info.sample_inputs)

@@ -20,6 +20,7 @@ from qdebug.cli.baseline import render_baseline
 from qdebug.cli.compare import render_compare
 from qdebug.cli.inspect import render_checks, render_layers
 from qdebug.cli.step import render_step
+from qdebug.cli.suggest import render_suggest
 from qdebug.report.table import render_table, shorten_left, split_header, table_width
 from qdebug.tools.baseline import TaskRule, gate
 from tables import table_lines
@@ -167,6 +168,22 @@ def _step_frame() -> tuple[pd.DataFrame, dict]:
     return pd.DataFrame(rows, columns=cols), meta
 
 
+def _suggest_frame() -> pd.DataFrame:
+    rows = [
+        (1, "backbone.layer1.0.conv2", "backbone.layer1.0.conv2", "weight", 8, "", 10.05, 0.0412, 0.2716, 0.0, True),
+        (2, "backbone.layer1.0.relu", "backbone.layer1.0.relu", "activation", 8, "outlier_channels", 1.27, 0.0208,
+         0.0, 0.3259, True),
+        (3, "backbone.layer2.0.conv1", "backbone.layer2.0.conv1", "weight", 8, "", 0.53, 0.0, 0.1358, 0.0, False),
+        (4, "input", "input", "activation", 8, "", 0.23, 0.0, 0.0, 0.0204, False),
+        (5, "head.fc", "head.fc", "weight", 8, "rounding", -0.32, -0.0208, 0.0003, 0.0, False),
+        (None, "backbone.layer2.0.relu", "backbone.layer2.0.relu", "activation", 8, "clipping", NAN, NAN, 0.0, 0.0815,
+         False),
+    ]
+    cols = ["rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "top1_gain", "macs_share", "act_share",
+            "in_plan"]
+    return pd.DataFrame(rows, columns=cols)
+
+
 TABLES = {
     "compare": lambda width: render_compare(_compare_frame(), ["sqnr_db", "isolated_sqnr_db", "cosine", "saturation",
                                                                "max_abs_scales", "min_channel_sqnr_db"],
@@ -178,6 +195,7 @@ TABLES = {
     "calibrate": lambda width: render_layers(_layers_frame(), title="calibrated on 8 batch(es)", width=width),
     "convert": lambda width: render_layers(_layers_frame(), title="quantized layers", width=width),
     "step": lambda width: render_step(*_step_frame(), width=width),
+    "suggest": lambda width: render_suggest(_suggest_frame(), {"bits": 16}, width=width),
     "baseline": lambda width: render_baseline(_baseline_frame(), ratio=0.99, confidence=None, width=width),
 }
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
@@ -35,7 +34,7 @@ def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = 
     view = view.reset_index(drop=True).copy()
     view["in_plan"] = ["yes" if v else "" for v in view["in_plan"]]
     gains = [c for c in view.columns if c.endswith("_gain")]
-    priority = ["rank", "point", "kind", "gain_db", *gains, "in_plan", "diagnosis", "macs_share", "act_share", "bits",
+    priority = ["rank", "point", "kind", "gain_db", "in_plan", "diagnosis", *gains, "macs_share", "act_share", "bits",
                 "layer"]
     formats = {"gain_db": fixed(2), "macs_share": fixed(3), "act_share": fixed(3)}
     formats.update({c: fixed(4) for c in gains})
@@ -44,20 +43,6 @@ def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = 
     title = f"suggest: {shown} candidate(s) at {meta['bits']} bits, gain over everything quantized"
     return render_table(view, title=title, columns=[c for c in priority if c in view], priority=priority, width=width,
                         names=("point", "layer"), formats=formats, highlight=highlight)
-
-
-def _diagnoses(reference, model, batches, advance) -> dict[str, str]:
-    """compare's diagnosis per call of ``model`` against the float model (its own float run when
-    no float checkpoint was given): ``clipping`` rows are not int16 candidates."""
-    from qdebug.engine import set_mode
-    from qdebug.tools.compare import compare
-
-    if reference is None:
-        reference = copy.deepcopy(model)
-        set_mode(reference, "float")
-    result = compare([("float", reference), ("quantized", model)], batches, progress=advance)
-    frame = result.frame
-    return {row.layer: row.diagnosis for row in frame.itertuples() if row.diagnosis}
 
 
 def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
@@ -166,7 +151,7 @@ def suggest(
 
     from qdebug.cli.baseline import task_rules
     from qdebug.metrics import resolve_metric
-    from qdebug.tools.suggest import DEFAULT_MIN_SQNR, suggest as run_suggest
+    from qdebug.tools.suggest import DEFAULT_MIN_SQNR, diagnoses_of, suggest as run_suggest
 
     metric_fn = resolve_metric(spec) if spec else None
     found = load_against_float(paths, model=model, unsafe=unsafe_load, command="suggest")
@@ -176,7 +161,7 @@ def suggest(
     task = spec.rsplit(":", 1)[-1] if spec else "metric"
     rules.setdefault(task, rules["metric"])
     with progress_bar("diagnosing", len(batch_list)) as advance, model_errors("comparing", batch_list[0]):
-        diagnoses = _diagnoses(found.reference, found.model, batch_list, advance)
+        diagnoses = diagnoses_of(found.reference, found.model, batch_list, advance)
     with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list[0]):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
                              rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
@@ -220,3 +205,5 @@ def suggest(
             say("next: write the plan as config (--out DIR writes plan.toml) or apply it (--apply -o fixed.pt)")
 
     emit(report, fmt, out, render)
+    if not plan["passed"]:
+        raise typer.Exit(1)  # no plan at this width meets the target: a check that failed

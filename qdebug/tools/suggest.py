@@ -27,6 +27,7 @@ the same search on keeping candidates in float says which layers would reach it.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -98,6 +99,20 @@ def candidates(model: nn.Module, quantizable: Sequence[str], bits: int) -> list[
                                                        and state.points[n].spec.bits < bits))
         found.append(Candidate(name, "activation", calls, point.owner or name, point.spec.bits))
     return found
+
+
+def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
+    """compare's diagnosis per call of ``model`` against the float model (its own float run when
+    no float checkpoint was given): ``clipping`` rows are not int16 candidates."""
+    from qdebug.engine import set_mode
+    from qdebug.tools.compare import compare
+
+    if reference is None:
+        reference = copy.deepcopy(model)
+        set_mode(reference, "float")
+    result = compare([("float", reference), ("quantized", model)], batches, progress=advance)
+    frame = result.frame
+    return {row.layer: row.diagnosis for row in frame.itertuples() if row.diagnosis}
 
 
 def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
@@ -287,8 +302,9 @@ def summarize(meta: Mapping[str, Any]) -> str:
         if plan["keep_float"]:
             lines.append(f"  kept in float, these reach it: {', '.join(plan['keep_float'])}")
     if meta["clipping"]:
-        lines.append(f"clipping (recalibrate, not int16): {', '.join(meta['clipping'])}")
+        lines.append(f"clipping, so no int16 candidate: {', '.join(meta['clipping'])}")
+        lines.append("  recalibrate with a range that clips less: qdebug calibrate --observer percentile (or mse)")
     return "\n".join(lines)
 
 
-__all__ = ["suggest", "candidates", "Candidate", "Plan", "SuggestResult", "summarize", "DEFAULT_MIN_SQNR"]
+__all__ = ["suggest", "candidates", "diagnoses_of", "Candidate", "Plan", "SuggestResult", "summarize", "DEFAULT_MIN_SQNR"]

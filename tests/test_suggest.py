@@ -1,0 +1,211 @@
+"""``suggest``: planted defects get the plan they need and nothing more, clipping gets a
+recalibration instead of int16, the plan reproduces exactly through ``qdebug calibrate``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import qdebug
+from qdebug.data import Batch
+from qdebug.engine import QConfig, calibrate, prepare, quant_points
+from qdebug.errors import QDebugError
+from qdebug.tools.suggest import candidates, diagnoses_of, suggest
+
+OUTLIER = 3  # the channel of layer1.0's BN output made 64x larger, compensated in layer1.0.conv2
+
+
+def _outlier_float(make_resnet):
+    """A function-preserving outlier channel: layer1.0.bn1's channel x64 (ReLU is positively
+    homogeneous), layer1.0.conv2's input column / 64."""
+    model = make_resnet(0)
+    with torch.no_grad():
+        bn = model.layer1[0].bn1
+        bn.weight[OUTLIER] *= 64
+        bn.bias[OUTLIER] *= 64
+        model.layer1[0].conv2.weight[:, OUTLIER] /= 64
+    return model
+
+
+def _calibration(images):
+    return [images(16, seed=s) for s in (10, 11)]
+
+
+def _eval(images):
+    return [Batch(images(16, seed=s), None) for s in (40, 41, 42)]
+
+
+@pytest.fixture(scope="module")
+def outlier(make_resnet, images):
+    float_model = _outlier_float(make_resnet)
+    model = calibrate(prepare(float_model, QConfig(), example_inputs=images(4, seed=1)), _calibration(images))
+    return float_model, model
+
+
+def test_the_outlier_channel_needs_exactly_its_activation_and_the_next_weights(outlier, images, make_resnet):
+    float_model, model = outlier
+    with torch.no_grad():  # the planted change keeps the float function
+        x = images(4, seed=9)
+        assert torch.allclose(float_model(x), make_resnet(0)(x), atol=1e-4)
+    batches = _eval(images)
+    result = suggest(model, batches, reference=float_model, min_sqnr=35,
+                     diagnoses=diagnoses_of(float_model, model, batches))
+    plan = result.meta["plan"]
+    assert plan["passed"]
+    assert sorted(plan["points"]) == ["layer1.0.conv2.weight", "layer1.0.relu"]
+    assert plan["before"]["sqnr_db"] < 35 <= plan["after"]["sqnr_db"]
+    assert plan["overrides"] == {"layer1.0.conv2": {"weight": {"bits": 16}}, "layer1.0.relu": {"activation": {"bits": 16}}}
+    L = result.meta["candidates"]
+    assert plan["evaluations"] <= 1 + math.ceil(math.log2(L)) + len(plan["points"])
+    # Every member is needed: the search's own evaluations dropped each and failed.
+    dropped = [h for h in plan["history"] if h["size"] == len(plan["points"]) - 1]
+    assert len(dropped) == 2 and not any(h["passed"] for h in dropped)
+    frame = result.frame
+    assert frame.set_index("point").loc["layer1.0.relu", "diagnosis"] == "outlier_channels"
+    assert frame["in_plan"].sum() == 2
+    assert "plan: 2 point(s) at 16 bits" in result.summary
+
+
+def test_candidates_are_what_overrides_can_name(outlier):
+    _, model = outlier
+    found = {(c.glob, c.kind): c.points for c in candidates(model, list(quant_points(model)), 16)}
+    assert found[("layer1.0.relu", "activation")] == ("layer1.0.relu", "layer1.0.relu#2")
+    assert found[("layer1.0.relu#2", "activation")] == ("layer1.0.relu#2",)
+    assert found[("layer1.0.conv2", "weight")] == ("layer1.0.conv2.weight",)
+    assert candidates(model, list(quant_points(model)), 8) == []  # nothing is below 8 bits
+
+
+def test_a_clipping_point_gets_recalibration_not_int16(make_resnet, images):
+    float_model = make_resnet(0)
+    model = calibrate(prepare(float_model, QConfig(), example_inputs=images(4, seed=1)), _calibration(images))
+    point = quant_points(model)["layer2.0.relu"]
+    point.set_qparams(point.scale / 10, point.zero_point)  # the range cut to a tenth: clipping
+    batches = _eval(images)
+    diagnoses = diagnoses_of(float_model, model, batches)
+    assert diagnoses["layer2.0.relu"] == "clipping"
+    result = suggest(model, batches, reference=float_model, min_sqnr=30, diagnoses=diagnoses)
+    assert "layer2.0.relu" in result.meta["clipping"]
+    assert "layer2.0.relu" not in result.meta["plan"]["points"]
+    assert not result.meta["plan"]["passed"]  # no int16 change fixes a cut range
+    assert "clipping, so no int16 candidate: layer2.0.relu" in result.summary
+    assert "--observer percentile" in result.summary
+    row = result.frame.set_index("point").loc["layer2.0.relu"]
+    assert row["diagnosis"] == "clipping" and math.isnan(row["rank"])
+
+
+def test_a_model_that_passes_gets_an_empty_plan(make_resnet, images):
+    float_model = make_resnet(0)
+    model = calibrate(prepare(float_model, QConfig(), example_inputs=images(4, seed=1)), _calibration(images))
+    result = suggest(model, _eval(images), reference=float_model, min_sqnr=20)
+    plan = result.meta["plan"]
+    assert plan["passed"] and plan["points"] == [] and plan["evaluations"] == 0
+    assert "already meets the target: no change needed" in result.summary
+    assert not result.frame["in_plan"].any()
+
+
+def test_an_unreachable_target_says_so_and_what_float_would_do(outlier, images):
+    float_model, model = outlier
+    result = suggest(model, _eval(images), reference=float_model, min_sqnr=80)  # beyond 16 bits everywhere
+    plan = result.meta["plan"]
+    assert not plan["passed"] and plan["points"] == []
+    assert "no plan at 16 bits reaches the target: at best" in result.summary
+    assert plan["after"]["sqnr_db"] < 80
+
+
+def test_metric_target_uses_baseline_rule(outlier, images):
+    float_model, model = outlier
+    batches = []
+    for seed in (40, 41, 42):
+        x = images(16, seed=seed)
+        with torch.no_grad():
+            batches.append(Batch(x, float_model(x).argmax(-1)))
+    from qdebug.tools.baseline import TaskRule
+
+    result = suggest(model, batches, reference=float_model, metric=qdebug.metrics.top1, metric_name="top1",
+                     rules={"metric": TaskRule(ratio=0.99)})
+    plan = result.meta["plan"]
+    assert result.meta["float_metric"] == {"top1": 1.0}
+    assert "top1_gain" in result.frame
+    assert plan["passed"]
+    assert plan["after"]["verdict"] == "pass" and plan["after"]["top1_ratio"] >= 0.99
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def outlier_files(outlier, images, tmp_path_factory):
+    float_model, model = outlier
+    d = tmp_path_factory.mktemp("suggest")
+    qdebug.save(float_model, d / "float.pt", stage="float", sample_inputs=images(4, seed=1))
+    qdebug.save(model, d / "calibrated.pt", stage="calibrated", sample_inputs=images(4, seed=1))
+    torch.save(torch.cat(_calibration(images)), d / "calib.pt")
+    torch.save(torch.cat([b.inputs for b in _eval(images)]), d / "eval.pt")
+    return d
+
+
+def test_plan_toml_through_calibrate_and_apply_reproduce_the_plan_exactly(cli, outlier_files, tmp_path):
+    d = outlier_files
+    args = [d / "float.pt", d / "calibrated.pt", "--data", d / "eval.pt", "--batch-size", 16, "--min-sqnr", 35]
+    result = cli("suggest", *args, "--out", tmp_path / "out")
+    assert result.code == 0, result.err
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"suggest.csv", "suggest.json", "suggest.png", "plan.toml"}
+    after = json.loads((tmp_path / "out" / "suggest.json").read_text())["plan"]["after"]["sqnr_db"]
+    assert "next: recalibrate with the plan" in result.out
+    # The plan through qdebug calibrate, on the checkpoint's own calibration data.
+    calibrated = cli("calibrate", d / "float.pt", "--data", d / "calib.pt", "--batch-size", 16,
+                     "--qconfig", tmp_path / "out" / "plan.toml", "-o", tmp_path / "cal16.pt")
+    assert calibrated.code == 0, calibrated.err
+    measured = json.loads(cli("step", d / "float.pt", tmp_path / "cal16.pt", "--auto", "--data", d / "eval.pt",
+                              "--batch-size", 16, "--format", "json").out)["rows"][0]["sqnr_db"]
+    assert measured == after
+    # --apply: the same numbers from the checkpoint's own statistics.
+    applied = cli("suggest", *args, "--apply", "-o", tmp_path / "fixed.pt")
+    assert applied.code == 0, applied.err
+    fixed = json.loads(cli("step", d / "float.pt", tmp_path / "fixed.pt", "--auto", "--data", d / "eval.pt",
+                           "--batch-size", 16, "--format", "json").out)["rows"][0]["sqnr_db"]
+    assert fixed == after
+    model, info = qdebug.load(tmp_path / "fixed.pt")
+    assert quant_points(model)["layer1.0.relu"].spec.bits == 16
+    assert info.qconfig.overrides["layer1.0.conv2"] == {"weight": {"bits": 16}}
+
+
+def test_cli_json_table_and_exit_codes(cli, outlier_files, monkeypatch):
+    from qdebug.cli.common import console
+
+    d = outlier_files
+    args = [d / "float.pt", d / "calibrated.pt", "--data", d / "eval.pt", "--batch-size", 16]
+    data = json.loads(cli("suggest", *args, "--min-sqnr", 35, "--format", "json").out)
+    assert set(data) == {"meta", "rows", "plan"}
+    for key in ("rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan"):
+        assert key in data["rows"][0], key
+    assert set(data["plan"]) >= {"points", "before", "after", "passed", "evaluations"}
+    monkeypatch.setattr(console, "_width", 80)
+    table = cli("suggest", *args, "--min-sqnr", 35)
+    assert table.code == 0
+    assert max(len(line) for line in table.out.splitlines() if "─" in line or line.startswith(" ")) <= 80
+    unreachable = cli("suggest", *args, "--min-sqnr", 80)
+    assert unreachable.code == 1 and "no plan at 16 bits reaches the target" in unreachable.out
+
+
+def test_cli_bad_input_is_one_error_line(cli, outlier_files, tmp_path):
+    d = outlier_files
+    args = [d / "float.pt", d / "calibrated.pt", "--data", d / "eval.pt"]
+    cli("suggest", *args, "--min-sqnr", "abc").assert_error("--min-sqnr")
+    cli("suggest", *args, "--apply").assert_error("give both --apply and -o FILE")
+    cli("suggest", *args, "--bits", 20).assert_error("--bits must be in [2, 16]")
+    cli("suggest", *args, "--metric", "top1", "--min-sqnr", 30).assert_error("--min-sqnr is the target without a metric")
+    (tmp_path / "badmetric.py").write_text("def metric(model, batches):\n    raise ValueError('boom')\n")
+    cli("suggest", *args, "--metric", "badmetric:metric").assert_error("metric metric raised ValueError: boom")
+    cli("suggest", d / "float.pt").assert_error("float checkpoint")
+
+
+def test_python_api(outlier_files):
+    d = outlier_files
+    frame = qdebug.suggest(str(d / "float.pt"), str(d / "calibrated.pt"), data=str(d / "eval.pt"), batch_size=16,
+                           min_sqnr=35)
+    assert sorted(frame.attrs["plan"]["points"]) == ["layer1.0.conv2.weight", "layer1.0.relu"]
+    assert "plan:" in frame.attrs["summary"]
+    with pytest.raises(QDebugError, match="one or two checkpoints"):
+        qdebug.suggest()
