@@ -669,7 +669,7 @@ def test_summary_names_the_first_layer_at_fault():
     assert text.splitlines()[2:] == [
         "  first flagged: a (propagated)",
         "  at fault:      b (rounding)",
-        "  cause:         range fine, steps too coarse: an int16 candidate (+48 dB SQNR)",
+        "  cause:         range fine, steps too coarse: int16 (+48 dB; qdebug suggest)",
     ]
     assert all(len(line) <= 80 for line in text.splitlines())
 

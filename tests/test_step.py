@@ -267,8 +267,8 @@ def test_cli_drill_table_summary_and_json(cli, defect_files):
     result = cli("step", *args)
     assert result.code == 0, result.err
     assert "drill: layer2 (" in result.out and f"costs the most: {DEFECT}" in result.out
-    assert "next: see layer2.0.relu's own error" in result.out
-    assert "qdebug compare" in result.out and "--sort isolated_sqnr_db" in result.out
+    assert "next: the smallest verified int16 fix (layer2.0.relu first in line" in result.out
+    assert f"qdebug suggest {d / 'float.pt'} {d / 'calibrated.pt'} --metric top1 --data {d / 'eval.pt'}" in result.out
     data = json.loads(cli("step", *args, "--format", "json").out)
     assert [e["selection"] for e in data["meta"]["drill_path"]] == ["layer2", DEFECT]
     row = data["rows"][0]

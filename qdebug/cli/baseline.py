@@ -205,6 +205,8 @@ def baseline(
     emit(Report("baseline", frame, meta), fmt, out, render)
     if not result.passed:
         where = (f"{paths[0]} {paths[1]}" + (f" --data {data}" if data else "")) if paths else "FLOAT.pt QUANT.pt --data EVAL"
-        err_console.print(f"hint: find where accuracy is lost: qdebug compare {where}",
+        named = metric or cfg.get("metric")
+        fix = f"qdebug suggest {where}" + (f" --metric {named}" if named and paths else "")
+        err_console.print(f"hint: find where accuracy is lost: qdebug compare {where}; the fix: {fix}",
                           markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)

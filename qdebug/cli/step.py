@@ -81,15 +81,14 @@ def _next_command(meta: dict, given: list[str], paths: list[str], options: str) 
     if meta["mode"] != "drill":
         return (f"drill into {culprit['selection']}, down to the layer",
                 f"{again} --drill --module {shlex.quote(culprit['selection'])}{options}")
-    pair = paths if len(paths) == 2 else ["FLOAT.pt", *paths]
-    return (f"see {culprit['selection']}'s own error and why (clipping or rounding)",
-            f"qdebug compare {' '.join(map(shlex.quote, pair))}{_without_metric(options)} --sort isolated_sqnr_db --top 10")
+    return (f"the smallest verified int16 fix ({culprit['selection']} first in line; a clipping range gets "
+            "recalibration instead)", f"qdebug suggest {' '.join(map(shlex.quote, paths))}{_without_sort(options)}")
 
 
-def _without_metric(options: str) -> str:
-    """The data options of ``options`` (compare takes no --metric or --ratio)."""
+def _without_sort(options: str) -> str:
+    """``options`` as suggest takes them (the data, metric and ratio; no step-only option)."""
     parts = options.split(" --")
-    return "".join(" --" + p for p in parts[1:] if not p.startswith(("metric ", "ratio ")))
+    return "".join(" --" + p for p in parts[1:] if p.startswith(("metric ", "ratio ", "data ", "batches ", "batch-size ")))
 
 
 @app.command(

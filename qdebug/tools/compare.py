@@ -345,7 +345,7 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
 # One short line of advice per cause (the summary's "cause" line; docs/compare.md explains more).
 ADVICE = {
     "clipping": "range cut off: recalibrate (observer, data), not more bits",
-    "rounding": "range fine, steps too coarse: an int16 candidate (+{gain:.0f} dB SQNR)",
+    "rounding": "range fine, steps too coarse: int16 (+{gain:.0f} dB; qdebug suggest)",
     "outlier_channels": "channels stretch the range: per-channel, int16 or equalization",
     "nonfinite": "NaN/Inf appears here: check weights and scales (qdebug inspect)",
 }
