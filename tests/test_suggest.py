@@ -91,7 +91,9 @@ def test_a_clipping_point_gets_recalibration_not_int16(make_resnet, images):
     assert "layer2.0.relu" not in result.meta["plan"]["points"]
     assert not result.meta["plan"]["passed"]  # no int16 change fixes a cut range
     assert "clipping, so no int16 candidate: layer2.0.relu" in result.summary
-    assert "--observer percentile" in result.summary
+    assert "(qdebug calibrate --observer " in result.summary
+    fix = result.meta["recalibrate"]["layer2.0.relu"]
+    assert fix["observer"] in ("percentile", "mse") and fix["gain_db"] > 10  # the cut range restored
     row = result.frame.set_index("point").loc["layer2.0.relu"]
     assert row["diagnosis"] == "clipping" and math.isnan(row["rank"])
 

@@ -13,6 +13,11 @@
   range as the current grid, [(qmin - z) s, (qmax - z) s], at the new width;
 - in the quantized stage a layer's cached integer weight codes (``weight_int``) are
   dropped, so the integer kernel recomputes them on the new grid.
+
+``observed_qparams(model, names, spec, batches)`` measures what another range
+estimator would choose for activation points -- calibration's way: every point in
+float, the named ones observing -- and ``set_qparams(model, {name: (scale, zero
+point)}, points)`` puts such qparams in for a while (same undo).
 """
 
 from __future__ import annotations
@@ -58,6 +63,64 @@ def _grid_range(point: QuantPoint) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _layers_by_weight_point(model: nn.Module) -> dict[str, _QWeighted]:
     return {m.weight_point.name: m for m in model.modules() if isinstance(m, _QWeighted) and m.weight_point is not None}
+
+
+def set_qparams(model: nn.Module, qparams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                points: Mapping[str, QuantPoint]) -> Respec:
+    """Give the named points these qparams (a recalibrated range) until ``restore()``."""
+    undo = Respec()
+    layers = _layers_by_weight_point(model)
+    try:
+        for name, (scale, zero_point) in qparams.items():
+            point = points.get(name)
+            if point is None:
+                raise QDebugError(f"no quant point {name!r}", "qdebug inspect lists the points")
+            undo.saved.append((point, point.spec, point.observer, point.scale.detach().clone(),
+                               point.zero_point.clone(), point._cache_key))
+            point.set_qparams(scale, zero_point)
+            point._fq_cache = None
+            layer = layers.get(name)
+            if layer is not None and getattr(layer, "stage", "fake") == "quantized":
+                undo.codes.append((layer, layer._buffers.pop("weight_int", None)))
+    except Exception:
+        undo.restore()
+        raise
+    return undo
+
+
+def observed_qparams(model: nn.Module, names: list[str], spec_changes: Mapping[str, Any], batches: list,
+                     points: Mapping[str, QuantPoint]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The qparams a fresh observer (each point's spec with ``spec_changes``, e.g. a
+    ``percentile`` observer) picks for the named activation points on ``batches``, observed
+    as calibration observes: every point in float, these observing.  The model is left as it was."""
+    from qdebug.engine.context import run_model
+
+    saved = {n: (p.mode, p.observer) for n, p in points.items()}
+    was_training = model.training
+    try:
+        model.eval()
+        for name, point in points.items():
+            point.mode = "float"
+        for name in names:
+            point = points[name]
+            point.observer = make_observer(point.spec.replace(**dict(spec_changes)))
+            point.mode = "observe"
+        with torch.no_grad():
+            for batch in batches:
+                run_model(model, getattr(batch, "inputs", batch))
+        return {name: qparams_with_spec(points[name]) for name in names}
+    finally:
+        for name, (mode, observer) in saved.items():
+            points[name].mode, points[name].observer = mode, observer
+        model.train(was_training)
+
+
+def qparams_with_spec(point: QuantPoint) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero point) from the point's current observer, for the point's own spec's width."""
+    observer = point.observer
+    if not getattr(observer, "initialized", False):
+        raise QDebugError(f"quant point {point.name!r} saw no data", "the data never reaches it")
+    return observer.calculate_qparams()
 
 
 def raise_bits(model: nn.Module, bits: Mapping[str, int], points: Mapping[str, QuantPoint]) -> Respec:

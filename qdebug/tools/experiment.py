@@ -44,7 +44,7 @@ import torch.nn as nn
 from qdebug.engine import engine_state
 from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.respec import raise_bits
+from qdebug.engine.respec import raise_bits, set_qparams
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.served import ServedCalls, serving
 from qdebug.errors import QDebugError
@@ -64,12 +64,17 @@ class Trial:
     quantized: frozenset[str]
     info: Mapping[str, Any] = field(default_factory=dict)
     bits: Mapping[str, int] = field(default_factory=dict)
+    qparams: Mapping[str, tuple] = field(default_factory=dict)  # point -> (scale, zero point): another range
 
     def differs_at(self, other: "Trial") -> set[str]:
-        """The points treated differently by the two trials (mode or width)."""
+        """The points treated differently by the two trials (mode, width or range)."""
         changed = set(self.quantized ^ other.quantized)
+        both = self.quantized & other.quantized
         for name in set(self.bits) | set(other.bits):
-            if name in self.quantized and name in other.quantized and self.bits.get(name) != other.bits.get(name):
+            if name in both and self.bits.get(name) != other.bits.get(name):
+                changed.add(name)
+        for name in set(self.qparams) | set(other.qparams):
+            if name in both and self.qparams.get(name) is not other.qparams.get(name):
                 changed.add(name)
         return changed
 
@@ -225,7 +230,7 @@ class Experiment:
     def run(self, trials: Sequence[Trial]) -> list[TrialResult]:
         """Measure every trial over all batches (one pass; see module docstring)."""
         trials = list(trials)
-        unknown = sorted({p for t in trials for p in (*t.quantized, *t.bits)} - set(self.quantizable))
+        unknown = sorted({p for t in trials for p in (*t.quantized, *t.bits, *t.qparams)} - set(self.quantizable))
         if unknown:
             raise QDebugError(f"not a quantized point of this model: {', '.join(unknown[:5])}",
                               "trials name quant points in fake mode (qdebug inspect lists them)")
@@ -314,10 +319,12 @@ class Experiment:
             served = source.served(first)
             self._set(trial.quantized, loaded)
             undo = raise_bits(self.model, trial.bits, self.state.points)
+            ranges = set_qparams(self.model, trial.qparams, self.state.points)
             try:
                 with serving(self.model, served):
                     out = self._record(inputs, record)
             finally:
+                ranges.restore()
                 undo.restore()
             previous = (trial, record) if record is not None else None
             served_counts[k] += served.served

@@ -7,7 +7,8 @@ layer's weight (override ``<layer>`` ``weight``), and an activation point (overr
 raises every call, so the candidate ``relu`` holds ``relu`` and ``relu#2``, while
 ``relu#2`` alone is a candidate of its own).  An activation point diagnosed
 ``clipping`` by ``compare`` is a range problem, not a resolution one: it is not a
-candidate, and is reported for recalibration instead.
+candidate; instead the ranges a ``percentile`` and an ``mse`` observer pick for it on
+the data (observed as calibration observes) are measured, and the better one named.
 
 Ranking (``rank="exact"``): every candidate alone at ``bits``, the rest as loaded, in
 one pass of the experiment primitive (each trial resumes from the "everything
@@ -42,7 +43,8 @@ from qdebug.tools.baseline import TaskRule
 from qdebug.tools.experiment import Experiment, Trial, TrialResult
 
 DEFAULT_MIN_SQNR = 30.0
-COLUMNS = ["rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan"]
+COLUMNS = ["rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan",
+           "recalibrate"]
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,12 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     def raised(chosen: Sequence[Candidate]) -> Trial:
         return Trial(everything, {"label": "plan"}, {p: bits for c in chosen for p in c.points})
 
-    # Ranking: everything as loaded, then each candidate alone at ``bits``.
-    ranking = experiment.run([whole, *(raised([c]) for c in ranked_pool)])
+    # Clipping points: the range another observer picks, observed on the data as calibration does.
+    recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
+    # Ranking: everything as loaded, then each candidate alone at ``bits``; then the recalibrations.
+    ranking = experiment.run([whole, *(raised([c]) for c in ranked_pool), *(t for _, _, t in recalibrations)])
+    fixes = ranking[1 + len(ranked_pool):]
+    ranking = ranking[:1 + len(ranked_pool)]
     base, singles = ranking[0], ranking[1:]
     base_sqnr = _sqnr(base)
     gains = []
@@ -174,16 +180,43 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
             plan.evaluations += fallback.evaluations
             if fallback.passed:
                 plan.keep_float = fallback.candidates
-    frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None)
+    recalibrated = {}
+    for (c, observer, _), result in zip(recalibrations, fixes):
+        gain = _sqnr(result) - base_sqnr
+        best = recalibrated.get(c.glob)
+        if best is None or gain > best["gain_db"]:
+            recalibrated[c.glob] = {"observer": observer, "gain_db": gain,
+                                    **{f"{t}_gain": result.metric[t] - base.metric[t] for t in result.metric}}
+    frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None, recalibrated)
     meta = {
         "bits": bits, "target": "metric" if metric is not None else f"sqnr_db >= {min_sqnr:g}",
         "min_sqnr": None if metric is not None else min_sqnr, "candidates": len(ranked_pool),
-        "clipping": [c.glob for c in clipping], "batches": len(experiment.batches), "samples": samples,
+        "clipping": [c.glob for c in clipping], "recalibrate": recalibrated,
+        "batches": len(experiment.batches), "samples": samples,
         "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
         "ranking_evaluations": 1, "served_calls": sum(r.served_calls for r in ranking),
         "plan": _plan_meta(plan, bits),
     }
     return SuggestResult(frame, plan, meta, summarize(meta))
+
+
+RECALIBRATION_OBSERVERS = ("percentile", "mse")
+
+
+def _recalibrations(model: nn.Module, clipping: list[Candidate], experiment: Experiment) -> list[tuple]:
+    """(candidate, observer, trial) for each clipping point and each observer that clips
+    less: the range that observer picks on the data, everything else as loaded."""
+    from qdebug.engine.respec import observed_qparams
+
+    points = experiment.state.points
+    names = [p for c in clipping for p in c.points]
+    everything = frozenset(experiment.quantizable)
+    out = []
+    for observer in RECALIBRATION_OBSERVERS:
+        qparams = observed_qparams(model, names, {"observer": observer}, experiment.batches, points)
+        for c in clipping:
+            out.append((c, observer, Trial(everything, {"label": observer}, qparams={p: qparams[p] for p in c.points})))
+    return out
 
 
 def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], TrialResult],
@@ -252,7 +285,7 @@ def _values(result: TrialResult, experiment: Experiment, rules: Mapping[str, Tas
 
 
 def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mapping[str, str],
-           with_metric: bool) -> pd.DataFrame:
+           with_metric: bool, recalibrated: Mapping[str, dict]) -> pd.DataFrame:
     chosen = {(c.glob, c.kind) for c in plan.candidates} if plan.passed else set()
     rows = []
     for rank, (c, gain_db, task_gain, _) in enumerate(gains, start=1):
@@ -265,9 +298,14 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
                    in_plan=(c.glob, c.kind) in chosen)
         rows.append(row)
     for c in clipping:
+        fix = recalibrated.get(c.glob, {})
         rows.append({"rank": None, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
-                     "diagnosis": "clipping", "gain_db": math.nan, "macs_share": 0.0,
-                     "act_share": experiment.activation_share(c.points), "in_plan": False})
+                     "diagnosis": "clipping", "gain_db": fix.get("gain_db", math.nan),
+                     **{k: v for k, v in fix.items() if k.endswith("_gain")}, "macs_share": 0.0,
+                     "act_share": experiment.activation_share(c.points), "in_plan": False,
+                     "recalibrate": fix.get("observer", "")})
+    for row in rows:
+        row.setdefault("recalibrate", "")
     frame = pd.DataFrame(rows)
     if frame.empty:
         frame = pd.DataFrame(columns=COLUMNS)
@@ -303,7 +341,9 @@ def summarize(meta: Mapping[str, Any]) -> str:
             lines.append(f"  kept in float, these reach it: {', '.join(plan['keep_float'])}")
     if meta["clipping"]:
         lines.append(f"clipping, so no int16 candidate: {', '.join(meta['clipping'])}")
-        lines.append("  recalibrate with a range that clips less: qdebug calibrate --observer percentile (or mse)")
+        for glob, fix in (meta.get("recalibrate") or {}).items():
+            lines.append(f"  {glob}: the {fix['observer']} observer's range wins {fix['gain_db']:+.1f} dB "
+                         f"(qdebug calibrate --observer {fix['observer']})")
     return "\n".join(lines)
 
 
