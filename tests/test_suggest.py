@@ -59,7 +59,8 @@ def test_the_outlier_channel_needs_exactly_its_activation_and_the_next_weights(o
     assert plan["before"]["sqnr_db"] < 35 <= plan["after"]["sqnr_db"]
     assert plan["overrides"] == {"layer1.0.conv2": {"weight": {"bits": 16}}, "layer1.0.relu": {"activation": {"bits": 16}}}
     L = result.meta["candidates"]
-    assert plan["evaluations"] <= 1 + math.ceil(math.log2(L)) + len(plan["points"])
+    assert plan["prefix"] == 2  # the ranking put the two needed points first
+    assert plan["evaluations"] <= math.ceil(math.log2(L)) + 1 + len(plan["points"])
     # Every member is needed: the search's own evaluations dropped each and failed.
     dropped = [h for h in plan["history"] if h["size"] == len(plan["points"]) - 1]
     assert len(dropped) == 2 and not any(h["passed"] for h in dropped)
@@ -133,6 +134,12 @@ def test_metric_target_uses_baseline_rule(outlier, images):
     assert "top1_gain" in result.frame
     assert plan["passed"]
     assert plan["after"]["verdict"] == "pass" and plan["after"]["top1_ratio"] >= 0.99
+    # baseline's bootstrap interval, from the per-sample scores the plan's evaluation kept.
+    low, high = plan["after"]["top1_ci_low"], plan["after"]["top1_ci_high"]
+    assert low <= plan["after"]["top1_ratio"] <= high
+    assert "top1 / float, 0.95 interval: [" in result.summary
+    assert len(plan["points"]) <= plan["prefix"]
+    assert plan["evaluations"] <= math.ceil(math.log2(result.meta["candidates"])) + 1 + plan["prefix"]
 
 
 # -- the CLI ---------------------------------------------------------------------------------

@@ -116,6 +116,8 @@ def suggest(
     ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
                                           help="Required metric ratio to float (default 0.99, or the config's)."),
     bits: int = typer.Option(16, "--bits", metavar="N", help="The width to raise points to (default 16)."),
+    confidence: float = typer.Option(0.95, "--confidence", metavar="LEVEL",
+                                     help="Level of the plan's bootstrap interval (per-sample metrics)."),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
@@ -134,6 +136,8 @@ def suggest(
         raise QDebugError(f"--bits must be in [2, 16], got {bits}", "e.g. --bits 16")
     if ratio is not None and not 0 < ratio <= 1.5:
         raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    if not 0.5 <= confidence < 1:
+        raise QDebugError(f"--confidence {confidence:g} must be in [0.5, 1)", "e.g. --confidence 0.95")
     if apply != (output is not None):
         raise QDebugError("--apply writes a checkpoint: give both --apply and -o FILE",
                           "e.g. --apply -o fixed.pt (or neither)")
@@ -165,7 +169,8 @@ def suggest(
     with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list[0]):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
                              rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
-                             diagnoses=diagnoses, progress=lambda done, total: advance(done, total))
+                             diagnoses=diagnoses, confidence=confidence,
+                             progress=lambda done, total: advance(done, total))
     frame, meta = result.frame, result.meta
     options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
         ("--data", data), ("--batches", batches), ("--batch-size", batch_size)) if value is not None)

@@ -190,6 +190,7 @@ class TrialResult:
     params_share: float
     served_calls: int = 0
     row: dict[str, Any] = field(default_factory=dict)  # what the calling tool derives from it
+    samples: dict[str, torch.Tensor] = field(default_factory=dict)  # task -> per-sample scores (keep_samples)
 
 
 class Experiment:
@@ -215,6 +216,7 @@ class Experiment:
         # Points quantized as loaded: the ones trials switch.
         self.quantizable = [name for name, p in self.state.points.items() if p.mode == "fake"]
         self.float_metric: dict[str, float] | None = None
+        self.float_samples: dict[str, torch.Tensor] = {}  # task -> the float model's per-sample scores
         # Output SQNR/cosine of the model with every point in float against ``reference``: the
         # best any trial can do (below inf when the weights differ from float: QAT, BN folded).
         self.floor: dict[str, dict[str, float]] = {}
@@ -227,17 +229,19 @@ class Experiment:
         self._done = 0
 
     # -- public -------------------------------------------------------------------
-    def run(self, trials: Sequence[Trial]) -> list[TrialResult]:
-        """Measure every trial over all batches (one pass; see module docstring)."""
+    def run(self, trials: Sequence[Trial], *, keep_samples: bool = False) -> list[TrialResult]:
+        """Measure every trial over all batches (one pass; see module docstring).  ``keep_samples``:
+        with a per-sample metric, each trial's per-sample scores in ``TrialResult.samples`` (the
+        float model's are always in ``float_samples``), for a bootstrap interval."""
         trials = list(trials)
         unknown = sorted({p for t in trials for p in (*t.quantized, *t.bits, *t.qparams)} - set(self.quantizable))
         if unknown:
             raise QDebugError(f"not a quantized point of this model: {', '.join(unknown[:5])}",
                               "trials name quant points in fake mode (qdebug inspect lists them)")
         sampler = per_sample_function(self.metric)
-        runs = [MetricRun(streaming=sampler is not None) for _ in trials]
+        runs = [MetricRun(streaming=sampler is not None, keep_samples=keep_samples) for _ in trials]
         first_metric = self.metric is not None and self.float_metric is None
-        float_run = MetricRun(streaming=sampler is not None) if first_metric else None
+        float_run = MetricRun(streaming=sampler is not None, keep_samples=True) if first_metric else None
         stats = [_OutputStats() for _ in trials]
         floor = _OutputStats()  # the model with no point quantized against the float model
         served_counts = [0] * len(trials)
@@ -286,11 +290,13 @@ class Experiment:
         if float_run is not None:
             self._float_outputs = float_run.outputs
             self.float_metric = self._finish(float_run, of_float=True)
+            self.float_samples = self._named(float_run.sample_scores())
         results = []
         for k, trial in enumerate(trials):
             metric = self._finish(runs[k]) if self.metric is not None else {}
             results.append(TrialResult(trial, stats[k].result(), metric, len(trial.quantized),
-                                       *self.shares(trial.quantized), served_calls=served_counts[k]))
+                                       *self.shares(trial.quantized), served_calls=served_counts[k],
+                                       samples=self._named(runs[k].sample_scores())))
         return results
 
     def _run_trials(self, trials: list[Trial], loaded: Mapping[str, str], inputs: Any, index: Mapping[str, int],
@@ -444,6 +450,10 @@ class Experiment:
                                   "check that the data's targets match the model's outputs (class indices), "
                                   "or choose another metric")
         return values
+
+    def _named(self, by_task: dict[str, Any]) -> dict[str, Any]:
+        """A single-number metric's only task is named after the metric (as ``_finish`` does)."""
+        return {self.metric_name: by_task["metric"]} if list(by_task) == ["metric"] else by_task
 
     def _called(self, model: "ReplayModel") -> None:
         if not model.calls:

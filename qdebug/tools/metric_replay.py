@@ -61,11 +61,13 @@ def per_sample_function(metric: Metric | None) -> Callable | None:
 class MetricRun:
     """One trial's metric: per-sample sums streamed batch by batch, or stored outputs."""
 
-    def __init__(self, streaming: bool):
+    def __init__(self, streaming: bool, keep_samples: bool = False):
         self.streaming = streaming
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.outputs: list[Any] = []
+        # The per-sample scores themselves (one float64 per sample and task), for a bootstrap.
+        self.samples: dict[str, list[torch.Tensor]] | None = {} if keep_samples else None
 
     def add(self, scores: Any) -> None:
         scores = scores if isinstance(scores, Mapping) else {"metric": scores}
@@ -76,6 +78,12 @@ class MetricRun:
             value = value.detach().double().reshape(-1)
             self.sums[str(task)] = self.sums.get(str(task), 0.0) + float(value.sum())
             self.counts[str(task)] = self.counts.get(str(task), 0) + value.numel()
+            if self.samples is not None:
+                self.samples.setdefault(str(task), []).append(value.clone())
 
     def values(self) -> dict[str, float]:
         return {task: self.sums[task] / max(self.counts[task], 1) for task in self.sums}
+
+    def sample_scores(self) -> dict[str, torch.Tensor]:
+        """Task -> every sample's score, in data order ({} unless kept)."""
+        return {task: torch.cat(parts) for task, parts in (self.samples or {}).items()}

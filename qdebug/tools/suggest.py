@@ -17,12 +17,14 @@ quantized (and each task's metric gain).  Candidates are ordered by metric gain 
 gains within one sample's worth are tied -- then by SQNR gain.
 
 Plan.  The target: every task's metric >= its rule (baseline's, ratio 0.99 by
-default) with a metric, else output SQNR >= ``min_sqnr``.  With all candidates
-raised (evaluation 1) the target must be reachable; a binary search finds the
-shortest prefix of the ranking that meets it (<= ceil(log2 L) evaluations); then each
-member is dropped in turn, last first, and stays out when the target still holds
-(|plan| evaluations), so no member of the plan can be removed.  Evaluations after
-ranking <= 1 + ceil(log2 L) + |plan|.  Unreachable: the best value is reported, and
+default) with a metric, else output SQNR >= ``min_sqnr``.  A binary search finds the
+shortest prefix of the ranking that meets it (ceil(log2(L + 1)) evaluations, the
+whole ranking among them when no shorter prefix passes: then the target is out of
+reach); each member is then dropped in turn, last first, and stays out when the target
+still holds (< k evaluations for a prefix of k), so no member of the plan can be
+removed.  Evaluations after ranking <= ceil(log2 L) + 1 + k, with k >= |plan|.  With a per-sample metric the
+plan's evaluation keeps every sample's score, and baseline's bootstrap interval comes
+from them, with no further run.  Unreachable: the best value is reported, and
 the same search on keeping candidates in float says which layers would reach it.
 """
 
@@ -67,6 +69,8 @@ class Plan:
     evaluations: int = 0
     keep_float: list[Candidate] = field(default_factory=list)  # unreachable at int16: these in float
     history: list[dict[str, Any]] = field(default_factory=list)  # each evaluation: size, values, passed
+    final: TrialResult | None = None  # the evaluation of the plan itself (its per-sample scores)
+    prefix: int = 0  # the shortest passing prefix of the ranking, before dropping members
 
     def overrides(self, bits: int) -> dict[str, dict[str, dict[str, int]]]:
         """The qconfig overrides that apply the plan (``qdebug calibrate --qconfig``)."""
@@ -120,7 +124,7 @@ def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
 def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
             metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
             min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16, diagnoses: Mapping[str, str] | None = None,
-            progress: Callable[[int, int], None] | None = None) -> SuggestResult:
+            confidence: float | None = 0.95, progress: Callable[[int, int], None] | None = None) -> SuggestResult:
     """Rank int16 candidates and find the minimal verified plan (see module docstring).
 
     ``diagnoses``: compare's diagnosis per call name (``clipping`` rows are not candidates).
@@ -169,7 +173,8 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         plan.passed, plan.after = True, plan.before
     elif order:
         scored = rules if metric is not None else None
-        plan = _search(order, lambda chosen: experiment.run([raised(chosen)])[0], meets, plan, experiment, scored)
+        plan = _search(order, lambda chosen: experiment.run([raised(chosen)], keep_samples=True)[0], meets, plan,
+                       experiment, scored)
         if not plan.passed:
             def floated(chosen: Sequence[Candidate]) -> Trial:
                 return Trial(everything - {p for c in chosen for p in c.points}, {"label": "float"},
@@ -187,6 +192,8 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         if best is None or gain > best["gain_db"]:
             recalibrated[c.glob] = {"observer": observer, "gain_db": gain,
                                     **{f"{t}_gain": result.metric[t] - base.metric[t] for t in result.metric}}
+    if plan.passed and plan.candidates and plan.final is not None and confidence is not None:
+        plan.after.update(_interval(experiment, plan.final, rules, confidence))
     frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None, recalibrated)
     meta = {
         "bits": bits, "target": "metric" if metric is not None else f"sqnr_db >= {min_sqnr:g}",
@@ -194,7 +201,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         "clipping": [c.glob for c in clipping], "recalibrate": recalibrated,
         "batches": len(experiment.batches), "samples": samples,
         "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
-        "ranking_evaluations": 1, "served_calls": sum(r.served_calls for r in ranking),
+        "ranking_evaluations": 1, "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
         "plan": _plan_meta(plan, bits),
     }
     return SuggestResult(frame, plan, meta, summarize(meta))
@@ -219,6 +226,22 @@ def _recalibrations(model: nn.Module, clipping: list[Candidate], experiment: Exp
     return out
 
 
+def _interval(experiment: Experiment, result: TrialResult, rules: Mapping[str, TaskRule],
+              confidence: float) -> dict[str, float]:
+    """baseline's paired bootstrap interval of each task's score (``<task>_ci_low``, ``_high``)
+    from the per-sample scores of the float model and of the plan's evaluation: no extra run."""
+    from qdebug.tools.baseline import bootstrap_interval
+
+    out = {}
+    for task, q in result.samples.items():
+        f = experiment.float_samples.get(task)
+        if f is None or f.numel() != q.numel():
+            continue
+        rule = rules.get(task) or rules.get("metric") or TaskRule()
+        out[f"{task}_ci_low"], out[f"{task}_ci_high"] = bootstrap_interval(f, q, rule, confidence=confidence)
+    return out
+
+
 def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], TrialResult],
             meets: Callable[[TrialResult], bool], plan: Plan, experiment: Experiment,
             rules: Mapping[str, TaskRule] | None) -> Plan:
@@ -234,24 +257,27 @@ def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], Tr
                                  "passed": meets(results[key])})
         return meets(results[key])
 
-    if not check(order):
-        best = results[tuple(c.glob + "/" + c.kind for c in order)]
-        plan.after, plan.candidates, plan.passed = _values(best, experiment, rules), list(order), False
-        return plan
-    lo, hi = 1, len(order)
+    # The shortest passing prefix, in [1, L + 1) (L + 1: none): ceil(log2(L + 1)) evaluations,
+    # the whole ranking among them when nothing shorter passes.
+    lo, hi = 1, len(order) + 1
     while lo < hi:
         mid = (lo + hi) // 2
         if check(order[:mid]):
             hi = mid
         else:
             lo = mid + 1
+    if lo > len(order):
+        best = results[tuple(c.glob + "/" + c.kind for c in order)]
+        plan.after, plan.candidates, plan.passed = _values(best, experiment, rules), list(order), False
+        return plan
     chosen = list(order[:lo])
+    plan.prefix = lo
     for c in reversed(list(chosen)):
         trial = [x for x in chosen if x is not c]
         if trial and check(trial):
             chosen = trial
     final = results[tuple(c.glob + "/" + c.kind for c in chosen)]
-    plan.candidates, plan.after, plan.passed = chosen, _values(final, experiment, rules), True
+    plan.candidates, plan.after, plan.passed, plan.final = chosen, _values(final, experiment, rules), True, final
     return plan
 
 
@@ -315,6 +341,7 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
 def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
     return {"points": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.candidates] if plan.passed else [],
             "before": plan.before, "after": plan.after, "passed": plan.passed, "evaluations": plan.evaluations,
+            "prefix": plan.prefix,
             "keep_float": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.keep_float],
             "overrides": plan.overrides(bits) if plan.passed else {}, "history": plan.history}
 
@@ -335,6 +362,10 @@ def summarize(meta: Mapping[str, Any]) -> str:
     elif plan["passed"]:
         lines.append(f"plan: {len(plan['points'])} point(s) at {meta['bits']} bits: {', '.join(plan['points'])}")
         lines.append(f"  after: {_fmt(plan['after'], tasks)} -- verified in {plan['evaluations']} evaluation(s)")
+        for task in tasks:
+            if f"{task}_ci_low" in plan["after"]:
+                lines.append(f"  {task} / float, {meta.get('confidence', 0.95):g} interval: "
+                             f"[{plan['after'][task + '_ci_low']:.3f}, {plan['after'][task + '_ci_high']:.3f}]")
     else:
         lines.append(f"no plan at {meta['bits']} bits reaches the target: at best {_fmt(plan['after'], tasks)}")
         if plan["keep_float"]:
