@@ -34,14 +34,17 @@ def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = 
     view = view.reset_index(drop=True).copy()
     view["in_plan"] = ["yes" if v else "" for v in view["in_plan"]]
     gains = [c for c in view.columns if c.endswith("_gain")]
-    priority = ["rank", "point", "kind", "gain_db", "in_plan", "diagnosis", *gains, "macs_share", "act_share", "bits",
-                "layer"]
+    lead = "noise_score" if "noise_score" in view and view["gain_db"].isna().all() else "gain_db"
+    priority = ["rank", "point", "kind", lead, "in_plan", "diagnosis", "recalibrate", *gains, "macs_share", "act_share",
+                "bits", "layer"]
     formats = {"gain_db": fixed(2), "macs_share": fixed(3), "act_share": fixed(3)}
     formats.update({c: fixed(4) for c in gains})
     highlight = [i for i, v in enumerate(view["in_plan"]) if v]
     shown = f"top {len(view)} of {len(frame)}" if len(view) < len(frame) else f"{len(frame)}"
-    title = f"suggest: {shown} candidate(s) at {meta['bits']} bits, gain over everything quantized"
-    return render_table(view, title=title, columns=[c for c in priority if c in view], priority=priority, width=width,
+    what = "gain over everything quantized" if lead == "gain_db" else "ranked by gradient-weighted noise"
+    title = f"suggest: {shown} candidate(s) at {meta['bits']} bits, {what}"
+    priority = [c for c in priority if c in view]
+    return render_table(view, title=title, columns=priority, priority=priority, width=width,
                         names=("point", "layer"), formats=formats, highlight=highlight)
 
 
@@ -116,6 +119,8 @@ def suggest(
     ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
                                           help="Required metric ratio to float (default 0.99, or the config's)."),
     bits: int = typer.Option(16, "--bits", metavar="N", help="The width to raise points to (default 16)."),
+    rank: str = typer.Option("exact", "--rank", metavar="exact|fast",
+                             help="exact: each candidate alone; fast: gradient-weighted noise, one backward per batch."),
     confidence: float = typer.Option(0.95, "--confidence", metavar="LEVEL",
                                      help="Level of the plan's bootstrap interval (per-sample metrics)."),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
@@ -136,6 +141,8 @@ def suggest(
         raise QDebugError(f"--bits must be in [2, 16], got {bits}", "e.g. --bits 16")
     if ratio is not None and not 0 < ratio <= 1.5:
         raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    if rank not in ("exact", "fast"):
+        raise QDebugError(f"--rank {rank!r} must be exact or fast", "e.g. --rank fast")
     if not 0.5 <= confidence < 1:
         raise QDebugError(f"--confidence {confidence:g} must be in [0.5, 1)", "e.g. --confidence 0.95")
     if apply != (output is not None):
@@ -169,7 +176,7 @@ def suggest(
     with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list[0]):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
                              rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
-                             diagnoses=diagnoses, confidence=confidence,
+                             diagnoses=diagnoses, confidence=confidence, rank=rank,
                              progress=lambda done, total: advance(done, total))
     frame, meta = result.frame, result.meta
     options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (

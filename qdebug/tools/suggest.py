@@ -14,7 +14,10 @@ Ranking (``rank="exact"``): every candidate alone at ``bits``, the rest as loade
 one pass of the experiment primitive (each trial resumes from the "everything
 quantized" run at its point); the gain is the output SQNR gained over everything
 quantized (and each task's metric gain).  Candidates are ordered by metric gain --
-gains within one sample's worth are tied -- then by SQNR gain.
+gains within one sample's worth are tied -- then by SQNR gain.  ``rank="fast"``:
+every candidate scored at once by its gradient-weighted quantization noise, one
+forward+backward per batch (``qdebug.tools.noise_score``); the plan search verifies
+the result all the same.
 
 Plan.  The target: every task's metric >= its rule (baseline's, ratio 0.99 by
 default) with a metric, else output SQNR >= ``min_sqnr``.  A binary search finds the
@@ -45,6 +48,7 @@ from qdebug.tools.baseline import TaskRule
 from qdebug.tools.experiment import Experiment, Trial, TrialResult
 
 DEFAULT_MIN_SQNR = 30.0
+RANKS = ("exact", "fast")
 COLUMNS = ["rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan",
            "recalibrate"]
 
@@ -124,13 +128,19 @@ def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
 def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
             metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
             min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16, diagnoses: Mapping[str, str] | None = None,
-            confidence: float | None = 0.95, progress: Callable[[int, int], None] | None = None) -> SuggestResult:
+            confidence: float | None = 0.95, rank: str = "exact",
+            progress: Callable[[int, int], None] | None = None) -> SuggestResult:
     """Rank int16 candidates and find the minimal verified plan (see module docstring).
 
     ``diagnoses``: compare's diagnosis per call name (``clipping`` rows are not candidates).
     """
     if not 2 <= bits <= 16:
         raise QDebugError(f"bits must be in [2, 16], got {bits}", "e.g. --bits 16")
+    if rank not in RANKS:
+        raise QDebugError(f"unknown rank {rank!r}", f"choose one of {', '.join(RANKS)}")
+    if rank == "fast" and engine_state(model).stage == "quantized":
+        raise QDebugError("--rank fast needs gradients, and integer kernels have none",
+                          "rank a calibrated or QAT checkpoint, or use --rank exact")
     if not math.isfinite(min_sqnr):
         raise QDebugError(f"min_sqnr must be a number of dB, got {min_sqnr}", "e.g. --min-sqnr 30")
     experiment = Experiment(model, batches, reference=reference, metric=metric, metric_name=metric_name,
@@ -154,18 +164,27 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
 
     # Clipping points: the range another observer picks, observed on the data as calibration does.
     recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
-    # Ranking: everything as loaded, then each candidate alone at ``bits``; then the recalibrations.
-    ranking = experiment.run([whole, *(raised([c]) for c in ranked_pool), *(t for _, _, t in recalibrations)])
-    fixes = ranking[1 + len(ranked_pool):]
-    ranking = ranking[:1 + len(ranked_pool)]
+    # Ranking: everything as loaded, then (exact) each candidate alone at ``bits``; then the
+    # recalibrations.  The fast rank scores every candidate in one forward+backward per batch.
+    singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" else []
+    ranking = experiment.run([whole, *singles_trials, *(t for _, _, t in recalibrations)])
+    fixes = ranking[1 + len(singles_trials):]
+    ranking = ranking[:1 + len(singles_trials)]
     base, singles = ranking[0], ranking[1:]
     base_sqnr = _sqnr(base)
     gains = []
-    for c, result in zip(ranked_pool, singles):
-        task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
-        gains.append((c, _sqnr(result) - base_sqnr, task_gain, result))
-    tolerance = 1.0 / samples if metric is not None and samples else 0.0
-    gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -_clean(g[1])))
+    if rank == "exact":
+        for c, result in zip(ranked_pool, singles):
+            task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
+            gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
+        tolerance = 1.0 / samples if metric is not None and samples else 0.0
+        gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -_clean(g[1])))
+    else:
+        from qdebug.tools.noise_score import noise_scores
+
+        scores = noise_scores(model, experiment.batches, [p for c in ranked_pool for p in c.points], reference)
+        gains = [(c, math.nan, {}, sum(scores[p] for p in c.points)) for c in ranked_pool]
+        gains.sort(key=lambda g: -g[3])
     order = [g[0] for g in gains]
 
     plan = Plan(before=_values(base, experiment, rules if metric is not None else None))
@@ -201,7 +220,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         "clipping": [c.glob for c in clipping], "recalibrate": recalibrated,
         "batches": len(experiment.batches), "samples": samples,
         "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
-        "ranking_evaluations": 1, "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
+        "rank": rank, "ranking_evaluations": 1, "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
         "plan": _plan_meta(plan, bits),
     }
     return SuggestResult(frame, plan, meta, summarize(meta))
@@ -314,10 +333,12 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
            with_metric: bool, recalibrated: Mapping[str, dict]) -> pd.DataFrame:
     chosen = {(c.glob, c.kind) for c in plan.candidates} if plan.passed else set()
     rows = []
-    for rank, (c, gain_db, task_gain, _) in enumerate(gains, start=1):
+    for position, (c, gain_db, task_gain, score) in enumerate(gains, start=1):
         macs, _ = experiment.shares(c.points) if c.kind == "weight" else (0.0, 0.0)
-        row = {"rank": rank, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
+        row = {"rank": position, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
                "diagnosis": next((diagnoses[p] for p in c.points if diagnoses.get(p)), ""), "gain_db": gain_db}
+        if not math.isnan(score):
+            row["noise_score"] = score
         for task, value in task_gain.items():
             row[f"{task}_gain"] = value
         row.update(macs_share=macs, act_share=experiment.activation_share(c.points) if c.kind == "activation" else 0.0,
