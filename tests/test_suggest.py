@@ -116,6 +116,9 @@ def test_an_unreachable_target_says_so_and_what_float_would_do(outlier, images):
     assert not plan["passed"] and plan["points"] == []
     assert "no plan at 16 bits reaches the target: at best" in result.summary
     assert plan["after"]["sqnr_db"] < 80
+    # Keeping some layers in float (the rest at 16 bits) does reach it, and the summary names them.
+    assert plan["keep_float"] and "layer1.0.conv2.weight" in plan["keep_float"]
+    assert "these kept in float (the other candidates at 16 bits) reach it: " in result.summary
 
 
 def test_metric_target_uses_baseline_rule(outlier, images):

@@ -127,14 +127,15 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
                     f"qdebug calibrate {paths[ref_index]}{options} --observer percentile -o recalibrated.pt")
         if cause == "outlier_channels":
             return "see the channels", f"{again} --metrics min_channel_sqnr_db,channel_range_ratio --sort min_channel_sqnr_db"
-        pair = f"{paths[ref_index]} {paths[labels.index(target)]}"
+        # The pair as typed (none when it came from the config: suggest reads the same keys).
+        pair = f" {paths[ref_index]} {paths[labels.index(target)]}" if given else ""
         if cause == "rounding" and result.meta.get("reference_stage") == "float":
             return ("the smallest set of int16 changes that meets the target, verified",
-                    f"qdebug suggest {pair}{options}")
+                    f"qdebug suggest{pair}{options}")
         if sort != "isolated_sqnr_db":
             return "each layer's own error, worst first (int16 candidates)", f"{again} --sort isolated_sqnr_db"
         if result.meta.get("reference_stage") == "float":
-            return "a verified int16 plan for the worst of these", f"qdebug suggest {pair}{options}"
+            return "a verified int16 plan for the worst of these", f"qdebug suggest{pair}{options}"
         return "", ""
     target = next(iter(found), None)
     if target is None:

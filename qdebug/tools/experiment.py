@@ -6,16 +6,17 @@ outputs from the float model's, and does the task metric still hold?
 ``Experiment(...).run(trials)`` answers it for a list of trials in one pass over
 the batches:
 
-- **batches outside, trials inside.**  Per batch the float reference runs once;
-  its outputs, and one recorded run, are all that is held, whatever the number of
-  batches;
+- **batches outside, trials inside.**  Per batch the float reference runs once
+  (in the first run; its outputs -- model outputs only -- are kept for later runs);
+  they and the recorded runs of one batch are all that is held;
 - **the float prefix is cached.**  Per batch the model first runs with every
   point in float (the *base* run) and every call's output is recorded
   (``qdebug.tap.Capture``).  A trial's forward then takes the stored output of
   every call before its first quantized point instead of computing it
   (``qdebug.engine.served``): those calls compute the same function, with the
   same parameters, on the same inputs -- the isolated replay's reuse rule -- so
-  the result is bit-identical to a full rerun.  When a trial agrees with the
+  the result is bit-identical to a full rerun (after the first run the base run is
+  skipped when no trial can resume from it).  When a trial agrees with the
   previous trial on a longer prefix than with the base run (trial k of a
   cumulative sweep quantizes modules 1..k, trial k+1 adds module k+1), the
   previous trial's run is recorded and served instead;
@@ -217,6 +218,8 @@ class Experiment:
         self.quantizable = [name for name, p in self.state.points.items() if p.mode == "fake"]
         self.float_metric: dict[str, float] | None = None
         self.float_samples: dict[str, torch.Tensor] = {}  # task -> the float model's per-sample scores
+        # The reference's outputs per batch, kept after the first run (model outputs only).
+        self._references: list[Any] | None = None
         # Output SQNR/cosine of the model with every point in float against ``reference``: the
         # best any trial can do (below inf when the weights differ from float: QAT, BN folded).
         self.floor: dict[str, dict[str, float]] = {}
@@ -251,7 +254,12 @@ class Experiment:
         # ranking, where each later trial changes one point of it); and two trial runs in turn:
         # trial k may serve from trial k-1's run while its own is recorded for trial k+1.
         base, anchor, recordings = _Recording(), _Recording(), (_Recording(), _Recording())
-        total = len(self.batches) * (len(trials) + 1 + (self.reference is not None))
+        # After the first run the reference outputs are known and the base run is only worth
+        # recording when a trial can resume from it (one that quantizes from the input cannot).
+        first = self._references is None
+        with_base = first or self._base_serves(trials)
+        references: list[Any] = [] if first else self._references
+        total = len(self.batches) * (len(trials) + with_base + (first and self.reference is not None))
         self._done = 0
         for module, _ in modes:
             module.eval()
@@ -260,19 +268,25 @@ class Experiment:
                 for batch_index, batch in enumerate(self.batches):
                     inputs = getattr(batch, "inputs", batch)
                     self._check_batch(batch_index, inputs)
-                    self._set(frozenset(), loaded)
-                    ref_out = base_out = self._record(inputs, base, costs=not self.macs)
-                    self._tick(total)
-                    if self.reference is not None:
+                    if with_base:
+                        self._set(frozenset(), loaded)
+                        base_out = self._record(inputs, base, costs=not self.macs)
+                        self._tick(total)
+                    if not first:
+                        ref_out = references[batch_index]
+                    elif self.reference is not None:
                         ref_out = run_model(self.reference, inputs)
                         self._tick(total)
-                    self._check_reference(batch_index, ref_out)
+                        floor.update(named_outputs(ref_out), named_outputs(base_out))
+                    else:
+                        ref_out = base_out
+                    if first:
+                        self._check_reference(batch_index, ref_out)
+                        references.append(_clone(ref_out))
                     ref_named = named_outputs(ref_out)
-                    if self.reference is not None:
-                        floor.update(ref_named, named_outputs(base_out))
                     if float_run is not None:
                         self._score(float_run, sampler, ref_out, ref_out, batch)
-                    index = {name: i for i, name in enumerate(base.order())}
+                    index = {name: i for i, name in enumerate(self.call_order)}
                     self._run_trials(trials, loaded, inputs, index, base, anchor, recordings, served_counts,
                                      lambda k, out: self._measure(k, out, stats, runs, sampler, ref_named, ref_out,
                                                                   batch, total))
@@ -285,8 +299,10 @@ class Experiment:
                 module.train(training)
             for recording in (base, anchor, *recordings):
                 recording.capture.release()
-        if self.reference is not None:
-            self.floor = floor.result()
+        if first:
+            self._references = references
+            if self.reference is not None:
+                self.floor = floor.result()
         if float_run is not None:
             self._float_outputs = float_run.outputs
             self.float_metric = self._finish(float_run, of_float=True)
@@ -298,6 +314,12 @@ class Experiment:
                                        *self.shares(trial.quantized), served_calls=served_counts[k],
                                        samples=self._named(runs[k].sample_scores())))
         return results
+
+    def _base_serves(self, trials: Sequence[Trial]) -> bool:
+        """Whether a trial would take a call other than a model input from the base run."""
+        index = {name: i for i, name in enumerate(self.call_order)}
+        inputs = sum(1 for name in self.call_order if name.split("#")[0] == "input")
+        return any(self._boundary(t.differs_at(NOTHING), index, len(index)) > inputs for t in trials)
 
     def _run_trials(self, trials: list[Trial], loaded: Mapping[str, str], inputs: Any, index: Mapping[str, int],
                     base: "_Recording", anchor: "_Recording", recordings: tuple, served_counts: list[int],

@@ -390,7 +390,8 @@ def summarize(meta: Mapping[str, Any]) -> str:
     else:
         lines.append(f"no plan at {meta['bits']} bits reaches the target: at best {_fmt(plan['after'], tasks)}")
         if plan["keep_float"]:
-            lines.append(f"  kept in float, these reach it: {', '.join(plan['keep_float'])}")
+            lines.append(f"  these kept in float (the other candidates at {meta['bits']} bits) reach it: "
+                         f"{', '.join(plan['keep_float'])}")
     if meta["clipping"]:
         lines.append(f"clipping, so no int16 candidate: {', '.join(meta['clipping'])}")
         for glob, fix in (meta.get("recalibrate") or {}).items():
