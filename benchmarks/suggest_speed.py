@@ -179,7 +179,8 @@ def logged_runs(log: list[dict]):
             try:
                 return super().run(trials, **kwargs)
             finally:
-                log.append({"trials": len(trials), "forwards_per_batch": len(trials) + 1 + (self.reference is not None),
+                # Each forward the experiment makes ticks its progress counter once.
+                log.append({"trials": len(trials), "forwards_per_batch": self._done // max(len(self.batches), 1),
                             "batches": len(self.batches), "seconds": time.perf_counter() - start})
 
     saved = suggest_module.Experiment
