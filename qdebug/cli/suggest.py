@@ -152,10 +152,11 @@ def suggest(
     given = list(checkpoints or [])
     paths = checkpoint_paths(given, "suggest")
     cfg = STATE.config()
-    spec = metric or cfg.get("metric")
-    if spec and min_sqnr is not None:
+    if metric and min_sqnr is not None:
         raise QDebugError("--min-sqnr is the target without a metric; with --metric the target is the metric",
                           "drop one of them")
+    # --min-sqnr asks for an SQNR target: the config's metric then stays out.
+    spec = metric or (cfg.get("metric") if min_sqnr is None else None)
     if output is not None:
         writable_file(output)
     out = prepare_out(out)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -166,11 +167,16 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
     # Ranking: everything as loaded, then (exact) each candidate alone at ``bits``; then the
     # recalibrations.  The fast rank scores every candidate in one forward+backward per batch.
-    singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" else []
-    ranking = experiment.run([whole, *singles_trials, *(t for _, _, t in recalibrations)])
-    fixes = ranking[1 + len(singles_trials):]
-    ranking = ranking[:1 + len(singles_trials)]
-    base, singles = ranking[0], ranking[1:]
+    # A model that already meets the target needs no ranking: one trial says so.
+    base = experiment.run([whole])[0]
+    done = meets(base)
+    singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" and not done else []
+    extra = [*singles_trials, *(t for _, _, t in recalibrations)]
+    # "Everything quantized" leads again: its run is the anchor every single-point trial resumes from.
+    measured = experiment.run([whole, *extra])[1:] if extra else []
+    fixes = measured[len(singles_trials):]
+    singles = measured[:len(singles_trials)]
+    ranking = [base, *singles]
     base_sqnr = _sqnr(base)
     gains = []
     if rank == "exact":
@@ -179,7 +185,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
             gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
         tolerance = 1.0 / samples if metric is not None and samples else 0.0
         gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -_clean(g[1])))
-    else:
+    elif not done:
         from qdebug.tools.noise_score import noise_scores
 
         scores = noise_scores(model, experiment.batches, [p for c in ranked_pool for p in c.points], reference)
@@ -188,7 +194,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     order = [g[0] for g in gains]
 
     plan = Plan(before=_values(base, experiment, rules if metric is not None else None))
-    if meets(base):
+    if done:
         plan.passed, plan.after = True, plan.before
     elif order:
         scored = rules if metric is not None else None
@@ -220,7 +226,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         "clipping": [c.glob for c in clipping], "recalibrate": recalibrated,
         "batches": len(experiment.batches), "samples": samples,
         "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
-        "rank": rank, "ranking_evaluations": 1, "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
+        "rank": rank, "ranking_evaluations": 1 + bool(extra), "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
         "plan": _plan_meta(plan, bits),
     }
     return SuggestResult(frame, plan, meta, summarize(meta))
@@ -381,7 +387,9 @@ def summarize(meta: Mapping[str, Any]) -> str:
     if plan["passed"] and not plan["points"]:
         lines.append("already meets the target: no change needed")
     elif plan["passed"]:
-        lines.append(f"plan: {len(plan['points'])} point(s) at {meta['bits']} bits: {', '.join(plan['points'])}")
+        lines += textwrap.wrap(f"plan: {len(plan['points'])} point(s) at {meta['bits']} bits: "
+                               f"{', '.join(plan['points'])}", width=80, subsequent_indent="  ",
+                               break_on_hyphens=False)
         lines.append(f"  after: {_fmt(plan['after'], tasks)} -- verified in {plan['evaluations']} evaluation(s)")
         for task in tasks:
             if f"{task}_ci_low" in plan["after"]:
@@ -390,8 +398,9 @@ def summarize(meta: Mapping[str, Any]) -> str:
     else:
         lines.append(f"no plan at {meta['bits']} bits reaches the target: at best {_fmt(plan['after'], tasks)}")
         if plan["keep_float"]:
-            lines.append(f"  these kept in float (the other candidates at {meta['bits']} bits) reach it: "
-                         f"{', '.join(plan['keep_float'])}")
+            lines += textwrap.wrap(f"  these kept in float (the other candidates at {meta['bits']} bits) reach it: "
+                                   f"{', '.join(plan['keep_float'])}", width=80, subsequent_indent="    ",
+                                   break_on_hyphens=False)
     if meta["clipping"]:
         lines.append(f"clipping, so no int16 candidate: {', '.join(meta['clipping'])}")
         for glob, fix in (meta.get("recalibrate") or {}).items():
