@@ -376,7 +376,8 @@ def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
 def _fmt(values: Mapping[str, float], tasks: Sequence[str]) -> str:
     parts = [f"{values['sqnr_db']:.1f} dB"] if "sqnr_db" in values else []
     parts += [f"{t} {values[t]:.4g} ({values[t + '_ratio']:.3f} x float)" for t in tasks if t in values]
-    return ", ".join(parts)
+    verdict = f" ({values['verdict']})" if values.get("verdict") else ""
+    return ", ".join(parts) + verdict
 
 
 def summarize(meta: Mapping[str, Any]) -> str:
