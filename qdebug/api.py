@@ -125,7 +125,7 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
     name = metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric")
     result = run(model, batch_list, reference=reference, metric=metric_fn, metric_name=name,
                  rules={"metric": TaskRule(ratio=ratio)}, min_sqnr=min_sqnr, bits=bits,
-                 diagnoses=diagnoses_of(reference, model, batch_list))
+                 diagnoses=lambda: diagnoses_of(reference, model, batch_list))
     frame = result.frame
     frame.attrs.update(summary=result.summary, meta={k: v for k, v in result.meta.items() if k != "plan"},
                        plan=result.meta["plan"])

@@ -165,7 +165,8 @@ def test_plan_toml_through_calibrate_and_apply_reproduce_the_plan_exactly(cli, o
     assert result.code == 0, result.err
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"suggest.csv", "suggest.json", "suggest.png", "plan.toml"}
     after = json.loads((tmp_path / "out" / "suggest.json").read_text())["plan"]["after"]["sqnr_db"]
-    assert "next: recalibrate with the plan" in result.out
+    assert "next: apply the plan from the checkpoint's own statistics (exact):" in result.out
+    assert "--apply -o fixed.pt" in result.out and "--data CALIBRATION_DATA --qconfig" in result.out
     # The plan through qdebug calibrate, on the checkpoint's own calibration data.
     calibrated = cli("calibrate", d / "float.pt", "--data", d / "calib.pt", "--batch-size", 16,
                      "--qconfig", tmp_path / "out" / "plan.toml", "-o", tmp_path / "cal16.pt")
@@ -174,8 +175,10 @@ def test_plan_toml_through_calibrate_and_apply_reproduce_the_plan_exactly(cli, o
                               "--batch-size", 16, "--format", "json").out)["rows"][0]["sqnr_db"]
     assert measured == after
     # --apply: the same numbers from the checkpoint's own statistics.
-    applied = cli("suggest", *args, "--apply", "-o", tmp_path / "fixed.pt")
+    applied = cli("suggest", *args, "--apply", "-o", tmp_path / "new" / "fixed.pt")
     assert applied.code == 0, applied.err
+    assert "next: check the fixed checkpoint:" not in applied.out  # no metric: nothing to gate
+    (tmp_path / "fixed.pt").write_bytes((tmp_path / "new" / "fixed.pt").read_bytes())
     fixed = json.loads(cli("step", d / "float.pt", tmp_path / "fixed.pt", "--auto", "--data", d / "eval.pt",
                            "--batch-size", 16, "--format", "json").out)["rows"][0]["sqnr_db"]
     assert fixed == after
@@ -197,7 +200,10 @@ def test_cli_json_table_and_exit_codes(cli, outlier_files, monkeypatch):
     monkeypatch.setattr(console, "_width", 80)
     table = cli("suggest", *args, "--min-sqnr", 35)
     assert table.code == 0
-    assert max(len(line) for line in table.out.splitlines() if "─" in line or line.startswith(" ")) <= 80
+    from tables import table_lines
+
+    head, body = table_lines(table.out)
+    assert max(len(line) for line in head + body) <= 80
     unreachable = cli("suggest", *args, "--min-sqnr", 80)
     assert unreachable.code == 1 and "no plan at 16 bits reaches the target" in unreachable.out
 
@@ -257,3 +263,15 @@ def test_fast_rank_refuses_integer_kernels(outlier, images):
     _, model = outlier
     with pytest.raises(QDebugError, match="--rank fast needs gradients"):
         suggest(convert(model), _eval(images), rank="fast")
+
+
+def test_apply_with_nothing_to_apply_writes_nothing(cli, outlier_files, tmp_path):
+    d = outlier_files
+    result = cli("suggest", d / "float.pt", d / "calibrated.pt", "--data", d / "eval.pt", "--min-sqnr", 10,
+                 "--apply", "-o", tmp_path / "missing" / "fixed.pt")
+    assert result.code == 0, result.err
+    assert "already meets the target" in result.out and "nothing written to" in result.out
+    assert not (tmp_path / "missing").exists()  # no directory left behind
+    (tmp_path / "file").write_text("x")
+    cli("suggest", d / "float.pt", d / "calibrated.pt", "--apply", "-o", tmp_path / "file" / "x.pt").assert_error(
+        "is a file")

@@ -197,11 +197,21 @@ def writable_dir(path: Path) -> Path:
     return path
 
 
-def writable_file(path: Path) -> Path:
-    """``path`` as an output file whose directory exists (created if needed) and is writable."""
+def writable_file(path: Path, *, create: bool = True) -> Path:
+    """``path`` as an output file whose directory exists (created if needed) and is writable.
+    ``create=False``: only checked -- for a file that may not be written at all (a run that
+    finds nothing to write must leave no directory behind); the writer creates it."""
     if path.is_dir():
         raise QDebugError(f"output {path} is a directory", "give a file name, e.g. -o model.pt")
-    writable_dir(path.parent if str(path.parent) else Path("."))
+    parent = path.parent if str(path.parent) else Path(".")
+    if create:
+        writable_dir(parent)
+        return path
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise QDebugError(f"cannot write {path}: {existing} is a file", "give a path inside a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise QDebugError(f"cannot write {path}: {existing} is not writable", "choose a directory you can write to")
     return path
 
 

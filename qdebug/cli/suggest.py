@@ -158,7 +158,7 @@ def suggest(
     # --min-sqnr asks for an SQNR target: the config's metric then stays out.
     spec = metric or (cfg.get("metric") if min_sqnr is None else None)
     if output is not None:
-        writable_file(output)
+        writable_file(output, create=False)  # created only when a plan is written to it
     out = prepare_out(out)
 
     from qdebug.cli.baseline import task_rules
@@ -172,8 +172,9 @@ def suggest(
     rules = task_rules(metric_fn, default_ratio, ratio is not None)
     task = spec.rsplit(":", 1)[-1] if spec else "metric"
     rules.setdefault(task, rules["metric"])
-    with progress_bar("diagnosing", len(batch_list)) as advance, model_errors("comparing", batch_list[0]):
-        diagnoses = diagnoses_of(found.reference, found.model, batch_list, advance)
+    def diagnoses() -> dict[str, str]:  # compare's, asked for only when the model needs a plan
+        return diagnoses_of(found.reference, found.model, batch_list)
+
     with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list[0]):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
                              rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
@@ -183,7 +184,11 @@ def suggest(
     options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
         ("--data", data), ("--batches", batches), ("--batch-size", batch_size)) if value is not None)
     float_path = paths[0] if len(paths) == 2 else "FLOAT.pt"
-    apply_command = f"qdebug calibrate {shlex.quote(float_path)}{options} --qconfig plan.toml -o calibrated16.pt"
+    plan_path = str(out / "plan.toml") if out is not None else "plan.toml"
+    apply_command = (f"qdebug calibrate {shlex.quote(float_path)} --data CALIBRATION_DATA --qconfig "
+                     f"{shlex.quote(plan_path)} -o calibrated16.pt")
+    exact_command = f"qdebug suggest {' '.join(map(shlex.quote, given))}{options}{' --metric ' + metric if metric else ''}" \
+        f"{' --min-sqnr ' + format(min_sqnr, 'g') if min_sqnr is not None else ''} --apply -o fixed.pt"
     meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
     files = []
     plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
@@ -197,25 +202,34 @@ def suggest(
                 Path(tmp).write_text(_plan_toml(meta, qconfig, apply_command))
             files.append(out / "plan.toml")
         files.append(plot_suggest(frame, meta, out / "suggest.png"))
-    if output is not None:
-        if not plan_ok:
-            raise QDebugError("no plan to apply: " + ("the model already meets the target" if meta["plan"]["passed"]
-                                                      else "no plan at this width reaches the target"),
-                              "see the summary; nothing was written")
+    applied = False
+    if output is not None and plan_ok:
+        output.parent.mkdir(parents=True, exist_ok=True)
         _apply(found, result.plan.candidates, meta["plan"]["overrides"], bits, output)
         files.append(output)
+        applied = True
     plan = meta.pop("plan")
     report = Report("suggest", frame, {**meta, "plan_points": plan["points"]}, files=files, json_extra={"plan": plan})
 
     def render() -> None:
-        print_table(render_suggest(frame, meta, width=table_width(wide), top=None if wide else SHOWN_RANKS))
+        if not frame.empty:
+            print_table(render_suggest(frame, meta, width=table_width(wide), top=None if wide else SHOWN_RANKS))
         for line in result.summary.splitlines():
             say(line)
-        if plan_ok and out is not None:
-            say(f"next: recalibrate with the plan ({out / 'plan.toml'}):")
-            say(f"  {apply_command.replace('plan.toml', shlex.quote(str(out / 'plan.toml')))}")
+        if output is not None and not applied:
+            say(f"nothing written to {output}: no plan to apply")
+        if applied:
+            check = f"qdebug baseline {shlex.quote(float_path)} {shlex.quote(str(output))}{options}" + (
+                f" --metric {spec}" if spec else "")
+            say("next: check the fixed checkpoint:" if spec else f"wrote {output}")
+            if spec:
+                say(f"  {check}")
         elif plan_ok:
-            say("next: write the plan as config (--out DIR writes plan.toml) or apply it (--apply -o fixed.pt)")
+            say("next: apply the plan from the checkpoint's own statistics (exact):")
+            say(f"  {exact_command}")
+            if out is not None:
+                say(f"  or recalibrate the float model with {plan_path} on the data it was calibrated on:")
+                say(f"  {apply_command}")
 
     emit(report, fmt, out, render)
     if not plan["passed"]:

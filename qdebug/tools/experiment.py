@@ -486,7 +486,7 @@ class Experiment:
         for t in tensors_in(inputs):
             if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
                 raise QDebugError(f"batch {index} of the data holds NaN/Inf inputs",
-                                  "step measures against the float model's outputs: give finite data")
+                                  "every measure compares with the float model's outputs: give finite data")
 
     @staticmethod
     def _check_reference(index: int, out: Any) -> None:

@@ -128,12 +128,14 @@ def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
 
 def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
             metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
-            min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16, diagnoses: Mapping[str, str] | None = None,
+            min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16,
+            diagnoses: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
             confidence: float | None = 0.95, rank: str = "exact",
             progress: Callable[[int, int], None] | None = None) -> SuggestResult:
     """Rank int16 candidates and find the minimal verified plan (see module docstring).
 
-    ``diagnoses``: compare's diagnosis per call name (``clipping`` rows are not candidates).
+    ``diagnoses``: compare's diagnosis per call name (``clipping`` rows are not candidates), or a
+    function giving them, called only when a ranking is needed.
     """
     if not 2 <= bits <= 16:
         raise QDebugError(f"bits must be in [2, 16], got {bits}", "e.g. --bits 16")
@@ -147,12 +149,10 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     experiment = Experiment(model, batches, reference=reference, metric=metric, metric_name=metric_name,
                             progress=progress)
     rules = dict(rules or {})
-    diagnoses = dict(diagnoses or {})
+    diagnose = diagnoses if callable(diagnoses) else (lambda: diagnoses or {})
     everything = frozenset(experiment.quantizable)
     whole = Trial(everything, {"label": "as loaded"})
     found = candidates(model, experiment.quantizable, bits)
-    clipping = [c for c in found if c.kind == "activation" and any(diagnoses.get(p) == "clipping" for p in c.points)]
-    ranked_pool = [c for c in found if c not in clipping]
     samples = sum(_samples(b) for b in experiment.batches)
 
     def meets(result: TrialResult) -> bool:
@@ -163,13 +163,16 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     def raised(chosen: Sequence[Candidate]) -> Trial:
         return Trial(everything, {"label": "plan"}, {p: bits for c in chosen for p in c.points})
 
-    # Clipping points: the range another observer picks, observed on the data as calibration does.
-    recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
-    # Ranking: everything as loaded, then (exact) each candidate alone at ``bits``; then the
-    # recalibrations.  The fast rank scores every candidate in one forward+backward per batch.
-    # A model that already meets the target needs no ranking: one trial says so.
+    # A model that already meets the target needs no diagnosis and no ranking: one run says so.
     base = experiment.run([whole])[0]
     done = meets(base)
+    diagnoses = dict(diagnose()) if not done else {}
+    clipping = [c for c in found if c.kind == "activation" and any(diagnoses.get(p) == "clipping" for p in c.points)]
+    ranked_pool = [c for c in found if c not in clipping]
+    # Clipping points: the range another observer picks, observed on the data as calibration does.
+    recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
+    # Ranking: (exact) each candidate alone at ``bits``, then the recalibrations; the fast rank
+    # scores every candidate in one forward+backward per batch.
     singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" and not done else []
     extra = [*singles_trials, *(t for _, _, t in recalibrations)]
     # "Everything quantized" leads again: its run is the anchor every single-point trial resumes from.
@@ -341,7 +344,7 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
     rows = []
     for position, (c, gain_db, task_gain, score) in enumerate(gains, start=1):
         macs, _ = experiment.shares(c.points) if c.kind == "weight" else (0.0, 0.0)
-        row = {"rank": position, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
+        row = {"rank": position, "point": _point_name(c), "layer": c.layer, "kind": c.kind, "bits": c.bits,
                "diagnosis": next((diagnoses[p] for p in c.points if diagnoses.get(p)), ""), "gain_db": gain_db}
         if not math.isnan(score):
             row["noise_score"] = score
@@ -352,7 +355,7 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
         rows.append(row)
     for c in clipping:
         fix = recalibrated.get(c.glob, {})
-        rows.append({"rank": None, "point": c.glob, "layer": c.layer, "kind": c.kind, "bits": c.bits,
+        rows.append({"rank": None, "point": _point_name(c), "layer": c.layer, "kind": c.kind, "bits": c.bits,
                      "diagnosis": "clipping", "gain_db": fix.get("gain_db", math.nan),
                      **{k: v for k, v in fix.items() if k.endswith("_gain")}, "macs_share": 0.0,
                      "act_share": experiment.activation_share(c.points), "in_plan": False,
@@ -365,11 +368,17 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
     return frame
 
 
+def _point_name(c: Candidate) -> str:
+    """A candidate as the table and the plan name it: its (first) quant point -- ``<layer>.weight``
+    for a weight; an activation point's name is also its override's."""
+    return c.glob if c.kind == "activation" else f"{c.glob}.weight"
+
+
 def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
-    return {"points": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.candidates] if plan.passed else [],
+    return {"points": [_point_name(c) for c in plan.candidates] if plan.passed else [],
             "before": plan.before, "after": plan.after, "passed": plan.passed, "evaluations": plan.evaluations,
             "prefix": plan.prefix,
-            "keep_float": [c.glob if c.kind == "activation" else f"{c.glob}.weight" for c in plan.keep_float],
+            "keep_float": [_point_name(c) for c in plan.keep_float],
             "overrides": plan.overrides(bits) if plan.passed else {}, "history": plan.history}
 
 
@@ -398,7 +407,9 @@ def summarize(meta: Mapping[str, Any]) -> str:
                              f"[{plan['after'][task + '_ci_low']:.3f}, {plan['after'][task + '_ci_high']:.3f}]")
     else:
         lines.append(f"no plan at {meta['bits']} bits reaches the target: at best {_fmt(plan['after'], tasks)}")
-        if plan["keep_float"]:
+        if not plan["keep_float"]:
+            lines.append("  keeping candidates in float does not reach it either")
+        else:
             lines += textwrap.wrap(f"  these kept in float (the other candidates at {meta['bits']} bits) reach it: "
                                    f"{', '.join(plan['keep_float'])}", width=80, subsequent_indent="    ",
                                    break_on_hyphens=False)
