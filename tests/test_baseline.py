@@ -536,3 +536,9 @@ def test_damaged_checkpoint_fails(cli, tmp_path):
     ok = cli("baseline", float_path, str(DEMO / "calibrated.pt"), "--metric", "top1", "--data", data,
              "--batches", "1", "--batch-size", "250")
     assert ok.code == 0, ok.err
+
+
+def test_a_float_metric_of_zero_is_an_error_not_a_pass(cli):
+    # 0 >= 0.99 x 0 would pass whatever the quantized model does.
+    cli("baseline", "--float-metric", "0", "--quant-metric", "0").assert_error(
+        "the float model scores 0 on task", "targets match")

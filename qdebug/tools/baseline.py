@@ -154,6 +154,11 @@ def gate(
             raise QDebugError(f"task {task!r}: direction must be 'higher' or 'lower'",
                               "direction is 'higher' (an accuracy) or 'lower' (an error)")
         q = quant_metrics[task]
+        if rule.direction == "higher" and f == 0:
+            # q >= 0.99 x 0 holds for any q: the verdict would say nothing.
+            raise QDebugError(f"the float model scores 0 on task {task!r}: a ratio to it means nothing",
+                              "check that the data's targets match the model's outputs (class indices), "
+                              "or choose another metric")
         score, required, margin, passed = evaluate_rule(f, q, rule)
         row = {"task": task, "direction": rule.direction, "float": f, "quantized": q, "score": score,
                "ratio": rule.ratio, "required": required, "margin": margin, "ci_low": math.nan,
