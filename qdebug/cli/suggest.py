@@ -107,7 +107,8 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
         "or applied (--apply -o FILE). Points that clip are left to recalibration, not int16.\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data "
         "fixtures/demo/eval.pt --metric top1 --out suggest-out\n\n"
-        "Example: qdebug suggest fixtures/demo/calibrated.pt --min-sqnr 30 --apply -o fixed.pt"
+        "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
+        "--batches 2 --min-sqnr 38 --apply -o fixed.pt"
     ),
 )
 def suggest(
@@ -187,8 +188,12 @@ def suggest(
     plan_path = str(out / "plan.toml") if out is not None else "plan.toml"
     apply_command = (f"qdebug calibrate {shlex.quote(float_path)} --data CALIBRATION_DATA --qconfig "
                      f"{shlex.quote(plan_path)} -o calibrated16.pt")
-    exact_command = f"qdebug suggest {' '.join(map(shlex.quote, given))}{options}{' --metric ' + metric if metric else ''}" \
-        f"{' --min-sqnr ' + format(min_sqnr, 'g') if min_sqnr is not None else ''} --apply -o fixed.pt"
+    # The same search again, written out: every option that shapes the plan, as typed.
+    shaping = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
+        ("--metric", metric), ("--min-sqnr", format(min_sqnr, "g") if min_sqnr is not None else None),
+        ("--ratio", ratio), ("--bits", bits if bits != 16 else None), ("--rank", rank if rank != "exact" else None))
+        if value is not None)
+    exact_command = f"qdebug suggest {' '.join(map(shlex.quote, given))}{options}{shaping} --apply -o fixed.pt"
     meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
     files = []
     plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
@@ -201,7 +206,8 @@ def suggest(
             with atomic_path(out / "plan.toml") as tmp:
                 Path(tmp).write_text(_plan_toml(meta, qconfig, apply_command))
             files.append(out / "plan.toml")
-        files.append(plot_suggest(frame, meta, out / "suggest.png"))
+        if frame["rank"].notna().any():  # nothing ranked (the model meets the target): no picture to draw
+            files.append(plot_suggest(frame, meta, out / "suggest.png"))
     applied = False
     if output is not None and plan_ok:
         output.parent.mkdir(parents=True, exist_ok=True)

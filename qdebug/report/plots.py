@@ -115,12 +115,18 @@ def plot_suggest(frame: pd.DataFrame, meta: dict, path: str | Path, *, top: int 
     fig, (ax_gain, ax_plan) = plt.subplots(1, 2, figsize=(max(9, 4 + len(ranked) * 0.3), 4.4),
                                            gridspec_kw={"width_ratios": [2, 1]})
     xs = list(range(len(ranked)))
-    ax_gain.bar(xs, _finite(ranked["gain_db"]), color=["tab:red" if v else "tab:blue" for v in ranked["in_plan"]])
+    # --rank fast measures no gain per candidate: its gradient-weighted noise score instead.
+    fast = "noise_score" in ranked and ranked["gain_db"].isna().all()
+    ax_gain.bar(xs, _finite(ranked["noise_score" if fast else "gain_db"]),
+                color=["tab:red" if v else "tab:blue" for v in ranked["in_plan"]])
+    if fast:
+        ax_gain.set_yscale("log")
     ax_gain.set_xticks(xs)
     ax_gain.set_xticklabels([f"{p} ({k[0]})" for p, k in zip(ranked["point"], ranked["kind"])], rotation=70,
                             ha="right", fontsize=7)
-    ax_gain.set_ylabel(f"output SQNR gained at {meta['bits']} bits (dB)")
-    ax_gain.set_title("each candidate alone (plan in red)", fontsize=9)
+    ax_gain.set_ylabel("gradient-weighted noise (fast rank)" if fast else f"output SQNR gained at {meta['bits']} bits (dB)")
+    ax_gain.set_title("each candidate's score, one backward pass (plan in red)" if fast
+                      else "each candidate alone (plan in red)", fontsize=9)
     ax_gain.grid(alpha=0.3, axis="y")
     history = meta["plan"].get("history") or []
     tasks = meta.get("tasks") or []
