@@ -282,12 +282,12 @@ def test_config_metric_found_from_the_config_directory(cli, tmp_path, stages, mo
         (tmp_path / "proj" / "proj_metrics.py").write_text(
             "def first_target(model, batches):\n"
             "    for inputs, target in batches:\n"
-            "        return float(target[0])\n")
+            "        return float(target[0]) + 1  # never 0: a float metric of 0 is refused\n")
         _write(tmp_path / "proj" / "qdebug.toml", f'metric = "proj_metrics:first_target"\ndata = "{stages.data}"\n')
         monkeypatch.chdir(tmp_path / "proj" / "sub")
         result = cli("baseline", stages.float, stages.quantized, "--json")
         assert result.code == 0, result.err
         import torch
 
-        expected = float(torch.load(stages.data)[1][0])
+        expected = float(torch.load(stages.data)[1][0]) + 1
         assert json.loads(result.out)["rows"][0]["float"] == expected
