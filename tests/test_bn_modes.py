@@ -392,3 +392,39 @@ def test_user_model_is_never_modified(mode):
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(x), out)
+
+
+def test_reverse_fold_with_a_zero_gamma_stays_finite_and_outputs_beta(make_resnet, images):
+    """gamma = 0 makes f = 0: the forward must not compute 0 / 0 (torch's old ConvBn2d bug).
+    The channel's BN output is beta, in every point mode, in training too, and after folding."""
+    import torch
+
+    from qdebug.engine import QConfig, absorb_bn, calibrate, prepare, set_mode
+
+    float_model = make_resnet(0)
+    with torch.no_grad():
+        float_model.layer1[0].bn1.weight[2] = 0.0
+    x = images(4, seed=3)
+    model = prepare(float_model, QConfig(), mode="with_bn_reverse_fold", example_inputs=x)
+    bn = model.get_submodule("layer1.0.bn1")
+    seen = {}
+    bn.register_forward_hook(lambda m, a, out: seen.__setitem__("bn1", out.detach().clone()))
+    with torch.no_grad():
+        expected = float_model(x)
+        got = model.eval()(x)  # every point in float
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert torch.equal(seen["bn1"][:, 2], torch.full_like(seen["bn1"][:, 2], float(bn.bias[2].detach())))
+    calibrate(model, [images(8, seed=s) for s in (10, 11)])
+    set_mode(model, "fake")
+    model.train()
+    out = model(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+        absorb_bn(model)
+        after = model(x)
+    assert torch.isfinite(after).all() and torch.allclose(before, after, atol=1e-5)

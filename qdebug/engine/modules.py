@@ -13,7 +13,8 @@ Conv-BN (seed 003), with f = gamma / sqrt(running_var + eps):
   training).  Folding later re-quantizes W f with a new scale: a real change.
 - ``reverse_fold``: y = conv(x, fq(W f)) / f + b, then the real BN -- the scheme of
   ``torch.ao.nn.intrinsic.qat.ConvBn2d``.  The weight scale already sees W f, so
-  folding (``absorb``) leaves the eval output unchanged.
+  folding (``absorb``) leaves the eval output unchanged.  A channel with gamma = 0
+  (f = 0) divides by 1 instead: its conv output is 0, and the BN outputs beta.
 
 In the quantized stage (``stage = "quantized"``) the forward is integer: see
 ``qdebug.engine.integer``.
@@ -147,7 +148,10 @@ class _QWeighted(nn.Module):
         if f is not None:
             out_shape = [1] * x.dim()
             out_shape[self.out_channel_axis] = -1
-            y = self._op(x, w, None) / f.reshape(out_shape)
+            # A channel with gamma = 0 has f = 0: its weight W f is 0, so its conv output is 0,
+            # and 0 / 0 would be NaN.  Dividing it by 1 keeps the 0, and the BN after it outputs
+            # gamma (...) + beta = beta exactly, as the folded layer (W' = 0, b' = beta) does.
+            y = self._op(x, w, None) / torch.where(f == 0, torch.ones_like(f), f).reshape(out_shape)
             if self.bias is not None:
                 y = y + self.bias.reshape(out_shape)
             return y

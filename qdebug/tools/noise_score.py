@@ -102,7 +102,8 @@ def noise_scores(model: nn.Module, batches: Sequence[Any], names: Sequence[str],
                     grad = layer.weight.grad
                     if layer.bn_mode == "reverse_fold" and layer.bn is not None:
                         shape = [-1] + [1] * (grad.dim() - 1)
-                        grad = grad / bn_scale_factor(layer.bn).reshape(shape)
+                        f = bn_scale_factor(layer.bn)
+                        grad = grad / torch.where(f == 0, torch.ones_like(f), f).reshape(shape)
                     scores[name] += float((grad.double() ** 2 * (quantized - y).double() ** 2).sum())
     finally:
         model.zero_grad(set_to_none=True)
