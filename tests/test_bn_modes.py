@@ -428,3 +428,50 @@ def test_reverse_fold_with_a_zero_gamma_stays_finite_and_outputs_beta(make_resne
         absorb_bn(model)
         after = model(x)
     assert torch.isfinite(after).all() and torch.allclose(before, after, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["with_bn", "with_bn_reverse_fold"])
+def test_frozen_bn_statistics_keep_the_eval_output_through_training_steps(make_resnet, images, mode):
+    """lr = 0: only BN's running statistics can move the eval output; frozen, they do not."""
+    import copy
+
+    import torch
+
+    from qdebug.engine import FreezeBN, calibrate, freeze_bn_stats, prepare
+    from qdebug.engine import QConfig
+
+    model = calibrate(prepare(make_resnet(0), QConfig(), mode=mode, example_inputs=images(4, seed=1)),
+                      [images(8, seed=s) for s in (10, 11)])
+    x = images(4, seed=3)
+
+    def eval_after_steps(net):
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        net.train()
+        for step in range(8):
+            loss = net(images(4, seed=40 + step)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        net.eval()
+        with torch.no_grad():
+            return net(x)
+
+    with torch.no_grad():
+        before = model.eval()(x)
+    drifting = eval_after_steps(copy.deepcopy(model))
+    assert not torch.allclose(drifting, before)  # running statistics moved on 4-image batches
+    frozen = copy.deepcopy(model)
+    names = freeze_bn_stats(frozen)
+    assert "layer1.0.bn1" in names
+    assert torch.equal(eval_after_steps(frozen), before)
+    assert not frozen.get_submodule("layer1.0.bn1").training  # train() keeps frozen BN in eval mode
+    freeze_bn_stats(frozen, freeze=False)
+    frozen.train()
+    assert frozen.get_submodule("layer1.0.bn1").training
+    # The step callback: nothing before its step, every BN from it on.
+    later = copy.deepcopy(model)
+    callback = FreezeBN(modules=[["layer1"]], step_or_epoch=[3])
+    assert callback(later, 2) == [] and callback(later, 3) == ["layer1.0.bn1", "layer1.0.bn2"]
+    assert callback(later, 4) == []
+    later.train()
+    assert not later.get_submodule("layer1.0.bn1").training and later.get_submodule("layer2.0.bn1").training

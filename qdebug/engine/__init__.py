@@ -1,10 +1,11 @@
 """qdebug's embedded quantization engine: no files, no terminal, just modules.
 
-    from qdebug.engine import QuantSpec, QConfig, prepare, calibrate, set_mode, quant_points, convert, absorb_bn, FuseBN
+    from qdebug.engine import QuantSpec, QConfig, prepare, calibrate, set_mode, quant_points, convert, absorb_bn, FuseBN,
+        FreezeBN, freeze_bn_stats
 """
 
 from qdebug.engine.convert import convert
-from qdebug.engine.fusebn import FuseBN
+from qdebug.engine.fusebn import FreezeBN, FuseBN, freeze_bn_stats
 from qdebug.engine.prepare import (
     absorb_bn, calibrate, engine_state, is_prepared, prepare, quant_points, refresh_weight_qparams, set_mode,
 )
@@ -20,6 +21,8 @@ __all__ = [
     "convert",
     "absorb_bn",
     "FuseBN",
+    "FreezeBN",
+    "freeze_bn_stats",
     "engine_state",
     "is_prepared",
     "refresh_weight_qparams",
