@@ -87,3 +87,29 @@ def test_integer_stage_runs_the_integer_kernel_through_the_padding():
     assert float((y_int - y_fake).abs().max()) <= step * (1 + 1e-4)
     codes = y_int / step
     assert float((codes - torch.round(codes)).abs().max()) < 1e-3 and not math.isnan(float(codes.sum()))
+
+
+def test_a_bias_free_subclass_under_reverse_fold_keeps_its_missing_bias():
+    """The weight/bias stand-ins must leave a bias-free conv bias-free (its None bias is a
+    plain attribute the stand-in replaces for the call), in a BN mode that calls the
+    layer's own forward without a bias."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = SamePadConv(3, 8, 3, 2)
+            self.conv.bias = None
+            self.bn = nn.BatchNorm2d(8)
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.bn(self.conv(x)))
+
+    net = Block().eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    prepared = prepare(net, QConfig(), mode="with_bn_reverse_fold", example_inputs=x)
+    with torch.no_grad():
+        first, second = prepared(x), prepared(x)
+    assert torch.allclose(first, net(x), atol=1e-5) and torch.equal(first, second)
+    assert prepared.get_submodule("conv").bias is None

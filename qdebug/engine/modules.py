@@ -283,12 +283,18 @@ class QConv(_QWeighted):
         # Instance attributes shadow the parameters (nn.Module looks those up only when
         # normal lookup fails): the layer's own forward reads the weight we give it.
         shadow = self.__dict__
+        missing = object()
+        saved = {key: shadow.get(key, missing) for key in ("weight", "bias")}  # a None bias lives here already
         shadow["weight"] = weight.to(x.dtype)
         shadow["bias"] = bias.to(x.dtype) if bias is not None else None
         try:
             return self._own_forward(self, x)
         finally:
-            del shadow["weight"], shadow["bias"]
+            for key, value in saved.items():
+                if value is missing:
+                    shadow.pop(key, None)
+                else:
+                    shadow[key] = value
 
     def extra_repr(self) -> str:
         return (
