@@ -49,53 +49,29 @@ import copy
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from qdebug.engine import QConfig, calibrate, prepare
 from qdebug.engine.modules import QConv, QLinear
 from qdebug.tools.compare import compare
 from qdebug.zoo import ResNet
+from workload import calibrated, maxrss_mb, peak_rss_mb, proc_mb, random_batches, resnet18
 
 LABELS = ("float", "calibrated")
 BN_WARMUP_FORWARDS = 4
 
 
 # -- models and data --------------------------------------------------------------------------
-def random_batches(n: int, batch: int, size: int, seed: int) -> Iterator[torch.Tensor]:
-    """``n`` batches, each made when asked for (nothing kept)."""
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        yield torch.randn(batch, 3, size, size, generator=gen)
-
-
 def build_models(batch: int, size: int, mode: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
-    model = ResNet()
-    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    for bn in bns:
-        bn.momentum = None  # cumulative average of the warm-up batches
-    model.train()
-    with torch.no_grad():
-        for x in random_batches(BN_WARMUP_FORWARDS, max(batch, 2), size, seed + 1):  # train-mode BN needs 2
-            model(x)
-    for bn in bns:
-        bn.momentum = 0.1
-    model.eval()
-    example = next(random_batches(1, 2, size, seed + 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrated = prepare(model, QConfig(), mode=mode, example_inputs=example)
-        calibrate(calibrated, random_batches(2, batch, size, seed + 3))
-    return model, calibrated.eval()
+    model = resnet18(batch, size, seed, BN_WARMUP_FORWARDS)
+    return model, calibrated(model, batch, size, seed, mode=mode)
 
 
 # -- the three things measured ----------------------------------------------------------------
@@ -196,31 +172,6 @@ def alternate(fns: dict[str, tuple[Callable[[], object], Callable[[object], None
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _proc_mb(path: str, field: str) -> float | None:
-    """A ``field:  N kB`` line of a /proc file, in MB (None where /proc lacks it)."""
-    try:
-        with open(path) as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS: VmHWM where /proc has it, else ru_maxrss.  (Linux keeps ru_maxrss
-    across fork and execve, so a child's ru_maxrss is at least its parent's RSS when it was
-    spawned; VmHWM belongs to the child's own address space.  ``main`` also spawns the
-    children before it grows, so both agree.)"""
-    hwm = _proc_mb("/proc/self/status", "VmHWM")
-    return maxrss_mb() if hwm is None else hwm
-
-
-def maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
 def output_mb_per_batch(batch: int, size: int) -> float:
     """MB of all leaf-module outputs of one forward of both models: what NS stores per batch."""
     model, total = ResNet().eval(), [0]
@@ -234,7 +185,7 @@ def output_mb_per_batch(batch: int, size: int) -> float:
 
 
 def mem_available_mb() -> float | None:
-    return _proc_mb("/proc/meminfo", "MemAvailable")
+    return proc_mb("/proc/meminfo", "MemAvailable")
 
 
 # -- subprocess children for peak RSS ----------------------------------------------------------

@@ -46,20 +46,18 @@ import cProfile
 import json
 import os
 import pstats
-import resource
 import subprocess
 import sys
 import time
-import warnings
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 
-from qdebug.engine import QConfig, calibrate, prepare, quant_points
+from qdebug.engine import quant_points
 from qdebug.engine.context import run_model
 from qdebug.tools.experiment import Experiment, Trial
-from qdebug.zoo import ResNet
+from qdebug.tools.step import Units
+from workload import calibrated, maxrss_mb, peak_rss_mb, random_batches, resnet18
 
 TIME_TARGET = 0.7
 MEM_TARGET = 0.10  # net peak-RSS growth, as a share of the smaller run's peak
@@ -67,42 +65,17 @@ BN_WARMUP_FORWARDS = 3
 
 
 # -- model, data, trials ------------------------------------------------------------------------
-def random_batches(n: int, batch: int, size: int, seed: int) -> Iterator[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        yield torch.randn(batch, 3, size, size, generator=gen)
-
-
 def build_prepared(batch: int, size: int, seed: int) -> nn.Module:
     """ResNet-18 with realistic BN statistics, prepared (fuse_bn) and calibrated: all points fake."""
-    torch.manual_seed(seed)
-    model = ResNet()
-    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    for bn in bns:
-        bn.momentum = None  # cumulative average of the warm-up batches
-    model.train()
-    with torch.no_grad():
-        for x in random_batches(BN_WARMUP_FORWARDS, max(batch, 2), size, seed + 1):
-            model(x)
-    for bn in bns:
-        bn.momentum = 0.1
-    model.eval()
-    example = next(random_batches(1, 2, size, seed + 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = prepare(model, QConfig(), mode="fuse_bn", example_inputs=example)
-        calibrate(prepared, random_batches(2, batch, size, seed + 3))
-    return prepared.eval()
+    return calibrated(resnet18(batch, size, seed, BN_WARMUP_FORWARDS), batch, size, seed)
 
 
 def depth_trials(prepared: nn.Module, depth: int = 2) -> list[Trial]:
-    """The "all" trial, then every unit at ``depth`` alone, in execution order (module docstring)."""
-    points = [(name, p) for name, p in quant_points(prepared).items() if p.mode == "fake"]
-    units: dict[str, list[str]] = {}
-    for name, point in points:
-        path = point.owner if point.kind == "weight" else name.split("#")[0]
-        units.setdefault(".".join(path.split(".")[:depth]), []).append(name)
-    everything = Trial(frozenset(name for name, _ in points), {"selection": "*", "mode": "all"})
+    """The "all" trial, then every unit at ``depth`` alone, in execution order: the units
+    ``qdebug step --auto --depth 2`` runs (``qdebug.tools.step.Units``)."""
+    points = [name for name, p in quant_points(prepared).items() if p.mode == "fake"]
+    units = Units(prepared, points).group(points, depth)
+    everything = Trial(frozenset(points), {"selection": "*", "mode": "all"})
     return [everything] + [Trial(frozenset(names), {"selection": unit, "mode": "auto"}) for unit, names in units.items()]
 
 
@@ -122,26 +95,6 @@ def batches_mb(n: int, batch: int, size: int) -> float:
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def _proc_mb(path: str, field: str) -> float | None:
-    try:
-        with open(path) as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def maxrss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
-def peak_rss_mb() -> float:
-    hwm = _proc_mb("/proc/self/status", "VmHWM")
-    return maxrss_mb() if hwm is None else hwm
-
-
 def child(args: argparse.Namespace) -> None:
     prepared = build_prepared(args.batch_size, args.mem_size, args.seed)
     trials = depth_trials(prepared)

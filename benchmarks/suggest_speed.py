@@ -63,18 +63,16 @@ import math
 import os
 import sys
 import time
-import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 import qdebug.tools.suggest as suggest_module
-from qdebug.engine import QConfig, calibrate, prepare
 from qdebug.engine.context import run_model
 from qdebug.tools.experiment import Experiment, Trial
 from qdebug.tools.suggest import candidates, diagnoses_of, suggest
-from qdebug.zoo.resnet import ResNet
+from workload import calibrated, random_batches, resnet18
 
 BN_WARMUP_FORWARDS = 3
 DEFECT = (("layer1.0.conv2", "weight"), ("layer1.0.relu", "activation"))
@@ -83,26 +81,9 @@ SCALE = 64.0
 
 
 # -- model, data --------------------------------------------------------------------------------
-def random_batches(n: int, batch: int, size: int, seed: int) -> Iterator[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        yield torch.randn(batch, 3, size, size, generator=gen)
-
-
 def build_float(size: int, batch: int, channel: int, seed: int, plant: bool = True) -> nn.Module:
     """ResNet-18 with BN statistics from random data, then (``plant``) the outlier channel."""
-    torch.manual_seed(seed)
-    model = ResNet()
-    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    for bn in bns:
-        bn.momentum = None  # cumulative average of the warm-up batches
-    model.train()
-    with torch.no_grad():
-        for x in random_batches(BN_WARMUP_FORWARDS, max(batch, 2), size, seed + 1):
-            model(x)
-    for bn in bns:
-        bn.momentum = 0.1
-    model.eval()
+    model = resnet18(batch, size, seed, BN_WARMUP_FORWARDS)
     if not plant:
         return model
     with torch.no_grad():  # function-preserving: ReLU(64 a) / 64 = ReLU(a)
@@ -114,12 +95,7 @@ def build_float(size: int, batch: int, channel: int, seed: int, plant: bool = Tr
 
 
 def build_prepared(float_model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    example = next(random_batches(1, 2, args.size, args.seed + 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = prepare(float_model, QConfig(), mode="fuse_bn", example_inputs=example)
-        calibrate(prepared, random_batches(args.calib_batches, args.batch_size, args.size, args.seed + 3))
-    return prepared.eval()
+    return calibrated(float_model, args.batch_size, args.size, args.seed, batches=args.calib_batches)
 
 
 def check_function_preserved(float_model: nn.Module, args: argparse.Namespace) -> float:

@@ -1,0 +1,76 @@
+"""What the benchmarks share: seeded ResNet-18 workloads, and peak memory readings.
+
+The scripts in this folder run as ``python benchmarks/<script>.py``, so this module
+is importable by its plain name from them.
+"""
+
+from __future__ import annotations
+
+import resource
+import warnings
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine import QConfig, calibrate, prepare
+from qdebug.zoo import ResNet
+
+
+def random_batches(n: int, batch: int, size: int, seed: int) -> Iterator[torch.Tensor]:
+    """``n`` seeded batches of 3 x size x size images, each made when asked for (nothing kept)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        yield torch.randn(batch, 3, size, size, generator=gen)
+
+
+def resnet18(batch: int, size: int, seed: int, warmups: int) -> nn.Module:
+    """ResNet-18 (seeded weights) whose BN statistics are the average of ``warmups`` train-mode
+    forwards on random data, in eval mode: realistic, non-trivial BN folding."""
+    torch.manual_seed(seed)
+    model = ResNet()
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for bn in bns:
+        bn.momentum = None  # cumulative average of the warm-up batches
+    model.train()
+    with torch.no_grad():
+        for x in random_batches(warmups, max(batch, 2), size, seed + 1):  # train-mode BN needs 2 samples
+            model(x)
+    for bn in bns:
+        bn.momentum = 0.1
+    return model.eval()
+
+
+def calibrated(model: nn.Module, batch: int, size: int, seed: int, *, mode: str = "fuse_bn",
+               batches: int = 2) -> nn.Module:
+    """``model`` prepared with the default QConfig and calibrated on ``batches`` random batches."""
+    example = next(random_batches(1, 2, size, seed + 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(model, QConfig(), mode=mode, example_inputs=example)
+        calibrate(prepared, random_batches(batches, batch, size, seed + 3))
+    return prepared.eval()
+
+
+def proc_mb(path: str, field: str) -> float | None:
+    """A ``field:  N kB`` line of a /proc file, in MB (None where /proc lacks it)."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM where /proc has it, else ru_maxrss.  (Linux keeps ru_maxrss
+    across fork and execve, so a child's ru_maxrss is at least its parent's RSS when it was
+    spawned; VmHWM belongs to the child's own address space.)"""
+    hwm = proc_mb("/proc/self/status", "VmHWM")
+    return maxrss_mb() if hwm is None else hwm
