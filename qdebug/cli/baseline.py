@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from qdebug.cli.app import app
+from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, ratio_in_force, task_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, err_console,
     load_checkpoint, resolve_batches, writable_file,
@@ -48,20 +49,6 @@ def _rename(values: dict, task: str) -> dict:
     return {task: values["metric"]} if list(values) == ["metric"] else values
 
 
-def task_rules(metric_fn, default_ratio: float, ratio_given: bool):
-    from qdebug.metrics import metric_direction
-    from qdebug.tools.baseline import TaskRule
-
-    """Baseline's rule per task: the config's [tasks] entries, and "metric" for a single-number metric."""
-    cfg_tasks = STATE.config().get("tasks") or {}
-    default_direction = metric_direction(metric_fn) if metric_fn is not None else "higher"
-    rules = {"metric": TaskRule(default_direction, default_ratio)}
-    for task, entry in cfg_tasks.items():
-        rules[task] = TaskRule(entry.get("direction", default_direction),
-                               default_ratio if ratio_given else float(entry.get("ratio", default_ratio)))
-    return rules
-
-
 def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: Optional[int]):
     """The verdict table: one row per task; the verdict stays in view at any width."""
     from qdebug.report.table import render_table
@@ -88,13 +75,11 @@ def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: 
 )
 def baseline(
     checkpoints: Optional[list[str]] = typer.Argument(None, metavar="FLOAT QUANT", hidden=True),
-    metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
-                                         help="Metric: top1, top5, mse, agreement or package.module:function."),
+    metric: Optional[str] = METRIC_OPTION,
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help="Evaluation data. " + DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
-    ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
-                                          help="Required quantized/float ratio (default 0.99, or the config's)."),
+    ratio: Optional[float] = RATIO_OPTION,
     direction: Optional[str] = typer.Option(None, "--direction", metavar="higher|lower",
                                             help="Which way is better, for a single-number metric."),
     float_metric: Optional[float] = typer.Option(None, "--float-metric", metavar="X", help="Precomputed float metric (no evaluation)."),
@@ -114,14 +99,13 @@ def baseline(
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
     check_counts(batches, batch_size)
-    if ratio is not None and not 0 < ratio <= 1.5:  # before minutes of evaluation, not after
-        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    check_ratio(ratio)
     if confidence is not None and not 0.5 <= confidence < 1:
         raise QDebugError(f"--confidence {confidence:g} must be in [0.5, 1)", "e.g. --confidence 0.95")
     if junit is not None:
         writable_file(junit)
     cfg = STATE.config()
-    default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
+    default_ratio = ratio_in_force(ratio)
     if direction not in (None, "higher", "lower"):
         raise QDebugError(f"--direction {direction!r} must be higher or lower", "e.g. --direction lower for an error metric")
     precomputed = [v is not None for v in (float_metric, quant_metric)] + [v is not None for v in (float_json, quant_json)]

@@ -10,6 +10,7 @@ import typer
 
 from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
+from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, model_errors,
     progress_bar, resolve_batches,
@@ -119,13 +120,11 @@ def step(
     depth: int = typer.Option(1, "--depth", metavar="N", help="Module depth for --auto and --cumulative (1: top level)."),
     kind: str = typer.Option("both", "--kind", metavar="weight|activation|both",
                              help="Which of the selection's quant points to switch."),
-    metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
-                                         help="Metric: top1, top5, mse, agreement or package.module:function."),
+    metric: Optional[str] = METRIC_OPTION,
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
-    ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
-                                          help="Required metric ratio to float (default 0.99, or the config's)."),
+    ratio: Optional[float] = RATIO_OPTION,
     sort: Optional[str] = typer.Option(None, "--sort", metavar="COLUMN", help="Sort rows by a column, worst first."),
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -145,8 +144,7 @@ def step(
         raise QDebugError(f"--kind {kind!r} must be weight, activation or both", "e.g. --kind weight")
     if depth < 1:
         raise QDebugError(f"--depth must be >= 1, got {depth}", "--depth 1 is the model's top-level modules")
-    if ratio is not None and not 0 < ratio <= 1.5:
-        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    check_ratio(ratio)
     check_counts(batches, batch_size)
     given = list(checkpoints or [])
     paths = checkpoint_paths(given, "step")
@@ -159,7 +157,6 @@ def step(
         raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(sortable)}")
     out = prepare_out(out)
 
-    from qdebug.cli.baseline import task_rules
     from qdebug.metrics import resolve_metric
     from qdebug.tools.step import check_selection, step as run_step
 
@@ -168,10 +165,7 @@ def step(
     net, info, reference = found.model, found.info, found.reference
     check_selection(net, modules)
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
-    default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
-    rules = task_rules(metric_fn, default_ratio, ratio is not None)
-    task = spec.rsplit(":", 1)[-1] if spec else "metric"
-    rules.setdefault(task, rules["metric"])
+    task, default_ratio, rules = metric_rules(spec, metric_fn, ratio)
     with progress_bar("stepping", None) as advance, model_errors("stepping", batch_list[0]):
         result = run_step(net, batch_list, reference=reference, modules=modules, mode=mode, depth=depth, kind=kind,
                           metric=metric_fn, metric_name=task, rules=rules,

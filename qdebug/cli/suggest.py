@@ -10,6 +10,7 @@ import typer
 
 from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
+from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, model_errors,
     progress_bar, resolve_batches, writable_file,
@@ -113,12 +114,10 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
 )
 def suggest(
     checkpoints: Optional[List[str]] = typer.Argument(None, metavar="[FLOAT] CHECKPOINT", hidden=True),
-    metric: Optional[str] = typer.Option(None, "--metric", metavar="NAME",
-                                         help="Metric: top1, top5, mse, agreement or package.module:function."),
+    metric: Optional[str] = METRIC_OPTION,
     min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", metavar="DB",
                                              help="Without a metric: the output SQNR to reach (default 30)."),
-    ratio: Optional[float] = typer.Option(None, "--ratio", metavar="R",
-                                          help="Required metric ratio to float (default 0.99, or the config's)."),
+    ratio: Optional[float] = RATIO_OPTION,
     bits: int = typer.Option(16, "--bits", metavar="N", help="The width to raise points to (default 16)."),
     rank: str = typer.Option("exact", "--rank", metavar="exact|fast",
                              help="exact: each candidate alone; fast: gradient-weighted noise, one backward per batch."),
@@ -140,8 +139,7 @@ def suggest(
     fmt = output_format(fmt, as_json)
     if not 2 <= bits <= 16:
         raise QDebugError(f"--bits must be in [2, 16], got {bits}", "e.g. --bits 16")
-    if ratio is not None and not 0 < ratio <= 1.5:
-        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    check_ratio(ratio)
     if rank not in ("exact", "fast"):
         raise QDebugError(f"--rank {rank!r} must be exact or fast", "e.g. --rank fast")
     if not 0.5 <= confidence < 1:
@@ -162,17 +160,13 @@ def suggest(
         writable_file(output, create=False)  # created only when a plan is written to it
     out = prepare_out(out)
 
-    from qdebug.cli.baseline import task_rules
     from qdebug.metrics import resolve_metric
     from qdebug.tools.suggest import DEFAULT_MIN_SQNR, diagnoses_of, suggest as run_suggest
 
     metric_fn = resolve_metric(spec) if spec else None
     found = load_against_float(paths, model=model, unsafe=unsafe_load, command="suggest")
     batch_list = resolve_batches(data, batches, found.info, batch_size=batch_size)
-    default_ratio = ratio if ratio is not None else float(cfg.get("ratio", 0.99))
-    rules = task_rules(metric_fn, default_ratio, ratio is not None)
-    task = spec.rsplit(":", 1)[-1] if spec else "metric"
-    rules.setdefault(task, rules["metric"])
+    task, default_ratio, rules = metric_rules(spec, metric_fn, ratio)
     def diagnoses() -> dict[str, str]:  # compare's, asked for only when the model needs a plan
         return diagnoses_of(found.reference, found.model, batch_list)
 
