@@ -55,15 +55,7 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
     ref, warning = choose_reference(stages, ref, names=labels)
     if warning:
         warnings.warn(f"qdebug.compare: {warning}", stacklevel=2)
-    if isinstance(data, str):
-        batch_list: list[Batch] = load_batches(data, batch_size=batch_size, batches=batches)
-    elif data is not None:
-        batch_list = [to_batch(b) for b in data][:batches]
-    else:
-        info = loaded[ref][2]
-        if info is None or info.sample_inputs is None:
-            raise QDebugError("no data given and the reference has no sample inputs", "pass data=...")
-        batch_list = batches_from_inputs(info.sample_inputs)
+    batch_list = _batches(data, batches, batch_size, loaded[ref][2], "the reference")
     result = run([(label, m) for label, (_, m, _) in zip(labels, loaded)], batch_list, ref=ref,
                  thresholds=thresholds, isolated=isolated, kl_feature_maps=kl_feature_maps)
     frame = result.frame
@@ -82,21 +74,13 @@ def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_
     function ``metric(model, batches)``.  ``frame.attrs["summary"]`` and ``["meta"]``
     (``drill_path``, ``culprit``) hold the rest.
     """
-    from qdebug.metrics import resolve_metric
     from qdebug.tools.baseline import TaskRule
     from qdebug.tools.step import step as run
 
-    if not 1 <= len(checkpoints) <= 2:
-        raise QDebugError(f"step takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
-    loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
-    _, model, info = loaded[-1]
-    reference = loaded[0][1] if len(loaded) == 2 else None
-    batch_list = _batches(data, batches, batch_size, info)
-    metric_fn = resolve_metric(metric) if metric is not None else None
-    name = (metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric"))
+    reference, model, batch_list, metric_fn, name = _against_float("step", checkpoints, data, batches, batch_size, metric)
     modules = [module] if isinstance(module, str) else list(module)
-    result = run(model, batch_list, reference=reference, modules=modules, mode=mode or ("only" if modules else "auto"), depth=depth, kind=kind, metric=metric_fn, metric_name=name,
-                 rules={"metric": TaskRule(ratio=ratio)})
+    result = run(model, batch_list, reference=reference, modules=modules, mode=mode or ("only" if modules else "auto"),
+                 depth=depth, kind=kind, metric=metric_fn, metric_name=name, rules={"metric": TaskRule(ratio=ratio)})
     frame = result.frame
     frame.attrs["summary"] = result.summary
     frame.attrs["meta"] = result.meta
@@ -111,18 +95,11 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
     ``before``, ``after``, ``passed``, ``evaluations``, ``overrides``), ``["summary"]`` and
     ``["meta"]`` the rest.
     """
-    from qdebug.metrics import resolve_metric
     from qdebug.tools.baseline import TaskRule
     from qdebug.tools.suggest import diagnoses_of, suggest as run
 
-    if not 1 <= len(checkpoints) <= 2:
-        raise QDebugError(f"suggest takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
-    loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
-    _, model, info = loaded[-1]
-    reference = loaded[0][1] if len(loaded) == 2 else None
-    batch_list = _batches(data, batches, batch_size, info)
-    metric_fn = resolve_metric(metric) if metric is not None else None
-    name = metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric")
+    reference, model, batch_list, metric_fn, name = _against_float("suggest", checkpoints, data, batches, batch_size,
+                                                                  metric)
     result = run(model, batch_list, reference=reference, metric=metric_fn, metric_name=name,
                  rules={"metric": TaskRule(ratio=ratio)}, min_sqnr=min_sqnr, bits=bits,
                  diagnoses=lambda: diagnoses_of(reference, model, batch_list))
@@ -132,12 +109,30 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
     return frame
 
 
-def _batches(data: Any, batches: int | None, batch_size: int | None, info: Any) -> list[Batch]:
-    """``data`` as batches: a data spec string, a list of batches, or None for the checkpoint's samples."""
+def _against_float(command: str, checkpoints: tuple, data: Any, batches: int | None, batch_size: int | None,
+                   metric: Any) -> tuple[nn.Module | None, nn.Module, list[Batch], Any, str]:
+    """``[float,] model`` loaded, their batches, and the metric resolved with its task name
+    (a single-number metric's task is named after it, as on the command line)."""
+    from qdebug.metrics import resolve_metric
+
+    if not 1 <= len(checkpoints) <= 2:
+        raise QDebugError(f"{command} takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
+    loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
+    _, model, info = loaded[-1]
+    reference = loaded[0][1] if len(loaded) == 2 else None
+    metric_fn = resolve_metric(metric) if metric is not None else None
+    name = metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric")
+    return reference, model, _batches(data, batches, batch_size, info), metric_fn, name
+
+
+def _batches(data: Any, batches: int | None, batch_size: int | None, info: Any,
+             whose: str = "the checkpoint") -> list[Batch]:
+    """``data`` as batches: a data spec string, a list of batches, or None for the sample
+    inputs stored in ``whose`` checkpoint (``info``)."""
     if isinstance(data, str):
         return load_batches(data, batch_size=batch_size, batches=batches)
     if data is not None:
         return [to_batch(b) for b in data][:batches]
     if info is None or info.sample_inputs is None:
-        raise QDebugError("no data given and the checkpoint has no sample inputs", "pass data=...")
+        raise QDebugError(f"no data given and {whose} has no sample inputs", "pass data=...")
     return batches_from_inputs(info.sample_inputs)
