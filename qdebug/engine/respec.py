@@ -23,7 +23,7 @@ point)}, points)`` puts such qparams in for a while (same undo).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -65,27 +65,42 @@ def _layers_by_weight_point(model: nn.Module) -> dict[str, _QWeighted]:
     return {m.weight_point.name: m for m in model.modules() if isinstance(m, _QWeighted) and m.weight_point is not None}
 
 
-def set_qparams(model: nn.Module, qparams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-                points: Mapping[str, QuantPoint]) -> Respec:
-    """Give the named points these qparams (a recalibrated range) until ``restore()``."""
+def _point(points: Mapping[str, QuantPoint], name: str) -> QuantPoint:
+    point = points.get(name)
+    if point is None:
+        raise QDebugError(f"no quant point {name!r}", "qdebug inspect lists the points")
+    return point
+
+
+def _change(model: nn.Module, names: Iterable[str], points: Mapping[str, QuantPoint],
+            change: Callable[[QuantPoint, _QWeighted | None], None]) -> Respec:
+    """Apply ``change(point, its layer)`` to each named point, remembering what to put back;
+    the cached fake-quantized weight and a quantized layer's integer codes are dropped so
+    they follow.  Anything raising restores what was changed so far."""
     undo = Respec()
+    names = [_point(points, name).name for name in names]
+    if not names:
+        return undo
     layers = _layers_by_weight_point(model)
     try:
-        for name, (scale, zero_point) in qparams.items():
-            point = points.get(name)
-            if point is None:
-                raise QDebugError(f"no quant point {name!r}", "qdebug inspect lists the points")
+        for name in names:
+            point, layer = points[name], layers.get(name)
             undo.saved.append((point, point.spec, point.observer, point.scale.detach().clone(),
                                point.zero_point.clone(), point._cache_key))
-            point.set_qparams(scale, zero_point)
+            change(point, layer)
             point._fq_cache = None
-            layer = layers.get(name)
             if layer is not None and getattr(layer, "stage", "fake") == "quantized":
                 undo.codes.append((layer, layer._buffers.pop("weight_int", None)))
     except Exception:
         undo.restore()
         raise
     return undo
+
+
+def set_qparams(model: nn.Module, qparams: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                points: Mapping[str, QuantPoint]) -> Respec:
+    """Give the named points these qparams (a recalibrated range) until ``restore()``."""
+    return _change(model, qparams, points, lambda point, _: point.set_qparams(*qparams[point.name]))
 
 
 def observed_qparams(model: nn.Module, names: list[str], spec_changes: Mapping[str, Any], batches: list,
@@ -125,43 +140,27 @@ def qparams_with_spec(point: QuantPoint) -> tuple[torch.Tensor, torch.Tensor]:
 
 def raise_bits(model: nn.Module, bits: Mapping[str, int], points: Mapping[str, QuantPoint]) -> Respec:
     """Set each named point to ``bits`` (see module docstring); returns the undo."""
-    undo = Respec()
-    if not bits:
-        return undo
-    layers = _layers_by_weight_point(model)
-    try:
-        for name, width in bits.items():
-            point = points.get(name)
-            if point is None:
-                raise QDebugError(f"no quant point {name!r}", "qdebug inspect lists the points")
-            if width == point.spec.bits:
-                continue
-            undo.saved.append((point, point.spec, point.observer, point.scale.detach().clone(),
-                               point.zero_point.clone(), point._cache_key))
-            spec = point.spec.replace(bits=width)
-            layer = layers.get(name)
-            learned = spec.learnable_scale and point.initialized
-            if point.kind == "weight" and layer is not None and not point.frozen and not learned:
-                observer = make_observer(spec)
-                point.spec, point.observer = spec, observer
-                weight, key = layer.quantized_input_weight()
-                point.compute_from(weight.detach())
-                point._cache_key = key
-            else:
-                observer = make_observer(spec)
-                old = point.observer
-                if getattr(old, "initialized", False) and not learned:
-                    for key, value in old.named_buffers(recurse=False):  # shapes may differ from a fresh one's
-                        observer._buffers[key] = value.clone()
-                    scale, zero_point = observer.calculate_qparams()
-                else:
-                    scale, zero_point = qparams_from_range(*_grid_range(point), spec)
-                point.spec, point.observer = spec, observer
-                point.set_qparams(scale, zero_point)
-            point._fq_cache = None
-            if layer is not None and getattr(layer, "stage", "fake") == "quantized":
-                undo.codes.append((layer, layer._buffers.pop("weight_int", None)))
-    except Exception:
-        undo.restore()
-        raise
-    return undo
+    changing = [name for name, width in bits.items() if _point(points, name).spec.bits != width]
+    return _change(model, changing, points, lambda point, layer: _set_width(point, layer, bits[point.name]))
+
+
+def _set_width(point: QuantPoint, layer: _QWeighted | None, width: int) -> None:
+    """The point at ``width``, with the qparams calibration at that width would give it."""
+    spec = point.spec.replace(bits=width)
+    learned = spec.learnable_scale and point.initialized
+    observer = make_observer(spec)
+    if point.kind == "weight" and layer is not None and not point.frozen and not learned:
+        point.spec, point.observer = spec, observer
+        weight, key = layer.quantized_input_weight()
+        point.compute_from(weight.detach())
+        point._cache_key = key
+        return
+    old = point.observer
+    if getattr(old, "initialized", False) and not learned:
+        for key, value in old.named_buffers(recurse=False):  # shapes may differ from a fresh one's
+            observer._buffers[key] = value.clone()
+        scale, zero_point = observer.calculate_qparams()
+    else:
+        scale, zero_point = qparams_from_range(*_grid_range(point), spec)
+    point.spec, point.observer = spec, observer
+    point.set_qparams(scale, zero_point)
