@@ -193,6 +193,21 @@ class TrialResult:
     row: dict[str, Any] = field(default_factory=dict)  # what the calling tool derives from it
     samples: dict[str, torch.Tensor] = field(default_factory=dict)  # task -> per-sample scores (keep_samples)
 
+    @property
+    def worst_sqnr_db(self) -> float:
+        """The lowest output SQNR (NaN counts as lowest, and is kept); NaN without outputs."""
+        return worst(o["sqnr_db"] for o in self.outputs.values())
+
+
+def nan_low(value: float | None) -> float:
+    """A sort key where a missing or NaN measure is the worst: -inf."""
+    return -math.inf if value is None or math.isnan(value) else value
+
+
+def worst(values: Iterable[float]) -> float:
+    """The lowest of ``values`` with NaN counted lowest (and returned as it is); NaN when empty."""
+    return min(values, default=math.nan, key=nan_low)
+
 
 class Experiment:
     """Trials on one prepared ``model`` against the float outputs (see module docstring).
@@ -227,6 +242,7 @@ class Experiment:
         self.macs: dict[str, int] = {}
         self.sizes: dict[str, int] = {}  # call -> output values per sample
         self.params, self._other_params = self._parameters()
+        self.samples = sum(_samples_in(b) for b in self.batches)  # the batches' first dimension, summed
         self.call_order: list[str] = []  # the base run's calls, in execution order
         self._acting_calls = self._calls_acted_on()
         self._done = 0
@@ -509,6 +525,11 @@ class Experiment:
         seen.update(id(p) for p in points.parameters()) if points is not None else None
         other = sum(p.numel() for p in self.model.parameters() if id(p) not in seen)
         return params, other
+
+
+def _samples_in(batch: Any) -> int:
+    found = tensors_in(getattr(batch, "inputs", batch))
+    return int(found[0].shape[0]) if found and found[0].dim() else 1
 
 
 def _clone(obj: Any) -> Any:

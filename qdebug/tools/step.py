@@ -48,7 +48,7 @@ from qdebug.engine.prepare import name_matches
 from qdebug.errors import QDebugError
 from qdebug.metrics import Metric
 from qdebug.tools.baseline import TaskRule
-from qdebug.tools.experiment import Experiment, Trial, TrialResult
+from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low, worst
 
 MODES = ("only", "except", "auto", "cumulative", "drill")
 SMALL_EVAL = 1000  # below this many samples the summary says how coarse the metric is
@@ -146,11 +146,8 @@ def _worst(done: Sequence[TrialResult], tolerance: float) -> TrialResult:
 
 def _score(result: TrialResult) -> tuple[float, float]:
     """Sort key, lower is worse: (lowest task score, lowest output SQNR); NaN counts as worst."""
-    def clean(v: float) -> float:
-        return -math.inf if v is None or math.isnan(v) else v
-
-    sqnr = min((clean(o["sqnr_db"]) for o in result.outputs.values()), default=math.inf)
-    ratio = min((clean(v) for k, v in result.row.items() if k.endswith("_ratio")), default=math.inf)
+    sqnr = nan_low(result.worst_sqnr_db) if result.outputs else math.inf
+    ratio = min((nan_low(v) for k, v in result.row.items() if k.endswith("_ratio")), default=math.inf)
     return ratio, sqnr
 
 
@@ -177,7 +174,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         raise QDebugError("the model has no quantized point to step through",
                           "give a calibrated, QAT or quantized checkpoint (qdebug inspect shows its points)")
     units = Units(model, experiment.quantizable)
-    samples = sum(_samples(b) for b in experiment.batches)
+    samples = experiment.samples
     tolerance = 1.0 / samples if metric is not None and samples else 0.0  # one sample, as a share of the score
     rules = dict(rules or {})
     selected = units.select(modules) if modules else list(units.points)
@@ -277,20 +274,13 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         "drill_path": drill_path,
         "culprit": _culprit_meta(culprit, split, experiment, own, results) if culprit is not None else None,
         "served_calls": sum(r.served_calls for r in results),
-        "floor_sqnr_db": min((o["sqnr_db"] for o in experiment.floor.values()), key=_nan_low) if experiment.floor else None,
+        "floor_sqnr_db": worst(o["sqnr_db"] for o in experiment.floor.values()) if experiment.floor else None,
         "reference": "float model" if reference is not None else "the model with every point in float",
         "samples": samples,
         "passed": (bool(frame.iloc[0]["verdict"] == "pass") if metric is not None and "verdict" in frame
                    and frame.iloc[0]["mode"] == "all" else None),
     }
     return StepResult(frame, meta, summarize(frame, meta))
-
-
-def _samples(batch: Any) -> int:
-    from qdebug.engine.ops import tensors_in
-
-    found = tensors_in(getattr(batch, "inputs", batch))
-    return int(found[0].shape[0]) if found and found[0].dim() else 1
 
 
 def _row(index: int, result: TrialResult, experiment: Experiment) -> dict[str, Any]:
@@ -301,8 +291,8 @@ def _row(index: int, result: TrialResult, experiment: Experiment) -> dict[str, A
     row.update(selection=info.pop("selection"), mode=info.pop("mode"), kind=info.pop("kind"), **info)
     row.update(points=result.points, macs_share=result.macs_share, params_share=result.params_share)
     outputs = result.outputs
-    row["sqnr_db"] = min((o["sqnr_db"] for o in outputs.values()), default=math.nan, key=_nan_low)
-    row["cosine"] = min((o["cosine"] for o in outputs.values()), default=math.nan, key=_nan_low)
+    row["sqnr_db"] = result.worst_sqnr_db
+    row["cosine"] = worst(o["cosine"] for o in outputs.values())
     if len(outputs) > 1:
         for name, values in outputs.items():
             row[f"{name}_sqnr_db"], row[f"{name}_cosine"] = values["sqnr_db"], values["cosine"]
@@ -310,10 +300,6 @@ def _row(index: int, result: TrialResult, experiment: Experiment) -> dict[str, A
         if key not in row:
             row[key] = value
     return row
-
-
-def _nan_low(v: float) -> float:
-    return -math.inf if v is None or math.isnan(v) else v
 
 
 def _costliest(done: list[TrialResult], *, cumulative: bool, tolerance: float) -> TrialResult:
@@ -344,7 +330,7 @@ def _noise(sqnr: float) -> float:
 
 def _path_entry(result: TrialResult, experiment: Experiment) -> dict[str, Any]:
     entry: dict[str, Any] = {"selection": result.trial.info["selection"], "kind": result.trial.info["kind"],
-                             "sqnr_db": min((o["sqnr_db"] for o in result.outputs.values()), key=_nan_low)}
+                             "sqnr_db": result.worst_sqnr_db}
     for task, value in result.metric.items():
         f = (experiment.float_metric or {}).get(task)
         entry[f"{task}_delta"] = value - f if f is not None else math.nan
@@ -358,12 +344,11 @@ def _culprit_meta(culprit: TrialResult, split: list[TrialResult] | None, experim
     if culprit.trial.info.get("mode") == "cumulative":
         index = results.index(culprit)
         before = results[index - 1] if index > 1 else None  # results[0] is the whole model
-        found["before_sqnr_db"] = (min((o["sqnr_db"] for o in before.outputs.values()), key=_nan_low)
-                                   if before is not None else math.inf)
+        found["before_sqnr_db"] = before.worst_sqnr_db if before is not None else math.inf
     if split:
-        w, a = (min((o["sqnr_db"] for o in r.outputs.values()), key=_nan_low) for r in split)
+        w, a = (r.worst_sqnr_db for r in split)
         found.update(weights_sqnr_db=w, activations_sqnr_db=a,
-                     loss_in="weights" if _nan_low(w) < _nan_low(a) else "activations")
+                     loss_in="weights" if nan_low(w) < nan_low(a) else "activations")
     return found
 
 
@@ -379,7 +364,7 @@ def _delta(entry: Mapping[str, Any], samples: int | None = None) -> str:
     deltas = [(k[:-6], v) for k, v in entry.items() if k.endswith("_delta")]
     if not deltas:
         return _db(entry["sqnr_db"])
-    task, d = min(deltas, key=lambda kv: _nan_low(kv[1]))
+    task, d = min(deltas, key=lambda kv: nan_low(kv[1]))
     if math.isnan(d) or abs(d) > 1:
         return f"{d:+.3g}"
     text = f"{d * 100:+.1f} pts" if abs(d) >= 0.001 or d == 0 else f"{d * 100:+.2f} pts"
@@ -415,7 +400,7 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     lines.append(f"all quantized: {_db(whole['sqnr_db'])} output SQNR" + (f"; {scores} ({whole['verdict']})" if scores else ""))
     floor = meta.get("floor_sqnr_db")
     # Said when it matters next to the quantization loss (not BN folding's ~150 dB rounding).
-    if floor is not None and not math.isinf(floor) and floor < _nan_low(whole["sqnr_db"]) + 20:
+    if floor is not None and not math.isinf(floor) and floor < nan_low(whole["sqnr_db"]) + 20:
         lines.append(f"nothing quantized: {_db(floor)} vs float (the checkpoint's weights differ from float)")
     if meta["mode"] == "except":
         row = frame.iloc[1]

@@ -46,7 +46,7 @@ from qdebug.engine import engine_state
 from qdebug.errors import QDebugError
 from qdebug.metrics import Metric
 from qdebug.tools.baseline import TaskRule
-from qdebug.tools.experiment import Experiment, Trial, TrialResult
+from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low
 
 DEFAULT_MIN_SQNR = 30.0
 RANKS = ("exact", "fast")
@@ -153,7 +153,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     everything = frozenset(experiment.quantizable)
     whole = Trial(everything, {"label": "as loaded"})
     found = candidates(model, experiment.quantizable, bits)
-    samples = sum(_samples(b) for b in experiment.batches)
+    samples = experiment.samples
 
     def meets(result: TrialResult) -> bool:
         if metric is not None:
@@ -187,7 +187,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
             task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
             gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
         tolerance = 1.0 / samples if metric is not None and samples else 0.0
-        gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -_clean(g[1])))
+        gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -nan_low(g[1])))
     elif not done:
         from qdebug.tools.noise_score import noise_scores
 
@@ -309,19 +309,9 @@ def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], Tr
     return plan
 
 
-def _samples(batch: Any) -> int:
-    from qdebug.engine.ops import tensors_in
-
-    found = tensors_in(getattr(batch, "inputs", batch))
-    return int(found[0].shape[0]) if found and found[0].dim() else 1
-
-
-def _clean(v: float) -> float:
-    return -math.inf if v is None or math.isnan(v) else v
-
-
 def _sqnr(result: TrialResult) -> float:
-    return min((_clean(o["sqnr_db"]) for o in result.outputs.values()), default=math.nan)
+    """The lowest output SQNR, NaN as -inf: a value to compare with a target."""
+    return nan_low(result.worst_sqnr_db)
 
 
 def _bucket(gain: float, tolerance: float) -> float:
