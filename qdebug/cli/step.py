@@ -83,10 +83,10 @@ def _next_command(meta: dict, given: list[str], paths: list[str], options: str) 
         return (f"drill into {culprit['selection']}, down to the layer",
                 f"{again} --drill --module {shlex.quote(culprit['selection'])}{options}")
     return (f"the smallest verified int16 fix ({culprit['selection']} first in line; a clipping range gets "
-            "recalibration instead)", f"qdebug suggest {' '.join(map(shlex.quote, paths))}{_without_sort(options)}")
+            "recalibration instead)", f"qdebug suggest {' '.join(map(shlex.quote, paths))}{_suggest_options(options)}")
 
 
-def _without_sort(options: str) -> str:
+def _suggest_options(options: str) -> str:
     """``options`` as suggest takes them (the data, metric and ratio; no step-only option)."""
     parts = options.split(" --")
     return "".join(" --" + p for p in parts[1:] if p.startswith(("metric ", "ratio ", "data ", "batches ", "batch-size ")))

@@ -235,8 +235,8 @@ class Experiment:
         self.float_samples: dict[str, torch.Tensor] = {}  # task -> the float model's per-sample scores
         # The reference's outputs per batch, kept after the first run (model outputs only).
         self._references: list[Any] | None = None
-        # Output SQNR/cosine of the model with every point in float against ``reference``: the
-        # best any trial can do (below inf when the weights differ from float: QAT, BN folded).
+        # Output SQNR/cosine of the model with every point in float against ``reference``:
+        # below inf when its own weights differ from float (QAT, BN folded).
         self.floor: dict[str, dict[str, float]] = {}
         self._float_outputs: list[Any] = []  # for a metric evaluated on stored outputs
         self.macs: dict[str, int] = {}
