@@ -7,6 +7,8 @@ Python API (the CLI is a thin layer over the same functions):
     qdebug.save(model, "calibrated.pt", stage="calibrated")
     frame = qdebug.compare("float.pt", "qat.pt", data="eval.pt")   # per-layer DataFrame
     steps = qdebug.step("float.pt", "calibrated.pt", mode="drill", metric="top1", data="eval.pt")
+    with qdebug.nan_trace(model) as trace:       # your own loop: raises qdebug.NonFiniteError at the first NaN/Inf
+        ...; trace.step(loss)
 
 ``import qdebug`` is cheap: torch and pandas load when one of these names is first used.
 """
@@ -17,9 +19,10 @@ from importlib import import_module
 
 from qdebug.errors import QDebugError
 
-_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api", "suggest": "qdebug.api"}
+_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api",
+         "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch"}
 
-__all__ = ["load", "save", "compare", "step", "suggest", "QDebugError", "__version__"]
+__all__ = ["load", "save", "compare", "step", "suggest", "nan_trace", "NonFiniteError", "QDebugError", "__version__"]
 
 
 def _version() -> str:

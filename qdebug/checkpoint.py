@@ -35,6 +35,7 @@ import torch.nn as nn
 import qdebug
 from qdebug.atomic import atomic_path
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
+from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.prepare import POINTS_ATTR, refresh_weight_qparams
 from qdebug.errors import QDebugError
@@ -96,6 +97,7 @@ def save(
         "plan": None,
         "absorbed": [],
         "points": {},
+        "frozen_bn": frozen_bn_paths(model),
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "sample_inputs": sample_inputs,
         "meta": {
@@ -251,10 +253,22 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
             point.observe_in_fake = bool(attrs.get("observe_in_fake", False))
             point.alpha = float(attrs.get("alpha", 1.0))
             point.forget_cached()
+    _refreeze_bn(net, obj.get("frozen_bn"))
     info = CheckpointInfo(
         path, stage, spec, qconfig, obj.get("qat_mode"), obj.get("sample_inputs"), dict(obj.get("meta") or {})
     )
     return net.eval(), info
+
+
+def _refreeze_bn(net: nn.Module, paths: Any) -> None:
+    """Freeze again the BatchNorm statistics that were frozen when the model was saved
+    (paths that name no BatchNorm of this model are ignored: the state check names real mismatches)."""
+    if not isinstance(paths, list):
+        return
+    modules = dict(net.named_modules())
+    for path in paths:
+        if isinstance(path, str) and isinstance(modules.get(path), nn.modules.batchnorm._BatchNorm):
+            freeze_bn_stats(net, path)
 
 
 def _make_integer_buffers(net: nn.Module, state: dict) -> None:

@@ -475,3 +475,19 @@ def test_frozen_bn_statistics_keep_the_eval_output_through_training_steps(make_r
     assert callback(later, 4) == []
     later.train()
     assert not later.get_submodule("layer1.0.bn1").training and later.get_submodule("layer2.0.bn1").training
+
+
+def test_checkpoints_keep_bn_statistics_frozen(tmp_path, make_resnet, images):
+    """A QAT checkpoint saved with frozen BN statistics resumes with them frozen; the others train."""
+    import qdebug
+    from qdebug.engine import freeze_bn_stats
+
+    x = images()
+    qm = prepare(make_resnet(), QConfig(), mode="with_bn_reverse_fold", example_inputs=x)
+    calibrate(qm, [x])
+    freeze_bn_stats(qm, "layer1")
+    qdebug.save(qm, tmp_path / "qat.pt", stage="qat")
+    loaded, _ = qdebug.load(tmp_path / "qat.pt")
+    loaded.train()
+    assert not loaded.layer1[0].bn1.training and not loaded.layer1[0].bn2.training
+    assert loaded.layer2[0].bn1.training

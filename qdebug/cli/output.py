@@ -46,6 +46,7 @@ class Report:
     tables: dict[str, "pd.DataFrame"] = field(default_factory=dict)  # e.g. inspect's "checks"
     files: list[Path] = field(default_factory=list)  # written by the command itself (plots)
     json_extra: dict[str, Any] = field(default_factory=dict)  # further top-level JSON values (suggest's plan)
+    rows_key: str = "rows"  # the JSON key of ``frame``'s records (nan-trace's "timeline")
 
 
 def output_format(fmt: Optional[str], as_json: bool) -> str:
@@ -100,10 +101,11 @@ def emit(report: Report, fmt: str, out: Optional[Path], render: Callable[[], Non
         for name, frame in report.tables.items():
             written.append(write_csv(out / f"{report.command}_{name}.csv", frame))
         extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
-        written.append(write_json(out / f"{report.command}.json", report.frame, report.meta, **extra))
+        written.append(write_json(out / f"{report.command}.json", report.frame, report.meta, rows_key=report.rows_key,
+                                  **extra))
     if fmt == "json":
         extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
-        _stdout(to_json(report.frame, report.meta, **extra))
+        _stdout(to_json(report.frame, report.meta, rows_key=report.rows_key, **extra))
     elif fmt == "csv":
         _stdout(report.frame.to_csv(index=False).rstrip("\n"))
     else:

@@ -107,6 +107,12 @@ class FuseBN(_AtCount):
         return self.applied
 
 
+def frozen_bn_paths(model: nn.Module) -> list[str]:
+    """The paths of the BatchNorm layers ``freeze_bn_stats`` froze (checkpoints keep them frozen)."""
+    return [path for path, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and "train" in module.__dict__]
+
+
 class FreezeBN(_AtCount):
     """Freeze the BN statistics of each group at its step (``freeze_bn_stats``)."""
 

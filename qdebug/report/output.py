@@ -37,15 +37,16 @@ def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return [_clean(r) for r in rows]
 
 
-def to_json(frame: pd.DataFrame, meta: dict[str, Any], **extra: Any) -> str:
-    payload = {"meta": _clean(meta), "rows": records(frame)}
+def to_json(frame: pd.DataFrame, meta: dict[str, Any], *, rows_key: str = "rows", **extra: Any) -> str:
+    payload = {"meta": _clean(meta), rows_key: records(frame)}
     payload.update({k: _clean(v) for k, v in extra.items()})
     return json.dumps(payload, indent=2)
 
 
-def write_json(path: str | Path, frame: pd.DataFrame, meta: dict[str, Any], **extra: Any) -> Path:
+def write_json(path: str | Path, frame: pd.DataFrame, meta: dict[str, Any], *, rows_key: str = "rows",
+               **extra: Any) -> Path:
     with atomic_open(path, "w") as fh:
-        fh.write(to_json(frame, meta, **extra) + "\n")
+        fh.write(to_json(frame, meta, rows_key=rows_key, **extra) + "\n")
     return Path(path)
 
 

@@ -154,3 +154,34 @@ def _save(fig, path: str | Path) -> Path:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def plot_nan_timeline(frame: pd.DataFrame, path: str | Path, *, first: dict | None) -> Path:
+    """The steps before the first non-finite value: loss, largest |weight| and gradient norm on
+    log scales, the worst activation point's saturation; the failing step marked in red."""
+    panels = [("loss", "loss"), ("max_abs_weight", "max |weight|"), ("grad_norm", "gradient norm"),
+              ("worst_saturation", "worst saturation")]
+    panels = [(c, label) for c, label in panels if c in frame and frame[c].notna().any()]
+    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(7, 1.9 * max(len(panels), 1) + 0.6), sharex=True,
+                             squeeze=False)
+    steps = list(frame["step"]) if len(frame) else []
+    for ax, (column, label) in zip(axes[:, 0], panels):
+        values = _finite(frame[column])
+        ax.plot(steps, values, marker="." if len(steps) < 60 else None, linewidth=1)
+        positive = [v for v in values if v == v and v > 0]
+        if column != "worst_saturation" and positive and max(positive) / min(positive) > 100:
+            ax.set_yscale("log")
+        if column == "worst_saturation":
+            ax.set_ylim(-0.03, 1.03)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    if first is not None:
+        for ax in axes[:, 0]:
+            ax.axvline(first["step"], color="tab:red", linestyle="--", linewidth=1)
+        axes[0, 0].set_title(f"first non-finite: {first['phase']} of step {first['step']}, {first['layer']} "
+                             f"({first['cause']})", fontsize=9)
+    else:
+        axes[0, 0].set_title(f"all {len(steps)} step(s) finite", fontsize=9)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    return _save(fig, path)

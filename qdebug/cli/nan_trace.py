@@ -1,0 +1,291 @@
+"""``qdebug nan-trace``: the first NaN/Inf in forward, backward or update, at which layer and step, and why."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+from qdebug.cli.app import app
+from qdebug.cli.common import (
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, check_counts, load_checkpoint,
+    model_errors, progress_bar, resolve_batches, stage_path,
+)
+from qdebug.cli.output import (
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
+    table_width,
+)
+from qdebug.errors import QDebugError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV and JSON have them all
+BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt
+
+
+def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None, top: Optional[int] = SHOWN_STEPS):
+    from qdebug.report.table import fixed, render_table
+
+    view = frame if top is None else frame.tail(top)
+    view = view.reset_index(drop=True)
+    columns = ["step", "batch", "loss", "max_abs_weight", "grad_norm", "worst_saturation", "worst_point"]
+    formats = {"loss": fixed(4), "worst_saturation": fixed(3)}
+    shown = f"last {len(view)} of {len(frame)}" if len(view) < len(frame) else f"{len(frame)}"
+    title = f"nan-trace timeline: {shown} finite step(s) before" if meta.get("found") else \
+        f"nan-trace timeline: {shown} step(s), all finite"
+    return render_table(view, title=title, columns=columns, priority=columns, width=width, names=("worst_point",),
+                        formats=formats)
+
+
+def headline(first: dict) -> list[str]:
+    """The first event in a few lines: where, what, why, what to do."""
+    from qdebug.tools.nan_watch import Finding, counts_text
+
+    finding = Finding(**{k: v for k, v in first.items() if k in Finding.__dataclass_fields__})
+    verb = "created" if first.get("created") else "passed on"
+    what = {"output": "output", "raw_output": "output (before its quant point)", "output_grad": "gradient",
+            "param_grad": "gradient", "param": "value", "scale": "scale"}.get(first["what"], first["what"])
+    subject = first.get("tensor") or first["layer"]
+    if first["what"] == "output_grad":
+        where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
+    elif first["what"] == "param_grad":
+        where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
+    elif first["what"] == "param":
+        where = f"the optimizer's step left {subject} non-finite"
+    elif first["what"] == "scale":
+        where = f"quant point {subject} has an invalid scale"
+    elif first["layer"] == "input" and first["op"] == "input":
+        where = "the batch holds non-finite values"
+    else:
+        where = f"{first['layer']} ({first['op']}) {verb} a non-finite {what}"
+    lines = [f"FIRST NON-FINITE: {first['phase']} of step {first['step']}, batch {first['batch']}: {where}"]
+    facts = [counts_text(finding)]
+    if first.get("numel") and first["what"] != "scale":
+        facts[0] += f" of {first['numel']} values ({first['dtype']} {first['shape']})"
+    if first.get("point"):
+        facts.append(f"quant point {first['point']}")
+    if first.get("samples"):
+        facts.append(f"samples {', '.join(map(str, first['samples']))}")
+    lines.append("  " + "; ".join(facts))
+    lines.append(f"  cause: {first['cause']}: {first['detail']}")
+    lines.append(f"  fix: {first['fix']}")
+    return lines
+
+
+def float_check_line(check: dict | None, found: bool) -> str:
+    """What the float check says about blame, given whether the traced run went non-finite."""
+    if check is None:
+        return ""
+    how = "" if check.get("model") == "plain" else f" ({check.get('model')})"
+    if check["finite"]:
+        verdict = "quantization is to blame" if found else "as the traced model does"
+        return f"float check{how}: the float model stays finite over the same {check['steps']} step(s): {verdict}"
+    f = check["first"]
+    verdict = "not quantization's fault" if found else "only the float model does"
+    return (f"float check{how}: the float model goes non-finite too ({f['phase']} of step {f['step']}, "
+            f"{f['layer']}): {verdict}")
+
+
+def _trainer(spec: Optional[str]):
+    """The user's ``--train package.module:function`` (their trusted code), wrapped so that its
+    own errors become one clear line."""
+    if not spec:
+        return None
+    from qdebug.modelspec import resolve
+    from qdebug.tools.nan_watch import NonFiniteError
+    from qdebug.usercode import first_line, where_raised
+
+    fn = resolve(spec, from_user=True, what="train function")
+    if not callable(fn):
+        raise QDebugError(f"--train {spec} is not callable", "name a function: def step(model, batch): ... return loss")
+
+    def train(model, batch):
+        try:
+            return fn(model, batch)
+        except (QDebugError, NonFiniteError):
+            raise
+        except Exception as exc:
+            where = where_raised(exc)
+            raise QDebugError(f"the --train function {spec} raised {type(exc).__name__}: {first_line(exc)}"
+                              + (f", at {where}" if where else ""),
+                              "it is called as function(model, batch) and returns the loss; --debug shows the "
+                              "traceback") from exc
+    return train
+
+
+def _float_model(net, info, float_path: Optional[str], model: Optional[str], unsafe: bool):
+    """The plain float architecture with the checkpoint's weights (``--float`` names another
+    architecture, e.g. the float class of a user's own QAT module)."""
+    from qdebug.tools.nan_trace import plain_float_model
+
+    spec = info.model
+    if float_path:
+        _, float_info = load_checkpoint(float_path, model=model, unsafe=unsafe, command="nan-trace")
+        if float_info.stage != "float":
+            raise QDebugError(f"--float {float_path} is a {float_info.stage} checkpoint", "give the float checkpoint")
+        spec = float_info.model
+    return plain_float_model(net, spec)
+
+
+def _bundle(info) -> dict:
+    found = (info.meta or {}).get(BUNDLE_KEY)
+    return found if isinstance(found, dict) else {}
+
+
+@app.command(
+    "nan-trace",
+    short_help="The first NaN/Inf in forward, backward or update: which layer, which step, and why.",
+    help=(
+        "Train CHECKPOINT step by step (or, with --steps 0, run it forward) on --data until the first "
+        "non-finite value: in the forward (every layer and inline op, quant points included), the backward "
+        "(each layer's gradient, each parameter's), the optimizer's update, or a scale. Reports the phase, "
+        "step, batch, samples, layer, op, quant point, NaN/Inf counts, whether the layer created the value, "
+        "its cause and a fix, and the timeline of the steps before. The checkpoint's stage decides the modes "
+        "(qat: as saved; calibrated: frozen scales). Exit code 1 when a non-finite value was found.\n\n"
+        "Example: qdebug nan-trace fixtures/demo/qat.pt --data fixtures/demo/eval.pt --steps 20 --lr 0.01\n\n"
+        "Example: qdebug nan-trace fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt --steps 0\n\n"
+        "Example: qdebug nan-trace qat.pt --data train.pt --train mypkg.train:step --float-check --out nan-out"
+    ),
+)
+def nan_trace(
+    checkpoint: Optional[str] = typer.Argument(None, metavar="CHECKPOINT", show_default=False),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
+    steps: int = typer.Option(100, "--steps", metavar="N", help="Training steps (0: forward passes only, one per batch)."),
+    lr: Optional[float] = typer.Option(None, "--lr", metavar="LR", help="Learning rate (default 0.01)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", metavar="sgd|adam",
+                                            help="The optimizer (default sgd, momentum 0.9)."),
+    loss: Optional[str] = typer.Option(None, "--loss", metavar="auto|ce|mse|distill",
+                                       help="auto: cross-entropy for class targets, MSE for float targets, "
+                                            "distillation to the float-mode output without targets."),
+    train: Optional[str] = typer.Option(None, "--train", metavar="PKG.MODULE:FUNCTION",
+                                        help="Your training step, called as function(model, batch) -> loss."),
+    seed: Optional[int] = typer.Option(None, "--seed", metavar="N", help="Seed of the run (default 0)."),
+    float_check: bool = typer.Option(False, "--float-check",
+                                     help="Run the same steps on the plain float architecture: is quantization "
+                                          "to blame at all?"),
+    float_path: Optional[str] = typer.Option(None, "--float", metavar="FLOAT.pt",
+                                             help="For --float-check: the float checkpoint whose architecture to "
+                                                  "use (default: the checkpoint's own)."),
+    batches: Optional[int] = BATCHES_OPTION,
+    batch_size: Optional[int] = BATCH_SIZE_OPTION,
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
+    model: Optional[str] = MODEL_OPTION,
+    unsafe_load: bool = UNSAFE_LOAD_OPTION,
+) -> None:
+    fmt = output_format(fmt, as_json)
+    if steps < 0:
+        raise QDebugError(f"--steps must be >= 0, got {steps}", "e.g. --steps 500, or --steps 0 for forward passes")
+    if lr is not None and not (lr >= 0 and lr < float("inf")):
+        raise QDebugError(f"--lr must be a finite number >= 0, got {lr}", "e.g. --lr 0.01")
+    if optimizer is not None and optimizer not in ("sgd", "adam"):
+        raise QDebugError(f"--optimizer {optimizer!r} is not sgd or adam", "e.g. --optimizer adam")
+    if loss is not None and loss not in ("auto", "ce", "mse", "distill"):
+        raise QDebugError(f"--loss {loss!r} is not one of auto, ce, mse, distill", "e.g. --loss mse")
+    if train and loss is not None:
+        raise QDebugError("--train computes the loss itself: --loss does not apply", "give one of --train and --loss")
+    if float_path and not float_check:
+        raise QDebugError("--float only names the architecture of --float-check", "add --float-check")
+    check_counts(batches, batch_size)
+    path = stage_path(checkpoint, "qat", "calibrated", "float", what="")
+    out = prepare_out(out)
+    trainer = _trainer(train)
+
+    from qdebug.tools.nan_trace import trace_steps
+
+    net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, command="nan-trace")
+    if info.stage == "quantized" and steps:
+        raise QDebugError(f"{path} is a quantized checkpoint: integer kernels have no gradients to train",
+                          "trace it with --steps 0, or train the qat (or calibrated) checkpoint")
+    bundle = _bundle(info)
+    settings = {"optimizer": optimizer or bundle.get("optimizer") or "sgd",
+                "lr": lr if lr is not None else float(bundle.get("lr", 0.01)),
+                "loss": loss or bundle.get("loss") or "auto",
+                "seed": seed if seed is not None else int(bundle.get("seed", 0))}
+    if settings["loss"] == "train":  # a bundle made by --train: the function must be given again
+        if trainer is None:
+            raise QDebugError(f"{path} was traced with a --train function", "give the same --train again")
+        settings["loss"] = "auto"
+    batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
+    float_net, float_kind = _float_model(net, info, float_path, model, unsafe_load) if float_check else (None, "")
+    total = steps or len(batch_list)
+    with progress_bar("tracing", total) as advance, model_errors("tracing", batch_list[0]):
+        result = trace_steps(net, batch_list, steps=steps, loss=settings["loss"], optimizer=settings["optimizer"],
+                             lr=settings["lr"], seed=settings["seed"], train=trainer,
+                             optimizer_state=bundle.get("optimizer_state"), rng_state=bundle.get("rng_state"),
+                             float_model=float_net, float_kind=float_kind, progress=lambda n, t: advance(n, t))
+    first = result.first
+    meta = {**result.meta, "checkpoint": path, "stage": info.stage, "found": first is not None,
+            "steps_run": result.steps_run, "train": train}
+    files: list[Path] = []
+    repro = ""
+    if out is not None:
+        from qdebug.report.plots import plot_nan_timeline
+
+        if first is not None:
+            files += _write_bundle(out, net, info, result, settings, train)
+            repro = _repro_command(out, steps, train, model)
+        files.append(plot_nan_timeline(result.frame, out / "nan_trace.png", first=first))
+    meta["repro"] = repro
+    extra: dict[str, Any] = {"first": first, "float_check": result.float_check}
+
+    def render() -> None:
+        if first is not None:
+            for line in headline(first):
+                say(line)
+        else:
+            what = f"{result.steps_run} step(s)" if steps else f"{result.steps_run} forward pass(es)"
+            say(f"all finite: {what} without a NaN or Inf (forward{', backward and update' if steps else ''})")
+        line = float_check_line(result.float_check, first is not None)
+        if line:
+            say(line)
+        if repro:
+            say(f"repro: {repro}")
+        elif first is not None:
+            say("repro: add --out DIR to write the failing batch and the model before the step")
+        say("")
+        if len(result.frame):
+            print_table(render_timeline(result.frame, meta, width=table_width(wide), top=None if wide else SHOWN_STEPS))
+
+    emit(Report("nan_trace", result.frame, meta, files=files, json_extra=extra, rows_key="timeline"), fmt, out, render)
+    if first is not None:
+        raise typer.Exit(1)
+
+
+def _write_bundle(out: Path, net, info, result, settings: dict, train: Optional[str]) -> list[Path]:
+    """``before.pt`` (the model, optimizer and RNG state before the failing step) and
+    ``batch.pt`` (the failing batch): ``--steps 1`` on them reproduces the event."""
+    import torch
+
+    from qdebug.atomic import atomic_path
+    from qdebug.checkpoint import save
+
+    snapshot, batch = result.snapshot, result.failing_batch
+    net.load_state_dict(snapshot.model_state)
+    bundle = {"optimizer": settings["optimizer"], "lr": settings["lr"],
+              "loss": "train" if train else settings["loss"], "seed": settings["seed"],
+              "step": snapshot.step, "batch": snapshot.batch, "rng_state": snapshot.rng_state}
+    if snapshot.optimizer_state is not None and result.meta.get("steps"):
+        bundle["optimizer_state"] = snapshot.optimizer_state
+    stage = info.stage
+    before = save(net, out / "before.pt", stage=stage, model_spec=info.model, meta={BUNDLE_KEY: bundle})
+    data = [(batch.inputs, batch.target)] if batch.target is not None else [batch.inputs]
+    with atomic_path(out / "batch.pt") as tmp:
+        torch.save(data, tmp)
+    return [before, out / "batch.pt"]
+
+
+def _repro_command(out: Path, steps: int, train: Optional[str], model: Optional[str]) -> str:
+    """The command that replays the failing step alone (the bundle holds the optimizer, lr and loss)."""
+    parts = ["qdebug nan-trace", shlex.quote(str(out / "before.pt")), "--data", shlex.quote(str(out / "batch.pt")),
+             "--steps", "1" if steps else "0"]
+    if train:
+        parts += ["--train", shlex.quote(train)]
+    if model:
+        parts += ["--model", shlex.quote(model)]
+    return " ".join(parts)

@@ -1,0 +1,362 @@
+"""Why the first non-finite value appeared: one cause per finding, each from a documented rule.
+
+``diagnose(finding, evidence)`` tries the rules below in order and returns the first
+that holds as ``Diagnosis(cause, detail, fix)`` (docs/nan_trace.md lists the same rules):
+
+1. ``input``: the batch itself holds NaN/Inf (which samples).
+2. ``weights``: a parameter was already non-finite when the step began (as loaded, or
+   since the update of an earlier step).
+3. ``scale``: a quant point's scale is NaN, Inf, <= 0 or subnormal, or its zero point
+   is off its integer range (an observer's update, a learned scale driven <= 0, or as
+   loaded).
+4. ``bn_variance``: a BatchNorm in the failing call's module has a negative or NaN
+   running_var (sqrt(var + eps) is NaN).
+5. ``bn_zero_weight``: the failing call divides, and a BatchNorm in its module has
+   gamma = 0 channels: a forward dividing by the BN factor gamma / sqrt(var + eps)
+   computes 0 / 0 there (torch's old ConvBn2d bug).
+6. ``range_collapse`` (seed 000): in the steps before, an activation point clipped
+   more than ``SATURATED`` of its input in most steps while the largest weight of the
+   layers feeding it grew at least ``GROWTH`` times: a range far below the data's,
+   compensated by ever larger weights until something overflows.
+7. ``gradient_explosion``: the gradient norm grew at least ``GROWTH`` times over the
+   last steps, step over step, before the value appeared: the growth per step, the
+   layer whose gradient grew most, and the lr.
+8. ``op_domain``: a forward op with a restricted domain (log, sqrt, rsqrt, div, pow,
+   reciprocal, acos, ...) created the value from finite inputs outside that domain.
+9. ``backward_op``: a finite forward whose backward created the value (sqrt at 0: an
+   infinite derivative).
+10. ``overflow``: finite inputs, an output beyond the dtype's range (fp16's 65504
+    under autocast, an optimizer update past float32's 3.4e38).
+11. ``unknown``: none of the above holds; the finding still says where.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.tools.nan_watch import Finding, finite
+
+SATURATED = 0.9  # a point clipping more than this fraction of its input is saturated
+GROWTH = 10.0  # weights or gradient norms growing this many times is growth, not noise
+DOMAIN_OPS = {
+    "log": "x > 0", "log2": "x > 0", "log10": "x > 0", "log1p": "x > -1", "sqrt": "x >= 0", "rsqrt": "x > 0",
+    "div": "a divisor != 0", "truediv": "a divisor != 0", "rtruediv": "a divisor != 0", "true_divide": "a divisor != 0",
+    "reciprocal": "x != 0", "pow": "a non-negative base for fractional powers", "acos": "|x| <= 1",
+    "asin": "|x| <= 1", "atanh": "|x| < 1", "acosh": "x >= 1", "lgamma": "x not a non-positive integer",
+    "digamma": "x not a non-positive integer", "exp": "x small enough not to overflow",
+}
+DIVIDING = ("div", "truediv", "rtruediv", "true_divide", "reciprocal", "rsqrt")
+
+
+@dataclass
+class StepStats:
+    """One step of the timeline (the steps before a finding are its history)."""
+
+    step: int
+    batch: int
+    loss: float | None = None
+    max_abs_weight: float | None = None
+    grad_norm: float | None = None
+    worst_saturation: float | None = None
+    worst_point: str | None = None
+    weight_max: dict[str, float] = field(default_factory=dict)  # parameter -> max |w| after the step
+    grad_norms: dict[str, float] = field(default_factory=dict)  # parameter -> gradient 2-norm
+    saturation: dict[str, float] = field(default_factory=dict)  # activation point -> clipped fraction
+
+    def row(self) -> dict[str, Any]:
+        return {"step": self.step, "batch": self.batch, "loss": self.loss, "max_abs_weight": self.max_abs_weight,
+                "grad_norm": self.grad_norm, "worst_saturation": self.worst_saturation,
+                "worst_point": self.worst_point}
+
+
+@dataclass
+class Evidence:
+    """What the rules look at besides the finding."""
+
+    model: nn.Module  # in its state when the value appeared (BN statistics, scales)
+    inputs: Any = None  # the failing batch's model inputs
+    history: list[StepStats] = field(default_factory=list)  # the steps before the failing one
+    bad_at_start: list[str] = field(default_factory=list)  # parameters non-finite when the step began
+    lr: float | None = None
+    optimizer: str | None = None
+    feeding: dict[str, list[str]] = field(default_factory=dict)  # activation point -> weights of its layers
+    learned_scales: set[str] = field(default_factory=set)  # points whose scale is an nn.Parameter
+
+
+@dataclass
+class Diagnosis:
+    cause: str
+    detail: str
+    fix: str
+
+
+def evidence_for(model: nn.Module, **known: Any) -> Evidence:
+    """``Evidence`` about ``model`` plus what the caller knows; for an engine model, which
+    scales are learned and which weights feed each activation point."""
+    from qdebug.engine import engine_state, is_prepared
+
+    ev = Evidence(model, **known)
+    if is_prepared(model):
+        state = engine_state(model)
+        params = dict(model.named_parameters())
+        ev.learned_scales = {n for n, p in state.points.items() if isinstance(p.scale, nn.Parameter)}
+        for rec in state.plan.calls.values():
+            weight = f"{rec.owner}.weight"
+            if rec.output_point and rec.is_module and rec.category in ("conv", "linear") and weight in params:
+                ev.feeding.setdefault(rec.output_point, []).append(weight)
+    return ev
+
+
+def diagnose(f: Finding, ev: Evidence) -> Diagnosis:
+    for rule in (_input, _weights, _scale, _bn_variance, _bn_zero_weight, _range_collapse, _gradient_explosion,
+                 _op_domain, _backward_op, _overflow):
+        found = rule(f, ev)
+        if found is not None:
+            return found
+    return Diagnosis("unknown", f"{f.op} {'created' if f.created else 'passed on'} the value in the {f.phase}; "
+                     "no rule explains it", f"re-run the repro bundle under --debug and inspect {f.layer}")
+
+
+# -- the rules, in order ------------------------------------------------------------------
+def _input(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if f.phase != "forward":
+        return None
+    if ev.inputs is None:  # a user's loop: the model's input call is the batch
+        if f.layer != "input" or f.op != "input":
+            return None
+        shown = ", ".join(map(str, f.samples)) or "unknown"
+        return Diagnosis("input", f"the batch holds NaN/Inf (samples {shown})",
+                         "clean the data: drop those samples or replace the values (torch.nan_to_num) before the model")
+    from qdebug.engine.ops import tensors_in
+
+    bad: list[int] = []
+    for t in tensors_in(ev.inputs):
+        if torch.is_floating_point(t) and not finite(t):
+            rows = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(1) if t.dim() else torch.ones(1, dtype=torch.bool)
+            bad += [int(i) for i in rows.nonzero().reshape(-1)]
+    if not bad:
+        return None
+    samples = sorted(set(bad))
+    shown = ", ".join(map(str, samples[:16])) + (" ..." if len(samples) > 16 else "")
+    f.samples = samples[:16]
+    return Diagnosis("input", f"the batch holds NaN/Inf in {len(samples)} sample(s): {shown}",
+                     "clean the data: drop those samples or replace the values (torch.nan_to_num) before the model")
+
+
+def _weights(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if not ev.bad_at_start:
+        return None
+    name = ev.bad_at_start[0]
+    more = f" (and {len(ev.bad_at_start) - 1} more)" if len(ev.bad_at_start) > 1 else ""
+    # Every watched update is checked, so a parameter non-finite at a step's start came that way.
+    origin = "as loaded" if not ev.history else "from an update qdebug did not watch"
+    return Diagnosis("weights", f"parameter {name}{more} was already non-finite when the step began ({origin})",
+                     "restart from an earlier, finite checkpoint (and lower the lr if an update broke it)")
+
+
+def _scale(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if f.what != "scale":
+        return None
+    point = f.point or f.tensor
+    value = f"{f.value:g}" if f.value is not None else "invalid"
+    learned = point in ev.learned_scales
+    if f.phase == "observer":
+        how, fix = "its observer's update made it", (
+            "fix the observer: start its range from the first batch's min/max (never from 0), or recalibrate "
+            "(qdebug calibrate) and freeze the scales")
+    elif f.phase == "update":
+        how, fix = "the optimizer drove the learned scale there", (
+            "clamp the learned scale (e.g. scale.data.clamp_(min=1e-8) after each step) or lower the lr of the "
+            "scale parameters")
+    else:
+        how, fix = ("it was so before this step" + (" (a learned scale)" if learned else "")), (
+            "recalibrate the model (qdebug calibrate) so every point gets a positive, normal scale")
+    return Diagnosis("scale", f"quant point {point} has scale {value} (must be finite and >= {1.2e-38:g}, with its "
+                     f"zero point in range): {how}", fix)
+
+
+def _bn_modules(f: Finding, ev: Evidence) -> list[tuple[str, nn.Module]]:
+    """The BatchNorms in the module that made the failing call (for an inline op, its container)."""
+    path = f.owner
+    try:
+        scope = ev.model.get_submodule(path) if path else ev.model
+    except AttributeError:
+        return []
+    if isinstance(scope, nn.modules.batchnorm._BatchNorm):
+        return [(path, scope)]
+    return [(f"{path}.{n}" if path else n, m) for n, m in scope.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _bn_variance(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if f.phase != "forward" or not f.created:
+        return None
+    for name, bn in _bn_modules(f, ev):
+        var = getattr(bn, "running_var", None)
+        if var is None:
+            continue
+        bad = (var < 0) | ~torch.isfinite(var)
+        if bool(bad.any()):
+            channels = [int(i) for i in bad.nonzero().reshape(-1)[:8]]
+            return Diagnosis("bn_variance", f"BatchNorm {name} has a negative or NaN running_var in channel(s) "
+                             f"{channels}: sqrt(var + eps) is NaN",
+                             f"reset {name}'s running statistics (bn.reset_running_stats()) or recompute them on "
+                             "clean data, then freeze them (qdebug.engine.freeze_bn_stats)")
+    return None
+
+
+def _bn_zero_weight(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if f.phase != "forward" or not f.created or not _dividing(f.op):
+        return None
+    for name, bn in _bn_modules(f, ev):
+        gamma = getattr(bn, "weight", None)
+        if gamma is None:
+            continue
+        zero = gamma.detach() == 0
+        if bool(zero.any()):
+            channels = [int(i) for i in zero.nonzero().reshape(-1)[:8]]
+            return Diagnosis("bn_zero_weight", f"{f.layer} divides by the BN factor gamma / sqrt(var + eps) of {name}, "
+                             f"whose gamma is 0 in channel(s) {channels}: 0 / 0 = NaN",
+                             f"fold {name} with qdebug's with_bn_reverse_fold (it handles gamma = 0 exactly), or "
+                             "divide by torch.where(f == 0, 1, f) as torch's ConvBn2d does")
+    return None
+
+
+def _range_collapse(f: Finding, ev: Evidence) -> Diagnosis | None:
+    history = ev.history
+    if len(history) < 5:
+        return None
+    best = None
+    for point in history[-1].saturation:
+        values = [h.saturation.get(point) for h in history if h.saturation.get(point) is not None]
+        if len(values) < 5:
+            continue
+        saturated = sum(v > SATURATED for v in values) / len(values)
+        if saturated < 0.8:
+            continue
+        weights = ev.feeding.get(point, [])
+        growth, weight = 1.0, None
+        for w in weights:
+            first = next((h.weight_max.get(w) for h in history if h.weight_max.get(w)), None)
+            last = history[-1].weight_max.get(w)
+            if first and last is not None:
+                g = (last / first) if math.isfinite(last) else math.inf
+                if g > growth:
+                    growth, weight = g, w
+        if growth >= GROWTH and (best is None or growth > best[1]):
+            best = (point, growth, weight, values)
+    if best is None:
+        return None
+    point, growth, weight, values = best
+    mean = sum(values) / len(values)
+    return Diagnosis(
+        "range_collapse",
+        f"activation point {point} clipped {mean:.0%} of its input on average over {len(values)} steps (last "
+        f"{values[-1]:.0%}) while {weight}, feeding it, grew x{_fmt_growth(growth)}: the range is far below the "
+        "data's and the weights grow to push through it until they overflow",
+        f"fix {point}'s observer: start its range from the first batch's min/max (never from 0), recalibrate it "
+        "(qdebug calibrate), or learn the scale (estimator lsq)")
+
+
+def _gradient_explosion(f: Finding, ev: Evidence) -> Diagnosis | None:
+    norms = [h.grad_norm for h in ev.history if h.grad_norm is not None]
+    if len(norms) < 2 or f.phase == "observer":
+        return None
+    # The run of growing norms that ends at the last step.
+    start = len(norms) - 1
+    while start > 0 and norms[start - 1] > 0 and norms[start] > norms[start - 1]:
+        start -= 1
+    rising = norms[start:]
+    if len(rising) < 2 or rising[0] <= 0:
+        return None
+    growth = (rising[-1] / rising[0]) if math.isfinite(rising[-1]) else math.inf
+    if growth < GROWTH:
+        return None
+    per_step = growth ** (1 / (len(rising) - 1)) if math.isfinite(growth) else math.inf
+    layer = _fastest_growing(ev.history[-len(rising):])
+    lr = f", lr {ev.lr:g}" if ev.lr is not None else ""
+    return Diagnosis(
+        "gradient_explosion",
+        f"the gradient norm grew x{_fmt_growth(growth)} over the last {len(rising)} steps (x{per_step:.3g} per step"
+        f"{lr}){f', fastest in {layer}' if layer else ''}, until values overflowed",
+        f"lower the lr ({f'e.g. {ev.lr / 10:g}' if ev.lr else 'e.g. a tenth'}) or clip gradients "
+        "(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))")
+
+
+def _op_domain(f: Finding, ev: Evidence) -> Diagnosis | None:
+    op = _base_op(f.op)
+    if f.phase != "forward" or not f.created or op not in DOMAIN_OPS:
+        return None
+    facts = []
+    for i, x in enumerate(f.inputs):
+        if x.get("negative"):
+            facts.append(f"input {i} has {x['negative']} negative value(s) (min {x['min']:g})")
+        if x.get("zero"):
+            facts.append(f"input {i} has {x['zero']} zero(s)")
+        if x.get("max") is not None and op == "exp" and x["max"] > 88:
+            facts.append(f"input {i} reaches {x['max']:g}")
+    found = "; ".join(facts) or "its inputs are finite but outside its domain"
+    return Diagnosis("op_domain", f"{op} needs {DOMAIN_OPS[op]}: {found}",
+                     f"clamp that input (e.g. x.clamp_min(1e-6) before {op}, or add an eps), or keep the op in "
+                     "float32 outside autocast")
+
+
+def _backward_op(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if f.phase != "backward" or not f.created or f.layer == "loss":
+        return None
+    op = _base_op(f.op)
+    why = {"sqrt": "the derivative of sqrt, 1 / (2 sqrt(x)), is infinite at x = 0",
+           "rsqrt": "the derivative of rsqrt is infinite at x = 0",
+           "pow": "the derivative of a fractional power is infinite at 0",
+           "log": "the derivative of log, 1 / x, is infinite at x = 0",
+           "div": "the derivative of a / b, -a / b^2, overflows for b near 0",
+           "truediv": "the derivative of a / b, -a / b^2, overflows for b near 0"}.get(op, "its derivative overflowed "
+                                                                                     "on finite values")
+    target = "the gradient of " + (f.tensor or "its input")
+    return Diagnosis("backward_op", f"the forward of {f.layer} ({op}) was finite, but its backward created {target}: "
+                     f"{why}", "guard the op (e.g. torch.sqrt(x + 1e-12), or x.clamp_min(1e-12) before it) so its "
+                     "derivative stays finite")
+
+
+def _overflow(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if not f.created or not (f.posinf or f.neginf) and f.phase != "update":
+        return None
+    limit = {"float16": "65504", "bfloat16": "3.4e38", "float32": "3.4e38", "float64": "1.8e308"}.get(f.dtype, "")
+    where = f"{f.what.replace('_', ' ')} of {f.layer}" if f.phase != "update" else f"parameter {f.tensor}"
+    half = f.dtype in ("float16", "bfloat16")
+    return Diagnosis("overflow", f"finite inputs, but the {where} exceeds {f.dtype}'s range"
+                     f"{f' (max {limit})' if limit else ''}",
+                     ("run that op in float32 (outside torch.autocast, or x.float()) or scale its inputs down"
+                      if half else "scale the inputs or weights down, or lower the lr"))
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _base_op(op: str) -> str:
+    return op.strip("_").removesuffix("_")
+
+
+def _dividing(op: str) -> bool:
+    return _base_op(op) in DIVIDING
+
+
+def _fastest_growing(history: list[StepStats]) -> str | None:
+    if len(history) < 2:
+        return None
+    first, last = history[0].grad_norms, history[-1].grad_norms
+    best, name = 0.0, None
+    for key, value in last.items():
+        start = first.get(key)
+        if start and start > 0:
+            g = value / start if math.isfinite(value) else math.inf
+            if g > best:
+                best, name = g, key
+    return name
+
+
+def _fmt_growth(g: float) -> str:
+    return "inf" if not math.isfinite(g) else f"{g:.3g}"

@@ -1,0 +1,364 @@
+"""``nan-trace``: train (or run) a model step by step until its first non-finite value, and say why.
+
+``trace_steps(model, batches, steps=...)`` runs ``steps`` training steps (forward, loss,
+backward, optimizer step) cycling over ``batches`` -- or, with ``steps=0``, one forward
+per batch -- watching every tensor cheaply (``qdebug.tools.nan_watch``).  Before each
+step it snapshots the model, the optimizer and the RNG; when a step's cheap check
+flags a non-finite value it restores the snapshot and re-runs that step in detail, so
+the finding names the phase, the call, its quant point, the counts and whether the
+call created the value.  ``qdebug.tools.nan_causes`` then says why, from the finding
+and the timeline of the steps before.  With ``float_model`` the same steps are run on
+the plain float architecture: whether quantization is to blame at all.
+
+The loss: ``train(model, batch) -> loss`` when given (the user's code), else by the
+targets: class indices -> cross-entropy, float targets -> MSE, none -> distillation to
+the model's own output with every quant point off.  Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qdebug.data import Batch
+from qdebug.engine import engine_state, is_prepared
+from qdebug.engine.context import run_model
+from qdebug.errors import QDebugError
+from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
+from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of, finite
+
+LOSSES = ("auto", "ce", "mse", "distill")
+OPTIMIZERS = ("sgd", "adam")
+SGD_MOMENTUM = 0.9
+
+
+@dataclass
+class Snapshot:
+    """The model, optimizer and RNG just before a step: enough to run the step again."""
+
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict | None
+    rng_state: torch.Tensor
+    step: int
+    batch: int
+
+
+@dataclass
+class TraceResult:
+    first: dict | None  # the finding plus cause, detail, fix; None when every step stayed finite
+    timeline: list[StepStats]
+    steps_run: int
+    float_check: dict | None = None
+    snapshot: Snapshot | None = None  # before the failing step (for the repro bundle)
+    failing_batch: Batch | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def frame(self):
+        import pandas as pd
+
+        columns = list(StepStats(0, 0).row())
+        return pd.DataFrame([s.row() for s in self.timeline], columns=columns)
+
+
+def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer | None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise QDebugError(f"unknown optimizer {name!r}", f"choose one of {', '.join(OPTIMIZERS)}")
+
+
+@contextmanager
+def quantization_off(model: nn.Module) -> Iterator[None]:
+    """Every quant point in float mode for the duration (a plain model is left alone)."""
+    if not is_prepared(model):
+        yield
+        return
+    points = engine_state(model).points.values()
+    saved = [(p, p.mode) for p in points]
+    for p in points:
+        p.mode = "float"
+    try:
+        yield
+    finally:
+        for p, mode in saved:
+            p.mode = mode
+
+
+def compute_loss(model: nn.Module, batch: Batch, kind: str, train: Callable | None) -> torch.Tensor:
+    """The step's loss (module docstring); a clean error when the data cannot give one."""
+    if train is not None:
+        loss = train(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise QDebugError(f"the --train function returned {type(loss).__name__}, not a scalar loss tensor",
+                              "return the loss: def step(model, batch): ... return loss")
+        return loss.reshape(())
+    if kind == "distill" or (kind == "auto" and batch.target is None):
+        if not is_prepared(model):
+            raise QDebugError("no targets to train against, and a float model has no quantized output to distil",
+                              "give data with targets, or --train package.module:function")
+        with torch.no_grad(), quantization_off(model):
+            teacher = run_model(model, batch.inputs)
+        return _pairwise(run_model(model, batch.inputs), teacher, "mse")
+    if batch.target is None:
+        raise QDebugError(f"--loss {kind} needs targets, and the data has none", "give (inputs, target) data")
+    return _pairwise(run_model(model, batch.inputs), batch.target, kind)
+
+
+def _pairwise(output: Any, target: Any, kind: str) -> torch.Tensor:
+    if isinstance(output, dict) and isinstance(target, dict):
+        shared = [k for k in output if k in target]
+        if not shared:
+            raise QDebugError("the model's outputs and the targets share no key", "name targets by output key")
+        return sum(_pairwise(output[k], target[k], kind) for k in shared)
+    if isinstance(output, (tuple, list)) and isinstance(target, (tuple, list)) and len(output) == len(target):
+        return sum(_pairwise(o, t, kind) for o, t in zip(output, target))
+    if isinstance(output, (tuple, list, dict)) and kind == "mse" and isinstance(target, type(output)):
+        pass
+    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise QDebugError(f"cannot compute a loss between a {type(output).__name__} output and a "
+                          f"{type(target).__name__} target", "give --train package.module:function for this model")
+    if kind in ("auto", "ce") and not torch.is_floating_point(target):
+        if output.dim() != target.dim() + 1 or output.shape[0] != target.shape[0]:
+            raise QDebugError(f"class targets of shape {list(target.shape)} do not fit outputs of shape "
+                              f"{list(output.shape)}", "give class indices with one dimension less than the output")
+        return F.cross_entropy(output.float(), target.long())
+    if kind == "ce":
+        raise QDebugError("--loss ce needs integer class targets", "use --loss mse for float targets")
+    if output.shape != target.shape:
+        raise QDebugError(f"float targets of shape {list(target.shape)} do not match outputs of shape "
+                          f"{list(output.shape)}", "give targets shaped like the output, or --train")
+    return F.mse_loss(output.float(), target.float())
+
+
+def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str = "auto", optimizer: str = "sgd",
+                lr: float = 0.01, seed: int = 0, train: Callable | None = None,
+                optimizer_state: dict | None = None, rng_state: torch.Tensor | None = None,
+                float_model: nn.Module | None = None, float_kind: str = "plain", progress: Callable[[int, int], None] | None = None) -> TraceResult:
+    """Run ``steps`` steps (0: forward passes only) until the first non-finite value (module docstring)."""
+    if loss not in LOSSES:
+        raise QDebugError(f"unknown loss {loss!r}", f"choose one of {', '.join(LOSSES)}")
+    torch.manual_seed(seed)
+    if rng_state is not None:
+        torch.set_rng_state(rng_state)
+    run = _Run(model, batches, steps=steps, loss=loss, optimizer=optimizer, lr=lr, train=train, saturation=True)
+    if optimizer_state is not None and run.optimizer is not None:
+        try:
+            run.optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise QDebugError(f"the saved optimizer state does not fit --optimizer {optimizer}: {exc}",
+                              "use the optimizer the bundle was made with") from None
+    finding = run.go(progress)
+    result = TraceResult(None, run.history, run.steps_run, meta={
+        "steps": steps, "loss": run.loss_kind, "optimizer": optimizer if steps else None,
+        "lr": lr if steps else None, "seed": seed, "batches": len(batches)})
+    if finding is not None:
+        diagnosis = diagnose(finding, run.evidence(finding))
+        result.first = {**finding.to_dict(), "cause": diagnosis.cause, "detail": diagnosis.detail,
+                        "fix": diagnosis.fix}
+        result.snapshot = run.failing_snapshot
+        result.failing_batch = batches[finding.batch]
+    if float_model is not None:
+        torch.manual_seed(seed)
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
+        horizon = (finding.step + 1) if finding is not None else steps
+        check = _Run(float_model, batches, steps=horizon, loss=loss, optimizer=optimizer, lr=lr, train=train,
+                     saturation=False, float_check=True)
+        float_finding = check.go(None)
+        result.float_check = {"finite": float_finding is None, "steps": check.steps_run, "model": float_kind,
+                              "first": float_finding.to_dict() if float_finding is not None else None}
+    return result
+
+
+class _Run:
+    """One traced run: the loop, its snapshots, the cheap checks and the detailed re-run."""
+
+    def __init__(self, model: nn.Module, batches: list[Batch], *, steps: int, loss: str, optimizer: str, lr: float,
+                 train: Callable | None, saturation: bool, float_check: bool = False):
+        self.model = model
+        self.batches = batches
+        self.steps = steps
+        self.train = train
+        self.loss_kind = "train" if train is not None else loss
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.optimizer = make_optimizer(model, optimizer, lr) if steps else None
+        self.float_check = float_check
+        self.history: list[StepStats] = []
+        self.steps_run = 0
+        self.failing_snapshot: Snapshot | None = None
+        self.bad_at_start: list[str] = []
+        consumers = consumers_of(engine_state(model).plan) if is_prepared(model) else _traced_consumers(model, batches)
+        self.watch = Watch(model, detail=False, saturation=saturation, consumers=consumers)
+        self.params = [(n, p) for n, p in model.named_parameters()]
+
+    # -- the loop ---------------------------------------------------------------------
+    def go(self, progress: Callable[[int, int], None] | None) -> Finding | None:
+        total = self.steps if self.steps else len(self.batches)
+        if self.steps:
+            self.model.train()
+        else:
+            self.model.eval()
+        with self.watch:
+            for index in range(total):
+                step, batch_index = (index, index % len(self.batches)) if self.steps else (0, index)
+                found = self._one(step, batch_index)
+                self.steps_run = index + 1
+                if progress is not None:
+                    progress(index + 1, total)
+                if found is not None:
+                    return found
+        return None
+
+    def _one(self, step: int, batch_index: int) -> Finding | None:
+        batch = self.batches[batch_index]
+        snapshot = self._snapshot(step, batch_index)
+        self.bad_at_start = [n for n, p in self.params if not finite(p)]
+        stats = StepStats(step, batch_index)
+        self.watch.detail = False
+        self.watch.begin(step, batch_index, batch.size())
+        try:
+            self._step(batch, stats)
+        except NonFiniteError as exc:  # only raised in detail mode: not here
+            return exc.finding
+        flagged = self.watch.flush()
+        if flagged is None and self._loss_finite(stats):
+            self.history.append(stats)
+            return None
+        # Re-run the step in detail from the snapshot: the first non-finite value, with its story.
+        self._restore(snapshot)
+        self.failing_snapshot = snapshot
+        self.watch.detail = True
+        self.watch.begin(step, batch_index, batch.size())
+        retry = StepStats(step, batch_index)
+        try:
+            self._step(batch, retry)
+        except NonFiniteError as exc:
+            return exc.finding
+        finally:
+            self.watch.detail = False
+        if not self._loss_finite(retry):
+            return self._loss_finding(step, batch_index, retry)
+        # A finite step after all (a finite tensor whose sum overflowed): carry on from it.
+        self.failing_snapshot = None
+        self.history.append(retry)
+        return None
+
+    def _step(self, batch: Batch, stats: StepStats) -> None:
+        watch = self.watch
+        if not self.steps:
+            with torch.no_grad():
+                run_model(self.model, batch.inputs)
+            watch.check_scales("observer")
+            self._saturation(stats)
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(self.model, batch, self.loss_kind, self.train)
+        watch.check_scales("observer")
+        self._saturation(stats)
+        stats.loss = float(loss.detach())
+        if not math.isfinite(stats.loss):
+            return  # the forward's checks say where, the loss's own check below when they do not
+        loss.backward()
+        grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
+        if grads:
+            norms = torch._foreach_norm([g.detach() for _, g in grads])
+            stats.grad_norms = {n: float(v) for (n, _), v in zip(grads, norms)}
+            total = torch.stack([n.double() for n in norms]).norm()
+            stats.grad_norm = float(total)
+        self.optimizer.step()
+        watch.check_scales("update")
+        tensors = [p.detach() for _, p in self.params]
+        if tensors:
+            maxima = torch._foreach_norm(tensors, float("inf"))
+            watch.check_params(list(maxima))
+            stats.weight_max = {n: float(v) for (n, _), v in zip(self.params, maxima)}
+            stats.max_abs_weight = max(stats.weight_max.values())
+
+    def _saturation(self, stats: StepStats) -> None:
+        found = self.watch.point_saturation
+        if found:
+            values = torch.stack(list(found.values())).tolist()
+            stats.saturation = dict(zip(found, values))
+            worst = max(stats.saturation, key=stats.saturation.get)
+            stats.worst_saturation, stats.worst_point = stats.saturation[worst], worst
+
+    def _loss_finite(self, stats: StepStats) -> bool:
+        return stats.loss is None or math.isfinite(stats.loss)
+
+    def _loss_finding(self, step: int, batch: int, stats: StepStats) -> Finding:
+        """Every tensor of the model was finite, yet the loss was not: the loss made it."""
+        value = stats.loss
+        f = Finding("forward", "loss", self.loss_kind, "output", created=True, step=step, batch=batch, numel=1,
+                    nan=int(math.isnan(value)), posinf=int(value == math.inf), neginf=int(value == -math.inf),
+                    dtype="float32")
+        return f
+
+    # -- snapshots ----------------------------------------------------------------------
+    def _snapshot(self, step: int, batch: int) -> Snapshot:
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        return Snapshot(state, opt, torch.get_rng_state(), step, batch)
+
+    def _restore(self, snapshot: Snapshot) -> None:
+        self.model.load_state_dict(snapshot.model_state)
+        if self.optimizer is not None and snapshot.optimizer_state is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer_state))
+        torch.set_rng_state(snapshot.rng_state)
+        if is_prepared(self.model):
+            for point in engine_state(self.model).points.values():
+                point.forget_cached()
+
+    # -- evidence for the causes --------------------------------------------------------------
+    def evidence(self, finding: Finding):
+        return evidence_for(self.model, inputs=self.batches[finding.batch].inputs, history=list(self.history),
+                            bad_at_start=list(self.bad_at_start), lr=self.lr if self.steps else None,
+                            optimizer=self.optimizer_name if self.steps else None)
+
+
+def _traced_consumers(model: nn.Module, batches: list[Batch]) -> dict[str, list[str]]:
+    """A plain model's call graph, from one traced forward of the first batch."""
+    from qdebug.engine.plan import trace_plan
+
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            plan = trace_plan(model.eval(), batches[0].inputs)
+    except Exception:  # the trace only names backward culprits: a model it cannot run still gets traced
+        return {}
+    finally:
+        model.train(was_training)
+    return consumers_of(plan)
+
+
+def plain_float_model(model: nn.Module, spec) -> tuple[nn.Module, str]:
+    """The float architecture ``spec`` (a ModelSpec) built without the engine, holding ``model``'s
+    weights: every parameter and buffer it has, found under the same name and shape in ``model``.
+    When ``model`` lacks some (BN folded away by fuse_bn), a copy of ``model`` with every quant
+    point off stands in: the same float function, computed by the engine's modules.  Returns
+    (the model, "plain" or "quantization off")."""
+    from qdebug.modelspec import build
+
+    plain = build(spec, from_user=True)
+    source = model.state_dict()
+    wanted = plain.state_dict()
+    if all(k in source and source[k].shape == v.shape for k, v in wanted.items()):
+        plain.load_state_dict({k: source[k].detach().clone() for k in wanted})
+        return plain, "plain"
+    stand_in = copy.deepcopy(model)
+    if is_prepared(stand_in):
+        for point in engine_state(stand_in).points.values():
+            point.mode = "float"
+    return stand_in, "quantization off"

@@ -1,0 +1,433 @@
+"""nan-trace: planted non-finite values, each found at its phase and layer, with its cause.
+
+Every case plants one known mechanism and asserts where the first non-finite value is
+(phase, layer), that the layer created it when it did, and the cause the rules give; the
+CLI's output contract (exit codes, JSON, the repro bundle) and the user-loop context
+manager are tested on the same kinds of models.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qdebug
+from qdebug.data import Batch
+from qdebug.engine import QConfig, QuantSpec, calibrate, freeze_bn_stats, prepare, quant_points, set_mode
+from qdebug.modelspec import build_zoo
+from qdebug.tools.nan_trace import plain_float_model, trace_steps
+from qdebug.tools.nan_watch import NonFiniteError, Watch
+
+from small_models import SMALL_RESNET
+from user_project import clean_imports
+
+
+def _data(n: int = 8, seed: int = 0, size: int = 16) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, size, size, generator=gen)
+    y = torch.randint(0, 10, (n,), generator=gen)
+    return [Batch(x[i:i + 4], y[i:i + 4]) for i in range(0, n, 4)]
+
+
+def _qat_resnet(mode: str = "with_bn_reverse_fold") -> nn.Module:
+    torch.manual_seed(0)
+    batches = _data()
+    qm = prepare(build_zoo("resnet", **SMALL_RESNET), QConfig(), mode=mode, example_inputs=batches[0].inputs)
+    calibrate(qm, [b.inputs for b in batches])
+    set_mode(qm, "fake", observe=True)
+    return qm
+
+
+def _first(result) -> dict:
+    assert result.first is not None, "expected a non-finite value"
+    return result.first
+
+
+# -- healthy models raise no alarm -----------------------------------------------------------
+def test_a_healthy_qat_run_stays_finite_and_keeps_a_timeline():
+    result = trace_steps(_qat_resnet(), _data(), steps=6, lr=0.01)
+    assert result.first is None and result.steps_run == 6
+    frame = result.frame
+    assert list(frame["step"]) == list(range(6)) and list(frame["batch"]) == [0, 1] * 3
+    assert frame["loss"].notna().all() and (frame["grad_norm"] > 0).all()
+    assert frame["worst_point"].notna().all()
+
+
+def test_the_run_is_deterministic_for_a_seed():
+    a = trace_steps(_qat_resnet(), _data(), steps=4, lr=0.05, seed=3).frame
+    b = trace_steps(_qat_resnet(), _data(), steps=4, lr=0.05, seed=3).frame
+    assert a.equals(b)
+
+
+def test_engine_reverse_fold_with_a_zero_gamma_stays_finite():
+    qm = _qat_resnet("with_bn_reverse_fold")
+    with torch.no_grad():
+        qm.layer1[0].bn1.weight[2] = 0.0
+    result = trace_steps(qm, _data(), steps=3, lr=0.01)
+    assert result.first is None
+
+
+# -- forward ----------------------------------------------------------------------------------
+def test_nan_in_one_input_sample():
+    batches = _data()
+    batches[1].inputs[2, 0, 3, 3] = math.nan
+    first = _first(trace_steps(_qat_resnet(), batches, steps=4))
+    assert (first["phase"], first["step"], first["batch"], first["layer"]) == ("forward", 1, 1, "input")
+    assert first["cause"] == "input" and first["samples"] == [2] and first["nan"] == 1
+    assert "1 sample(s): 2" in first["detail"]
+
+
+def test_a_scale_set_to_zero_is_found_where_it_is_used():
+    qm = _qat_resnet()
+    set_mode(qm, "fake", observe=False)
+    name = [n for n, p in quant_points(qm).items() if p.kind == "activation"][2]
+    point = quant_points(qm)[name]
+    point.set_qparams(torch.tensor(0.0), point.zero_point)
+    first = _first(trace_steps(qm, _data(), steps=2))
+    assert (first["phase"], first["what"], first["point"], first["cause"]) == ("forward", "scale", name, "scale")
+    assert first["value"] == 0.0 and "recalibrate" in first["fix"]
+
+
+class DivideByBnFactor(nn.Module):
+    """A user's own Conv-BN for QAT that divides by the BN factor, as torch's ConvBn2d once did:
+    y = conv(x, W f) / f, then BN, with f = gamma / sqrt(var + eps).  ``fold=False`` is its
+    plain float architecture (conv, then BN)."""
+
+    def __init__(self, fold: bool = True):
+        super().__init__()
+        self.fold = fold
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        if self.fold:
+            f = self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)
+            y = F.conv2d(x, self.conv.weight * f.reshape(-1, 1, 1, 1), padding=1) / f.reshape(1, -1, 1, 1)
+            y = self.bn(y)
+        else:
+            y = self.bn(self.conv(x))
+        return self.head(F.adaptive_avg_pool2d(torch.relu(y), 1).flatten(1))
+
+
+def test_a_user_module_dividing_by_a_zero_bn_factor():
+    torch.manual_seed(0)
+    model = DivideByBnFactor(fold=True)
+    with torch.no_grad():
+        model.bn.weight[1] = 0.0
+    plain = DivideByBnFactor(fold=False)
+    plain.load_state_dict(model.state_dict())
+    result = trace_steps(model, _data(), steps=3, float_model=plain)
+    first = _first(result)
+    assert (first["phase"], first["layer"], first["op"]) == ("forward", "div#2", "div")
+    assert first["created"] is True and first["nan"] > 0
+    assert first["cause"] == "bn_zero_weight" and "channel(s) [1]" in first["detail"]
+    assert result.float_check["finite"] is True and result.float_check["steps"] == 1
+
+
+def test_a_negative_running_var_in_a_forward_pass():
+    model = build_zoo("resnet", **SMALL_RESNET).eval()
+    with torch.no_grad():
+        model.layer2[0].bn1.running_var[3] = -1.0
+    first = _first(trace_steps(model, _data(), steps=0))
+    assert (first["phase"], first["layer"], first["cause"]) == ("forward", "layer2.0.bn1", "bn_variance")
+    assert first["created"] is True and "channel(s) [3]" in first["detail"]
+
+
+class LogOfShifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.log(x.flatten(1) + 2.5))
+
+
+def test_log_of_a_negative_input_is_an_op_domain_error():
+    first = _first(trace_steps(LogOfShifted(), _data(), steps=2))
+    assert (first["phase"], first["layer"], first["op"], first["cause"]) == ("forward", "log", "log", "op_domain")
+    assert first["created"] is True and "negative value(s)" in first["detail"]
+
+
+# -- backward -----------------------------------------------------------------------------------
+class SqrtOfRelu(nn.Module):
+    """A zoo ResNet whose logits go through sqrt(relu(.)): a finite forward (sqrt(0) = 0) whose
+    backward is infinite where the ReLU output is 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = build_zoo("resnet", **SMALL_RESNET)
+
+    def forward(self, x):
+        return torch.sqrt(torch.relu(self.net(x)))
+
+
+def test_sqrt_on_a_relu_output_creates_inf_in_the_backward():
+    torch.manual_seed(0)
+    first = _first(trace_steps(SqrtOfRelu(), _data(), steps=2))
+    assert (first["phase"], first["step"], first["layer"], first["op"]) == ("backward", 0, "sqrt", "sqrt")
+    assert first["what"] == "output_grad" and first["tensor"] == "relu" and first["created"] is True
+    assert first["posinf"] > 0 and first["cause"] == "backward_op"
+    assert "infinite at x = 0" in first["detail"]
+
+
+def test_a_large_lr_blows_up_as_gradient_explosion():
+    qm = _qat_resnet()
+    freeze_bn_stats(qm)  # BN in train mode renormalises away any weight scale
+    result = trace_steps(qm, _data(), steps=40, lr=3.0)
+    first = _first(result)
+    assert first["cause"] == "gradient_explosion", first
+    assert first["step"] < 20
+    norms = list(result.frame["grad_norm"])
+    assert norms[-1] > 100 * norms[0]  # the growth shown in the timeline
+    assert "lr 3" in first["detail"] and "per step" in first["detail"]
+
+
+# -- observers and learned scales ---------------------------------------------------------------
+def test_cheap_checks_and_the_detailed_rerun_agree_on_the_place():
+    torch.manual_seed(0)
+    model, batch = SqrtOfRelu(), _data()[0]
+    model.train()
+    with Watch(model, detail=False) as watch:
+        watch.begin(0, 0, 4)
+        F.cross_entropy(model(batch.inputs), batch.target).backward()
+        key = watch.flush()
+    assert key[:3] == ("backward", "relu", "output_grad")
+
+
+# -- fp16 and the user's own loop ---------------------------------------------------------------
+def _autocast_fp16_works() -> bool:
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float16
+    except (RuntimeError, TypeError):
+        return False
+
+
+@pytest.mark.skipif(not _autocast_fp16_works(), reason="this CPU build has no float16 autocast")
+def test_fp16_overflow_under_autocast_in_a_user_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[2].weight.mul_(3000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8) * 10, torch.randint(0, 4, (32,))
+    with pytest.raises(qdebug.NonFiniteError) as caught:
+        with qdebug.nan_trace(model) as trace:
+            for _ in range(3):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                loss = F.cross_entropy(out.float(), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                trace.step(loss)
+    report = trace.report
+    assert caught.value.report is report
+    assert (report["phase"], report["layer"], report["op"], report["dtype"]) == ("forward", "2", "Linear", "float16")
+    assert report["created"] is True and report["posinf"] + report["neginf"] > 0
+    assert report["cause"] == "overflow" and "65504" in report["detail"]
+
+
+def test_the_context_manager_on_a_plain_module_with_a_user_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with qdebug.nan_trace(model) as trace:
+        for _ in range(3):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            trace.step(loss)
+    assert trace.report is None and len(trace.history) == 3
+    assert all(s.grad_norm and s.grad_norm > 0 for s in trace.history)  # kept though zero_grad ran first
+    # The hooks are gone after the block: a NaN now raises nothing.
+    model(torch.full((2, 8), math.nan))
+    x[5, 1] = math.nan
+    with pytest.raises(NonFiniteError):
+        with qdebug.nan_trace(model) as trace:
+            F.cross_entropy(model(x), y).backward()
+    assert (trace.report["layer"], trace.report["cause"], trace.report["samples"]) == ("input", "input", [5])
+
+
+def test_an_update_that_overflows_a_parameter():
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    x, y = torch.ones(2, 4), torch.zeros(2, 4)
+    with pytest.raises(NonFiniteError):
+        with qdebug.nan_trace(model) as trace:
+            F.mse_loss(model(x) * 1e3, y).backward()
+            opt.step()
+            trace.step()
+    assert (trace.report["phase"], trace.report["what"], trace.report["layer"]) == ("update", "param", "0")
+    assert trace.report["cause"] == "overflow"
+
+
+# -- the float check ------------------------------------------------------------------------------
+def test_plain_float_model_holds_the_checkpoints_weights(stages):
+    net, info = qdebug.load(stages.qat)
+    plain, how = plain_float_model(net, info.model)
+    assert how == "quantization off"  # fuse_bn folded the BNs away: the engine's float mode stands in
+    qm = _qat_resnet("with_bn")
+    plain, how = plain_float_model(qm, qm_spec := qdebug.modelspec.spec_of(qm))
+    assert how == "plain" and not qdebug.engine.is_prepared(plain) and qm_spec.target.endswith(":ResNet")
+    with torch.no_grad():
+        x = _data()[0].inputs
+        set_mode(qm, "float")
+        torch.testing.assert_close(plain.eval()(x), qm.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+# -- the command line -----------------------------------------------------------------------------
+def test_cli_all_finite_exits_0_with_a_timeline(cli, stages):
+    result = cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 3, "--batch-size", 4, "--float-check")
+    assert result.code == 0, result.err
+    assert "all finite: 3 step(s)" in result.out and "float check" in result.out
+    assert "nan-trace timeline" in result.out
+
+
+def test_cli_forward_only_and_json(cli, stages):
+    result = cli("nan-trace", stages.calibrated, "--data", stages.data, "--steps", 0, "--batch-size", 4, "--json")
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)
+    assert set(doc) == {"meta", "first", "float_check", "timeline"}
+    assert doc["first"] is None and doc["float_check"] is None and len(doc["timeline"]) == 3
+    assert doc["meta"]["steps"] == 0 and doc["meta"]["optimizer"] is None
+
+
+def test_cli_finding_exit_1_bundle_and_repro(cli, stages, tmp_path):
+    x, y = torch.load(stages.data, weights_only=True)
+    x = x.clone()
+    x[6, 0, 1, 1] = math.inf
+    torch.save((x, y), tmp_path / "bad.pt")
+    result = cli("nan-trace", stages.qat, "--data", "bad.pt", "--batch-size", 4, "--steps", 5, "--out", "o",
+                 "--format", "json")
+    assert result.code == 1, result.err
+    doc = json.loads(result.out)
+    first = doc["first"]
+    assert (first["phase"], first["step"], first["batch"], first["layer"], first["cause"]) == \
+        ("forward", 1, 1, "input", "input")
+    assert first["samples"] == [2] and first["posinf"] == 1
+    assert {"phase", "step", "batch", "samples", "layer", "op", "point", "created", "nan", "posinf", "neginf",
+            "cause", "detail", "fix"} <= set(first)
+    files = {p.name for p in (tmp_path / "o").iterdir()}
+    assert {"nan_trace.json", "nan_trace.csv", "nan_trace.png", "before.pt", "batch.pt"} <= files
+    repro = doc["meta"]["repro"]
+    assert repro == "qdebug nan-trace o/before.pt --data o/batch.pt --steps 1"
+    again = cli(*repro.split()[1:], "--json")
+    assert again.code == 1, again.err
+    replay = json.loads(again.out)["first"]
+    assert (replay["phase"], replay["step"], replay["layer"], replay["cause"], replay["samples"]) == \
+        ("forward", 0, "input", "input", [2])
+
+
+def test_cli_repro_bundle_replays_a_training_step_exactly(cli, tmp_path):
+    qm = _qat_resnet()
+    freeze_bn_stats(qm)
+    qdebug.save(qm, tmp_path / "qat.pt", stage="qat")
+    batches = _data()
+    torch.save([(b.inputs, b.target) for b in batches], tmp_path / "train.pt")
+    result = cli("nan-trace", "qat.pt", "--data", "train.pt", "--steps", 40, "--lr", 3, "--out", "o", "--json")
+    assert result.code == 1, result.err
+    first = json.loads(result.out)["first"]
+    again = json.loads(cli("nan-trace", "o/before.pt", "--data", "o/batch.pt", "--steps", 1, "--json").out)["first"]
+    same = ("phase", "layer", "what", "tensor", "nan", "posinf", "neginf")
+    assert {k: again[k] for k in same} == {k: first[k] for k in same}
+
+
+NANPKG = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class DivNet(nn.Module):
+    def __init__(self, fold=True):
+        super().__init__()
+        self.fold = fold
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        if self.fold:
+            f = self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)
+            y = F.conv2d(x, self.conv.weight * f.reshape(-1, 1, 1, 1), padding=1) / f.reshape(1, -1, 1, 1)
+            y = self.bn(y)
+        else:
+            y = self.bn(self.conv(x))
+        return self.head(F.adaptive_avg_pool2d(torch.relu(y), 1).flatten(1))
+
+
+def step(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def broken(model, batch):
+    raise KeyError("no such key")
+'''
+
+
+def test_cli_user_module_train_function_and_float_check_on_its_plain_architecture(cli, tmp_path):
+    pkg = tmp_path / "nanpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(NANPKG)
+    sys.path.insert(0, str(tmp_path))
+    with clean_imports(tmp_path):
+        from nanpkg.nets import DivNet
+
+        torch.manual_seed(0)
+        qat = DivNet(fold=True)
+        with torch.no_grad():
+            qat.bn.weight[1] = 0.0
+        qdebug.save(qat, tmp_path / "user.pt", stage="float", model_spec="nanpkg.nets:DivNet",
+                    model_kwargs={"fold": True})
+        qdebug.save(DivNet(fold=False), tmp_path / "plain.pt", stage="float", model_spec="nanpkg.nets:DivNet",
+                    model_kwargs={"fold": False})
+        torch.save([(b.inputs, b.target) for b in _data()], tmp_path / "d.pt")
+        result = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt", "--steps", 3,
+                     "--train", "nanpkg.nets:step", "--float-check", "--float", "plain.pt", "--json")
+        assert result.code == 1, result.err
+        doc = json.loads(result.out)
+        assert (doc["first"]["layer"], doc["first"]["cause"]) == ("div#2", "bn_zero_weight")
+        assert doc["float_check"]["finite"] is True and doc["float_check"]["model"] == "plain"
+        assert doc["meta"]["loss"] == "train"
+        broken = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt", "--steps", 1,
+                     "--train", "nanpkg.nets:broken")
+        broken.assert_error("--train function nanpkg.nets:broken raised KeyError", "nets.py")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--steps", "-1"), "--steps must be >= 0"),
+    (("--lr", "nan"), "--lr must be a finite number"),
+    (("--optimizer", "rmsprop"), "--optimizer 'rmsprop'"),
+    (("--loss", "hinge"), "--loss 'hinge'"),
+    (("--train", "x.y:z", "--loss", "ce"), "--loss does not apply"),
+    (("--float", "f.pt"), "--float only names the architecture"),
+])
+def test_cli_usage_errors(cli, stages, args, fragment):
+    cli("nan-trace", stages.qat, "--data", stages.data, *args).assert_error(fragment)
+
+
+def test_cli_refuses_to_train_a_quantized_checkpoint(cli, stages):
+    cli("nan-trace", stages.quantized, "--data", stages.data, "--steps", 2).assert_error(
+        "integer kernels have no gradients", "--steps 0")
+
+
+def test_cli_distils_without_targets_and_refuses_ce(cli, stages, tmp_path):
+    torch.save(torch.randn(8, 1, 16, 16), tmp_path / "x.pt")
+    result = cli("nan-trace", stages.qat, "--data", "x.pt", "--steps", 2, "--batch-size", 4, "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["meta"]["loss"] == "auto"
+    cli("nan-trace", stages.qat, "--data", "x.pt", "--steps", 2, "--loss", "ce").assert_error("needs targets")
+    cli("nan-trace", stages.float, "--data", "x.pt", "--steps", 2).assert_error("no targets")
