@@ -57,7 +57,7 @@ def test_a_healthy_qat_run_stays_finite_and_keeps_a_timeline():
     frame = result.frame
     assert list(frame["step"]) == list(range(6)) and list(frame["batch"]) == [0, 1] * 3
     assert frame["loss"].notna().all() and (frame["grad_norm"] > 0).all()
-    assert frame["worst_point"].notna().all()
+    assert frame["worst_saturation"].notna().all()  # every step measured its activation points
 
 
 def test_the_run_is_deterministic_for_a_seed():
@@ -129,7 +129,7 @@ def test_a_user_module_dividing_by_a_zero_bn_factor():
     assert (first["phase"], first["layer"], first["op"]) == ("forward", "div#2", "div")
     assert first["created"] is True and first["nan"] > 0
     assert first["cause"] == "bn_zero_weight" and "channel(s) [1]" in first["detail"]
-    assert result.float_check["finite"] is True and result.float_check["steps"] == 1
+    assert result.float_check["finite"] is True and result.float_check["steps"] == 3
 
 
 def test_a_negative_running_var_in_a_forward_pass():
@@ -191,6 +191,33 @@ def test_a_large_lr_blows_up_as_gradient_explosion():
 
 
 # -- observers and learned scales ---------------------------------------------------------------
+def test_a_learned_scale_driven_negative_by_the_update():
+    torch.manual_seed(0)
+    batches = _data()
+    qm = prepare(build_zoo("resnet", **SMALL_RESNET), QConfig(activation=QuantSpec(symmetric=False, estimator="lsq")),
+                 mode="with_bn_reverse_fold", example_inputs=batches[0].inputs)
+    calibrate(qm, [b.inputs for b in batches])
+    first = _first(trace_steps(qm, batches, steps=5, lr=10.0))
+    assert (first["phase"], first["step"], first["what"], first["cause"]) == ("update", 0, "scale", "scale")
+    assert first["value"] < 0 and "optimizer drove the learned scale" in first["detail"]
+
+
+def test_an_observer_update_that_makes_a_scale_zero():
+    qm = _qat_resnet()
+    name = [n for n, p in quant_points(qm).items() if p.kind == "activation"][3]
+    observer = quant_points(qm)[name].observer
+    healthy = observer.calculate_qparams
+
+    def broken():  # a faulty observer, as a user's custom one might be: the range collapses to 0
+        scale, zero_point = healthy()
+        return torch.zeros_like(scale), zero_point
+
+    observer.calculate_qparams = broken
+    first = _first(trace_steps(qm, _data(), steps=2))
+    assert (first["phase"], first["step"], first["what"], first["point"]) == ("observer", 0, "scale", name)
+    assert first["cause"] == "scale" and "observer's update" in first["detail"]
+
+
 def test_cheap_checks_and_the_detailed_rerun_agree_on_the_place():
     torch.manual_seed(0)
     model, batch = SqrtOfRelu(), _data()[0]

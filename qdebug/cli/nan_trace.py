@@ -32,7 +32,7 @@ def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] =
     view = frame if top is None else frame.tail(top)
     view = view.reset_index(drop=True)
     columns = ["step", "batch", "loss", "max_abs_weight", "grad_norm", "worst_saturation", "worst_point"]
-    formats = {"loss": fixed(4), "worst_saturation": fixed(3)}
+    formats = {"worst_saturation": fixed(3)}
     shown = f"last {len(view)} of {len(frame)}" if len(view) < len(frame) else f"{len(frame)}"
     title = f"nan-trace timeline: {shown} finite step(s) before" if meta.get("found") else \
         f"nan-trace timeline: {shown} step(s), all finite"
@@ -75,16 +75,22 @@ def headline(first: dict) -> list[str]:
     return lines
 
 
-def float_check_line(check: dict | None, found: bool) -> str:
-    """What the float check says about blame, given whether the traced run went non-finite."""
+def float_check_line(check: dict | None, first: dict | None) -> str:
+    """What the float check says about blame, given the traced run's first finding (if any)."""
     if check is None:
         return ""
     how = "" if check.get("model") == "plain" else f" ({check.get('model')})"
     if check["finite"]:
-        verdict = "quantization is to blame" if found else "as the traced model does"
+        verdict = "quantization is to blame" if first else "as the traced model does"
         return f"float check{how}: the float model stays finite over the same {check['steps']} step(s): {verdict}"
     f = check["first"]
-    verdict = "not quantization's fault" if found else "only the float model does"
+    if first is None:
+        verdict = "only the float model does"
+    elif f["step"] > first["step"]:
+        verdict = (f"{f['step'] - first['step']} step(s) later than the traced model: quantization brings it "
+                   "forward, the training is the cause")
+    else:
+        verdict = "not quantization's fault"
     return (f"float check{how}: the float model goes non-finite too ({f['phase']} of step {f['step']}, "
             f"{f['layer']}): {verdict}")
 
@@ -241,7 +247,7 @@ def nan_trace(
         else:
             what = f"{result.steps_run} step(s)" if steps else f"{result.steps_run} forward pass(es)"
             say(f"all finite: {what} without a NaN or Inf (forward{', backward and update' if steps else ''})")
-        line = float_check_line(result.float_check, first is not None)
+        line = float_check_line(result.float_check, first)
         if line:
             say(line)
         if repro:

@@ -68,6 +68,26 @@ class StepStats:
     grad_norms: dict[str, float] = field(default_factory=dict)  # parameter -> gradient 2-norm
     saturation: dict[str, float] = field(default_factory=dict)  # activation point -> clipped fraction
 
+    def take_saturation(self, found: dict[str, torch.Tensor]) -> None:
+        """Each point's clipped fraction this step (0-dim tensors, read at once); the worst
+        named only when it clips anything."""
+        if not found:
+            return
+        self.saturation = dict(zip(found, torch.stack(list(found.values())).tolist()))
+        worst = max(self.saturation, key=self.saturation.get)
+        self.worst_saturation = self.saturation[worst]
+        self.worst_point = worst if self.worst_saturation > 0 else None
+
+    def take_grad_norms(self, names: list[str], norms: list[torch.Tensor]) -> None:
+        if names:
+            self.grad_norms = dict(zip(names, torch.stack([n.double() for n in norms]).tolist()))
+            self.grad_norm = math.sqrt(sum(v * v for v in self.grad_norms.values()))
+
+    def take_weight_maxima(self, names: list[str], maxima: list[torch.Tensor]) -> None:
+        if names:
+            self.weight_max = dict(zip(names, torch.stack(list(maxima)).tolist()))
+            self.max_abs_weight = max(self.weight_max.values())
+
     def row(self) -> dict[str, Any]:
         return {"step": self.step, "batch": self.batch, "loss": self.loss, "max_abs_weight": self.max_abs_weight,
                 "grad_norm": self.grad_norm, "worst_saturation": self.worst_saturation,

@@ -14,7 +14,6 @@ finding, its cause and a fix (``qdebug.tools.nan_causes``), as ``trace.report`` 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -62,22 +61,14 @@ class NanTrace:
             stats.loss = float(loss.detach())
         elif isinstance(loss, (int, float)):
             stats.loss = float(loss)
-        params = [(n, p) for n, p in self.model.named_parameters()]
+        params = [(n, p.detach()) for n, p in self.model.named_parameters()]
         norms = self.watch.grad_norms
-        if norms:
-            stats.grad_norms = dict(zip(norms, torch.stack(list(norms.values())).tolist()))
-            stats.grad_norm = math.sqrt(sum(v * v for v in stats.grad_norms.values()))
-        if params:
-            maxima = torch._foreach_norm([p.detach() for _, p in params], float("inf"))
-            stats.weight_max = {n: float(v) for (n, _), v in zip(params, maxima)}
-            stats.max_abs_weight = max(stats.weight_max.values())
-        found = self.watch.point_saturation
-        if found:
-            stats.saturation = dict(zip(found, torch.stack(list(found.values())).tolist()))
-            stats.worst_point = max(stats.saturation, key=stats.saturation.get)
-            stats.worst_saturation = stats.saturation[stats.worst_point]
+        stats.take_grad_norms(list(norms), list(norms.values()))
+        maxima = list(torch._foreach_norm([p for _, p in params], float("inf"))) if params else []
+        stats.take_weight_maxima([n for n, _ in params], maxima)
+        stats.take_saturation(self.watch.point_saturation)
         self.watch.check_scales("update")
-        self.watch.check_params(list(maxima) if params else None)
+        self.watch.check_params(maxima or None)
         self.history.append(stats)
         self.steps += 1
         self._begin()

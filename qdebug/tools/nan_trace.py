@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from qdebug.data import Batch
 from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.context import run_model
+from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.errors import QDebugError
 from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
 from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of, finite
@@ -173,8 +174,9 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
         torch.manual_seed(seed)
         if rng_state is not None:
             torch.set_rng_state(rng_state)
-        horizon = (finding.step + 1) if finding is not None else steps
-        check = _Run(float_model, batches, steps=horizon, loss=loss, optimizer=optimizer, lr=lr, train=train,
+        # All the requested steps, not only those up to the finding: a float model that fails a
+        # few steps later is no proof that quantization is to blame.
+        check = _Run(float_model, batches, steps=steps, loss=loss, optimizer=optimizer, lr=lr, train=train,
                      saturation=False, float_check=True)
         float_finding = check.go(None)
         result.float_check = {"finite": float_finding is None, "steps": check.steps_run, "model": float_kind,
@@ -272,28 +274,19 @@ class _Run:
         if not math.isfinite(stats.loss):
             return  # the forward's checks say where, the loss's own check below when they do not
         loss.backward()
-        grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
+        grads = [(n, p.grad.detach()) for n, p in self.params if p.grad is not None]
         if grads:
-            norms = torch._foreach_norm([g.detach() for _, g in grads])
-            stats.grad_norms = {n: float(v) for (n, _), v in zip(grads, norms)}
-            total = torch.stack([n.double() for n in norms]).norm()
-            stats.grad_norm = float(total)
+            stats.take_grad_norms([n for n, _ in grads], torch._foreach_norm([g for _, g in grads]))
         self.optimizer.step()
         watch.check_scales("update")
         tensors = [p.detach() for _, p in self.params]
         if tensors:
             maxima = torch._foreach_norm(tensors, float("inf"))
             watch.check_params(list(maxima))
-            stats.weight_max = {n: float(v) for (n, _), v in zip(self.params, maxima)}
-            stats.max_abs_weight = max(stats.weight_max.values())
+            stats.take_weight_maxima([n for n, _ in self.params], maxima)
 
     def _saturation(self, stats: StepStats) -> None:
-        found = self.watch.point_saturation
-        if found:
-            values = torch.stack(list(found.values())).tolist()
-            stats.saturation = dict(zip(found, values))
-            worst = max(stats.saturation, key=stats.saturation.get)
-            stats.worst_saturation, stats.worst_point = stats.saturation[worst], worst
+        stats.take_saturation(self.watch.point_saturation)
 
     def _loss_finite(self, stats: StepStats) -> bool:
         return stats.loss is None or math.isfinite(stats.loss)
@@ -356,6 +349,9 @@ def plain_float_model(model: nn.Module, spec) -> tuple[nn.Module, str]:
     wanted = plain.state_dict()
     if all(k in source and source[k].shape == v.shape for k, v in wanted.items()):
         plain.load_state_dict({k: source[k].detach().clone() for k in wanted})
+        for path in frozen_bn_paths(model):  # the same steps: BN statistics frozen where they were
+            if isinstance(dict(plain.named_modules()).get(path), nn.modules.batchnorm._BatchNorm):
+                freeze_bn_stats(plain, path)
         return plain, "plain"
     stand_in = copy.deepcopy(model)
     if is_prepared(stand_in):
