@@ -84,6 +84,17 @@ def test_nan_in_one_input_sample():
     assert "1 sample(s): 2" in first["detail"]
 
 
+def test_nan_in_the_targets_is_the_datas_fault_not_the_losss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16 * 16, 3))
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 1, 16, 16, generator=gen), torch.randn(8, 3, generator=gen)
+    y[6, 1] = math.nan
+    first = _first(trace_steps(model, [Batch(x[:4], y[:4]), Batch(x[4:], y[4:])], steps=3))
+    assert (first["phase"], first["step"], first["layer"], first["cause"]) == ("forward", 1, "loss", "input")
+    assert first["samples"] == [2] and "targets hold NaN/Inf in 1 sample(s): 2" in first["detail"]
+
+
 def test_a_scale_set_to_zero_is_found_where_it_is_used():
     qm = _qat_resnet()
     set_mode(qm, "fake", observe=False)
@@ -458,3 +469,5 @@ def test_cli_distils_without_targets_and_refuses_ce(cli, stages, tmp_path):
     assert json.loads(result.out)["meta"]["loss"] == "auto"
     cli("nan-trace", stages.qat, "--data", "x.pt", "--steps", 2, "--loss", "ce").assert_error("needs targets")
     cli("nan-trace", stages.float, "--data", "x.pt", "--steps", 2).assert_error("no targets")
+    cli("nan-trace", stages.qat, "--data", "x.pt", "--steps", 2, "--float-check").assert_error(
+        "--float-check needs targets")

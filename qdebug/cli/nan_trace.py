@@ -218,6 +218,10 @@ def nan_trace(
             raise QDebugError(f"{path} was traced with a --train function", "give the same --train again")
         settings["loss"] = "auto"
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
+    if float_check and steps and trainer is None and settings["loss"] in ("auto", "distill") \
+            and (settings["loss"] == "distill" or any(b.target is None for b in batch_list)):
+        raise QDebugError("--float-check needs targets (or --train): distilling a float model to its own "
+                          "output trains nothing", "give (inputs, target) data, or --train package.module:function")
     float_net, float_kind = _float_model(net, info, float_path, model, unsafe_load) if float_check else (None, "")
     total = steps or len(batch_list)
     with progress_bar("tracing", total) as advance, model_errors("tracing", batch_list[0]):

@@ -100,6 +100,7 @@ class Evidence:
 
     model: nn.Module  # in its state when the value appeared (BN statistics, scales)
     inputs: Any = None  # the failing batch's model inputs
+    targets: Any = None  # and its targets
     history: list[StepStats] = field(default_factory=list)  # the steps before the failing one
     bad_at_start: list[str] = field(default_factory=list)  # parameters non-finite when the step began
     lr: float | None = None
@@ -138,6 +139,9 @@ def diagnose(f: Finding, ev: Evidence) -> Diagnosis:
         found = rule(f, ev)
         if found is not None:
             return found
+    if f.layer == "loss":
+        return Diagnosis("unknown", "every tensor of the model was finite, but the loss was not",
+                         "check the loss function: a log of 0, a division by a zero count, targets out of range")
     return Diagnosis("unknown", f"{f.op} {'created' if f.created else 'passed on'} the value in the {f.phase}; "
                      "no rule explains it", f"re-run the repro bundle under --debug and inspect {f.layer}")
 
@@ -146,26 +150,32 @@ def diagnose(f: Finding, ev: Evidence) -> Diagnosis:
 def _input(f: Finding, ev: Evidence) -> Diagnosis | None:
     if f.phase != "forward":
         return None
-    if ev.inputs is None:  # a user's loop: the model's input call is the batch
+    if ev.inputs is None and ev.targets is None:  # a user's loop: the model's input call is the batch
         if f.layer != "input" or f.op != "input":
             return None
         shown = ", ".join(map(str, f.samples)) or "unknown"
-        return Diagnosis("input", f"the batch holds NaN/Inf (samples {shown})",
+        return Diagnosis("input", f"the batch's inputs hold NaN/Inf (samples {shown})",
                          "clean the data: drop those samples or replace the values (torch.nan_to_num) before the model")
+    for part, values in (("inputs", ev.inputs), ("targets", ev.targets)):
+        samples = _nonfinite_samples(values)
+        if samples:
+            shown = ", ".join(map(str, samples[:16])) + (" ..." if len(samples) > 16 else "")
+            f.samples = samples[:16]
+            return Diagnosis("input", f"the batch's {part} hold NaN/Inf in {len(samples)} sample(s): {shown}",
+                             "clean the data: drop those samples or replace the values (torch.nan_to_num) before "
+                             "the model")
+    return None
+
+
+def _nonfinite_samples(values: Any) -> list[int]:
     from qdebug.engine.ops import tensors_in
 
-    bad: list[int] = []
-    for t in tensors_in(ev.inputs):
+    bad: set[int] = set()
+    for t in tensors_in(values):
         if torch.is_floating_point(t) and not finite(t):
             rows = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(1) if t.dim() else torch.ones(1, dtype=torch.bool)
-            bad += [int(i) for i in rows.nonzero().reshape(-1)]
-    if not bad:
-        return None
-    samples = sorted(set(bad))
-    shown = ", ".join(map(str, samples[:16])) + (" ..." if len(samples) > 16 else "")
-    f.samples = samples[:16]
-    return Diagnosis("input", f"the batch holds NaN/Inf in {len(samples)} sample(s): {shown}",
-                     "clean the data: drop those samples or replace the values (torch.nan_to_num) before the model")
+            bad.update(int(i) for i in rows.nonzero().reshape(-1))
+    return sorted(bad)
 
 
 def _weights(f: Finding, ev: Evidence) -> Diagnosis | None:

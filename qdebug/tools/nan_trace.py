@@ -316,7 +316,8 @@ class _Run:
 
     # -- evidence for the causes --------------------------------------------------------------
     def evidence(self, finding: Finding):
-        return evidence_for(self.model, inputs=self.batches[finding.batch].inputs, history=list(self.history),
+        batch = self.batches[finding.batch]
+        return evidence_for(self.model, inputs=batch.inputs, targets=batch.target, history=list(self.history),
                             bad_at_start=list(self.bad_at_start), lr=self.lr if self.steps else None,
                             optimizer=self.optimizer_name if self.steps else None)
 
