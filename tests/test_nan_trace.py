@@ -25,7 +25,7 @@ from qdebug.modelspec import build_zoo
 from qdebug.tools.nan_trace import plain_float_model, trace_steps
 from qdebug.tools.nan_watch import NonFiniteError, Watch
 
-from small_models import SMALL_RESNET
+from small_models import SMALL_MOBILENETV2, SMALL_RESNET
 from user_project import clean_imports
 
 
@@ -95,6 +95,15 @@ def test_nan_in_the_targets_is_the_datas_fault_not_the_losss():
     assert first["samples"] == [2] and "targets hold NaN/Inf in 1 sample(s): 2" in first["detail"]
 
 
+def test_a_weight_already_nan_when_loaded():
+    qm = _qat_resnet()
+    with torch.no_grad():
+        qm.layer2[0].conv1.weight[0, 0, 0, 0] = math.nan
+    first = _first(trace_steps(qm, _data(), steps=3))
+    assert (first["phase"], first["step"], first["cause"]) == ("forward", 0, "weights")
+    assert "layer2.0.conv1.weight" in first["detail"] and "as loaded" in first["detail"]
+
+
 def test_a_scale_set_to_zero_is_found_where_it_is_used():
     qm = _qat_resnet()
     set_mode(qm, "fake", observe=False)
@@ -148,8 +157,18 @@ def test_a_negative_running_var_in_a_forward_pass():
     with torch.no_grad():
         model.layer2[0].bn1.running_var[3] = -1.0
     first = _first(trace_steps(model, _data(), steps=0))
-    assert (first["phase"], first["layer"], first["cause"]) == ("forward", "layer2.0.bn1", "bn_variance")
-    assert first["created"] is True and "channel(s) [3]" in first["detail"]
+    assert (first["phase"], first["layer"], first["what"], first["cause"]) == \
+        ("forward", "layer2.0.bn1", "param", "bn_variance")
+    assert first["tensor"] == "layer2.0.bn1.running_var" and "channel(s) [3]" in first["detail"]
+
+
+def test_a_negative_running_var_beside_a_reverse_folded_conv():
+    qm = _qat_resnet()
+    freeze_bn_stats(qm)
+    with torch.no_grad():
+        qm.layer1[0].bn2.running_var[1] = -1.0
+    first = _first(trace_steps(qm, _data(), steps=2))
+    assert (first["layer"], first["cause"]) == ("layer1.0.bn2", "bn_variance")
 
 
 class LogOfShifted(nn.Module):
@@ -169,8 +188,10 @@ def test_log_of_a_negative_input_is_an_op_domain_error():
 
 # -- backward -----------------------------------------------------------------------------------
 class SqrtOfRelu(nn.Module):
-    """A zoo ResNet whose logits go through sqrt(relu(.)): a finite forward (sqrt(0) = 0) whose
-    backward is infinite where the ReLU output is 0."""
+    """A zoo ResNet whose logits go through sqrt(relu(.)).  In float the ReLU's backward masks
+    sqrt's infinite derivative at 0 (the output there is 0 because the input was <= 0); under
+    fake quantization the ReLU's output is rounded, and a small positive logit becomes exactly 0:
+    sqrt's backward then sends Inf through a ReLU that passes it."""
 
     def __init__(self):
         super().__init__()
@@ -180,13 +201,53 @@ class SqrtOfRelu(nn.Module):
         return torch.sqrt(torch.relu(self.net(x)))
 
 
-def test_sqrt_on_a_relu_output_creates_inf_in_the_backward():
+def _quantized_sqrt_of_relu() -> nn.Module:
     torch.manual_seed(0)
-    first = _first(trace_steps(SqrtOfRelu(), _data(), steps=2))
+    batches = _data()
+    # 4-bit activations: a step of ~0.2 at the logits, so some small positive logit rounds to 0.
+    with pytest.warns(UserWarning, match="no quantized kernel"):  # sqrt runs in float, re-quantized
+        qm = prepare(SqrtOfRelu(), QConfig(activation=QuantSpec(bits=4, symmetric=False)), mode="with_bn_reverse_fold",
+                     example_inputs=batches[0].inputs)
+    calibrate(qm, [b.inputs for b in batches])
+    set_mode(qm, "fake", observe=True)
+    return qm
+
+
+def test_sqrt_on_a_quantized_relu_output_creates_inf_in_the_backward():
+    first = _first(trace_steps(_quantized_sqrt_of_relu(), _data(), steps=3))
     assert (first["phase"], first["step"], first["layer"], first["op"]) == ("backward", 0, "sqrt", "sqrt")
     assert first["what"] == "output_grad" and first["tensor"] == "relu" and first["created"] is True
     assert first["posinf"] > 0 and first["cause"] == "backward_op"
     assert "infinite at x = 0" in first["detail"]
+
+
+def test_a_masked_inf_in_the_backward_is_no_alarm():
+    """Float sqrt(relu(.)): Inf in the gradient at the ReLU's output, masked by the ReLU's own
+    backward: every parameter's gradient stays finite, so the run is healthy -- with a note."""
+    torch.manual_seed(0)
+    result = trace_steps(SqrtOfRelu(), _data(), steps=3)
+    assert result.first is None and result.steps_run == 3
+    assert result.meta["contained"] == [{"phase": "backward", "layer": "relu", "what": "output_grad", "step": 0}]
+
+
+@pytest.mark.parametrize("make", [
+    lambda y: torch.where(y > 0, torch.log(y.abs() + (y <= 0)), torch.zeros_like(y)) + torch.where(
+        y > 0, torch.zeros_like(y), torch.log(y)).nan_to_num(0.0) * 0,
+    lambda y: torch.softmax(y.masked_fill(torch.arange(y.shape[1]) > 4, -math.inf), dim=1),
+])
+def test_masked_non_finite_intermediates_are_no_alarm(make):
+    torch.manual_seed(0)
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16 * 16, 10)
+
+        def forward(self, x):
+            return make(self.fc(x.flatten(1)))
+
+    result = trace_steps(Masked(), _data(), steps=3)
+    assert result.first is None and result.meta["contained"], result.first
 
 
 def test_a_large_lr_blows_up_as_gradient_explosion():
@@ -229,15 +290,75 @@ def test_an_observer_update_that_makes_a_scale_zero():
     assert first["cause"] == "scale" and "observer's update" in first["detail"]
 
 
-def test_cheap_checks_and_the_detailed_rerun_agree_on_the_place():
+def test_the_cheap_pass_flags_what_matters_and_notes_what_is_contained():
     torch.manual_seed(0)
     model, batch = SqrtOfRelu(), _data()[0]
     model.train()
     with Watch(model, detail=False) as watch:
         watch.begin(0, 0, 4)
         F.cross_entropy(model(batch.inputs), batch.target).backward()
-        key = watch.flush()
-    assert key[:3] == ("backward", "relu", "output_grad")
+        failed, contained = watch.flush()
+    assert failed is None and contained[:3] == ("backward", "relu", "output_grad")
+    qm = _quantized_sqrt_of_relu()
+    qm.train()
+    with Watch(qm, detail=False) as watch:
+        watch.begin(0, 0, 4)
+        F.cross_entropy(qm(batch.inputs), batch.target).backward()
+        failed, contained = watch.flush()
+    assert failed[0] == "backward" and failed[2] == "param_grad"
+
+
+class ThreeConvs(nn.Module):
+    """conv-lrelu-conv-lrelu-conv-fc on 8x8 images: the chain seed 000's runaway needs."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.act1 = nn.LeakyReLU(0.1)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.act2 = nn.LeakyReLU(0.1)
+        self.conv3 = nn.Conv2d(width, width, 3, padding=1)
+        self.fc = nn.Linear(width * 64, 10)
+
+    def forward(self, x):
+        x = self.act2(self.conv2(self.act1(self.conv1(x))))
+        return self.fc(torch.flatten(self.conv3(x), 1))
+
+
+def test_seed_000_a_range_held_far_too_small_ends_in_range_collapse():
+    """Seed 000's mechanism: an activation range far below its data's (here conv3's output, its
+    calibrated scale x 1e-3, frozen), straight-through gradients pushing through the saturated
+    clamp, the weights feeding it growing step over step until the values overflow."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1000)
+    prototypes = (torch.rand(10, 1, 8, 8, generator=gen) > 0.5).float()
+    y = torch.randint(0, 10, (1024,), generator=gen)
+    x = prototypes[y] + torch.randn(1024, 1, 8, 8, generator=gen)
+    batches = [Batch(x[i:i + 64], y[i:i + 64]) for i in range(0, 1024, 64)]
+    model = ThreeConvs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    for step in range(150):  # a float model that works
+        batch = batches[step % len(batches)]
+        opt.zero_grad()
+        F.cross_entropy(model(batch.inputs), batch.target).backward()
+        opt.step()
+    qm = prepare(model, QConfig(activation=QuantSpec(symmetric=False, observer="ema", estimator="ste")),
+                 example_inputs=x[:8])
+    calibrate(qm, [b.inputs for b in batches[:4]])
+    set_mode(qm, "fake", observe=True)  # QAT with running EMA ranges ...
+    point = quant_points(qm)["conv3"]
+    point.set_qparams(point.scale * 1e-3, point.zero_point)  # ... but conv3's range held far too small
+    set_mode(qm, "fake", "conv3", observe=False)
+    result = trace_steps(qm, batches, steps=300, lr=0.01)
+    first = _first(result)
+    assert first["cause"] == "range_collapse", first
+    assert "activation point conv3 clipped" in first["detail"] and "conv3.weight" in first["detail"]
+    conv3 = [s.saturation["conv3"] for s in result.timeline]
+    assert min(conv3[-20:]) > 0.99  # saturated all along ...
+    weights = [s.weight_max["conv3.weight"] for s in result.timeline]
+    assert weights[-1] > 100 * weights[0]  # ... while the weights feeding it grew
+    assert (result.frame["worst_point"] == "conv3").mean() > 0.8
+    assert "fix conv3's observer" in first["fix"]
 
 
 # -- fp16 and the user's own loop ---------------------------------------------------------------
@@ -412,6 +533,14 @@ def step(model, batch):
 
 def broken(model, batch):
     raise KeyError("no such key")
+
+
+def detached(model, batch):
+    return torch.tensor(1.0)
+
+
+def leaves(model, batch):
+    raise SystemExit(5)
 '''
 
 
@@ -443,6 +572,11 @@ def test_cli_user_module_train_function_and_float_check_on_its_plain_architectur
         broken = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt", "--steps", 1,
                      "--train", "nanpkg.nets:broken")
         broken.assert_error("--train function nanpkg.nets:broken raised KeyError", "nets.py")
+        common = ("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt")
+        cli(*common, "--steps", 1, "--train", "nanpkg.nets:detached").assert_error("does not depend on the model")
+        cli(*common, "--steps", 1, "--train", "nanpkg.nets:leaves").assert_error("raised SystemExit")
+        cli(*common, "--steps", 0, "--train", "nanpkg.nets:step").assert_error("--train runs training steps")
+        cli(*common, "--steps", 1, "--float-check", "--float", "/nonexistent.pt").assert_error("no such file")
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -455,6 +589,47 @@ def test_cli_user_module_train_function_and_float_check_on_its_plain_architectur
 ])
 def test_cli_usage_errors(cli, stages, args, fragment):
     cli("nan-trace", stages.qat, "--data", stages.data, *args).assert_error(fragment)
+
+
+def test_cli_float_check_refuses_an_architecture_that_does_not_fit(cli, stages, tmp_path):
+    qdebug.save(build_zoo("mobilenetv2", **SMALL_MOBILENETV2), tmp_path / "other.pt", stage="float")
+    result = cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 1, "--float-check", "--float", "other.pt")
+    result.assert_error("does not fit the checkpoint's weights")
+
+
+def test_a_model_without_trainable_parameters_cannot_train():
+    with pytest.raises(qdebug.QDebugError, match="no trainable parameters"):
+        trace_steps(nn.Flatten(), _data(), steps=2)
+    assert trace_steps(nn.Flatten(), _data(), steps=0).first is None
+
+
+def test_cli_csv_keeps_the_finding_on_stderr_and_a_clean_run_removes_a_stale_bundle(cli, stages, tmp_path):
+    x, y = torch.load(stages.data, weights_only=True)
+    x = x.clone()
+    x[0, 0, 0, 0] = math.nan
+    torch.save((x, y), tmp_path / "bad.pt")
+    bad = cli("nan-trace", stages.qat, "--data", "bad.pt", "--steps", 1, "--out", "o", "--format", "csv")
+    assert bad.code == 1 and bad.out.startswith("step,batch,loss")
+    assert "FIRST NON-FINITE" in bad.err and "cause: input" in bad.err
+    assert (tmp_path / "o" / "before.pt").is_file()
+    good = cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 1, "--out", "o", "--format", "csv")
+    assert good.code == 0 and not (tmp_path / "o" / "before.pt").exists() and not (tmp_path / "o" / "batch.pt").exists()
+
+
+def test_a_nan_hidden_by_torch_where_bites_in_the_backward():
+    class MaskedSqrt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16 * 16, 10)
+
+        def forward(self, x):
+            y = self.fc(x.flatten(1))
+            return torch.where(y > 0, torch.sqrt(y), torch.zeros_like(y))
+
+    torch.manual_seed(0)
+    first = _first(trace_steps(MaskedSqrt(), _data(), steps=2))
+    assert (first["phase"], first["layer"], first["cause"]) == ("backward", "sqrt", "backward_op")
+    assert "sqrt" in first["hidden"] and "mask the op's input" in first["fix"]
 
 
 def test_cli_refuses_to_train_a_quantized_checkpoint(cli, stages):

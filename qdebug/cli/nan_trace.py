@@ -14,8 +14,8 @@ from qdebug.cli.common import (
     model_errors, progress_bar, resolve_batches, stage_path,
 )
 from qdebug.cli.output import (
-    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
-    table_width,
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
+    say, table_width,
 )
 from qdebug.errors import QDebugError
 
@@ -31,11 +31,13 @@ def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] =
 
     view = frame if top is None else frame.tail(top)
     view = view.reset_index(drop=True)
-    columns = ["step", "batch", "loss", "max_abs_weight", "grad_norm", "worst_saturation", "worst_point"]
+    columns = ["step", "batch", *[c for c in ("loss", "max_abs_weight", "grad_norm", "worst_saturation", "worst_point")
+                                  if c in view and view[c].notna().any()]]
     formats = {"worst_saturation": fixed(3)}
     shown = f"last {len(view)} of {len(frame)}" if len(view) < len(frame) else f"{len(frame)}"
-    title = f"nan-trace timeline: {shown} finite step(s) before" if meta.get("found") else \
-        f"nan-trace timeline: {shown} step(s), all finite"
+    unit = "step(s)" if meta.get("steps") else "forward pass(es)"
+    title = f"nan-trace timeline: {shown} finite {unit} before" if meta.get("found") else \
+        f"nan-trace timeline: {shown} {unit}, all finite"
     return render_table(view, title=title, columns=columns, priority=columns, width=width, names=("worst_point",),
                         formats=formats)
 
@@ -53,6 +55,8 @@ def headline(first: dict) -> list[str]:
         where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
     elif first["what"] == "param_grad":
         where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
+    elif first["what"] == "param" and first["phase"] == "forward":
+        where = f"{subject} was already invalid before the step ran"
     elif first["what"] == "param":
         where = f"the optimizer's step left {subject} non-finite"
     elif first["what"] == "scale":
@@ -111,9 +115,9 @@ def _trainer(spec: Optional[str]):
     def train(model, batch):
         try:
             return fn(model, batch)
-        except (QDebugError, NonFiniteError):
+        except (QDebugError, NonFiniteError, KeyboardInterrupt):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: a training step has no business ending qdebug
             where = where_raised(exc)
             raise QDebugError(f"the --train function {spec} raised {type(exc).__name__}: {first_line(exc)}"
                               + (f", at {where}" if where else ""),
@@ -133,7 +137,7 @@ def _float_model(net, info, float_path: Optional[str], model: Optional[str], uns
         if float_info.stage != "float":
             raise QDebugError(f"--float {float_path} is a {float_info.stage} checkpoint", "give the float checkpoint")
         spec = float_info.model
-    return plain_float_model(net, spec)
+    return plain_float_model(net, spec, strict=bool(float_path))
 
 
 def _bundle(info) -> dict:
@@ -195,6 +199,8 @@ def nan_trace(
         raise QDebugError(f"--loss {loss!r} is not one of auto, ce, mse, distill", "e.g. --loss mse")
     if train and loss is not None:
         raise QDebugError("--train computes the loss itself: --loss does not apply", "give one of --train and --loss")
+    if train and steps == 0:
+        raise QDebugError("--train runs training steps: it does nothing with --steps 0", "give --steps N (N >= 1)")
     if float_path and not float_check:
         raise QDebugError("--float only names the architecture of --float-check", "add --float-check")
     check_counts(batches, batch_size)
@@ -240,6 +246,10 @@ def nan_trace(
         if first is not None:
             files += _write_bundle(out, net, info, result, settings, train)
             repro = _repro_command(out, steps, train, model)
+        else:  # a bundle of an earlier run in this folder would contradict this one
+            for stale in ("before.pt", "batch.pt"):
+                if (out / stale).is_file():
+                    (out / stale).unlink()
         files.append(plot_nan_timeline(result.frame, out / "nan_trace.png", first=first))
     meta["repro"] = repro
     extra: dict[str, Any] = {"first": first, "float_check": result.float_check}
@@ -259,9 +269,14 @@ def nan_trace(
         elif first is not None:
             say("repro: add --out DIR to write the failing batch and the model before the step")
         say("")
-        if len(result.frame):
+        measured = [c for c in ("loss", "max_abs_weight", "grad_norm", "worst_saturation")
+                    if c in result.frame and result.frame[c].notna().any()]
+        if len(result.frame) and measured:  # a float model's forward passes measure nothing worth a table
             print_table(render_timeline(result.frame, meta, width=table_width(wide), top=None if wide else SHOWN_STEPS))
 
+    if fmt == "csv" and first is not None:  # the CSV is the timeline: the finding goes to the person
+        for line in headline(first):
+            note(line)
     emit(Report("nan_trace", result.frame, meta, files=files, json_extra=extra, rows_key="timeline"), fmt, out, render)
     if first is not None:
         raise typer.Exit(1)

@@ -157,24 +157,37 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def plot_nan_timeline(frame: pd.DataFrame, path: str | Path, *, first: dict | None) -> Path:
-    """The steps before the first non-finite value: loss, largest |weight| and gradient norm on
-    log scales, the worst activation point's saturation; the failing step marked in red."""
+    """The steps before the first non-finite value: loss, largest |weight| and gradient norm (log
+    scales when they span more than 100x; symlog when a value is 0), the worst activation point's
+    saturation; the failing step marked in red."""
+    from matplotlib.ticker import MaxNLocator
+
     panels = [("loss", "loss"), ("max_abs_weight", "max |weight|"), ("grad_norm", "gradient norm"),
               ("worst_saturation", "worst saturation")]
-    panels = [(c, label) for c, label in panels if c in frame and frame[c].notna().any()]
-    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(7, 1.9 * max(len(panels), 1) + 0.6), sharex=True,
-                             squeeze=False)
+    panels = [(c, label) for c, label in panels if c in frame and frame[c].notna().any()] or [("step", "step")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 1.9 * len(panels) + 0.6), sharex=True, squeeze=False)
     steps = list(frame["step"]) if len(frame) else []
     for ax, (column, label) in zip(axes[:, 0], panels):
-        values = _finite(frame[column])
-        ax.plot(steps, values, marker="." if len(steps) < 60 else None, linewidth=1)
-        positive = [v for v in values if v == v and v > 0]
+        values = _finite(frame[column]) if column != "step" else []
+        if values:
+            ax.plot(steps, values, marker="." if len(steps) < 60 else None, linewidth=1)
+        shown = [v for v in values if v == v]
+        positive = [v for v in shown if v > 0]
         if column != "worst_saturation" and positive and max(positive) / min(positive) > 100:
-            ax.set_yscale("log")
-        if column == "worst_saturation":
+            if len(positive) < len(shown):  # a 0 (a dead gradient) has no place on a log axis
+                ax.set_yscale("symlog", linthresh=min(positive))
+            else:
+                ax.set_yscale("log")
+        elif column == "worst_saturation":
             ax.set_ylim(-0.03, 1.03)
-        ax.set_ylabel(label, fontsize=8)
+        if ax.get_yscale() == "linear":
+            ax.ticklabel_format(axis="y", useOffset=False)
+        ax.set_ylabel(label if column != "step" else "", fontsize=8)
         ax.grid(alpha=0.3)
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if not steps:
+        axes[0, 0].text(0.5, 0.5, "no finite step before the first non-finite value", ha="center", va="center",
+                        transform=axes[0, 0].transAxes, fontsize=9)
     if first is not None:
         for ax in axes[:, 0]:
             ax.axvline(first["step"], color="tab:red", linestyle="--", linewidth=1)

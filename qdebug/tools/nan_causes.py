@@ -48,7 +48,7 @@ DOMAIN_OPS = {
     "div": "a divisor != 0", "truediv": "a divisor != 0", "rtruediv": "a divisor != 0", "true_divide": "a divisor != 0",
     "reciprocal": "x != 0", "pow": "a non-negative base for fractional powers", "acos": "|x| <= 1",
     "asin": "|x| <= 1", "atanh": "|x| < 1", "acosh": "x >= 1", "lgamma": "x not a non-positive integer",
-    "digamma": "x not a non-positive integer", "exp": "x small enough not to overflow",
+    "digamma": "x not a non-positive integer",
 }
 DIVIDING = ("div", "truediv", "rtruediv", "true_divide", "reciprocal", "rsqrt")
 
@@ -102,7 +102,6 @@ class Evidence:
     inputs: Any = None  # the failing batch's model inputs
     targets: Any = None  # and its targets
     history: list[StepStats] = field(default_factory=list)  # the steps before the failing one
-    bad_at_start: list[str] = field(default_factory=list)  # parameters non-finite when the step began
     lr: float | None = None
     optimizer: str | None = None
     feeding: dict[str, list[str]] = field(default_factory=dict)  # activation point -> weights of its layers
@@ -134,14 +133,15 @@ def evidence_for(model: nn.Module, **known: Any) -> Evidence:
 
 
 def diagnose(f: Finding, ev: Evidence) -> Diagnosis:
-    for rule in (_input, _weights, _scale, _bn_variance, _bn_zero_weight, _range_collapse, _gradient_explosion,
-                 _op_domain, _backward_op, _overflow):
+    for rule in (_nondeterministic, _input, _weights, _scale_as_set, _bn_variance, _bn_zero_weight, _half_overflow,
+                 _range_collapse, _gradient_explosion, _scale, _op_domain, _backward_op, _overflow):
         found = rule(f, ev)
         if found is not None:
             return found
     if f.layer == "loss":
         return Diagnosis("unknown", "every tensor of the model was finite, but the loss was not",
-                         "check the loss function: a log of 0, a division by a zero count, targets out of range")
+                         "check the targets (NaN/Inf, class indices out of range) and the loss function (a log of 0, "
+                         "a division by a zero count)")
     return Diagnosis("unknown", f"{f.op} {'created' if f.created else 'passed on'} the value in the {f.phase}; "
                      "no rule explains it", f"re-run the repro bundle under --debug and inspect {f.layer}")
 
@@ -179,14 +179,28 @@ def _nonfinite_samples(values: Any) -> list[int]:
 
 
 def _weights(f: Finding, ev: Evidence) -> Diagnosis | None:
-    if not ev.bad_at_start:
+    if f.what != "param" or f.phase != "forward" or f.tensor.endswith("running_var"):
         return None
-    name = ev.bad_at_start[0]
-    more = f" (and {len(ev.bad_at_start) - 1} more)" if len(ev.bad_at_start) > 1 else ""
     # Every watched update is checked, so a parameter non-finite at a step's start came that way.
-    origin = "as loaded" if not ev.history else "from an update qdebug did not watch"
-    return Diagnosis("weights", f"parameter {name}{more} was already non-finite when the step began ({origin})",
+    origin = "as loaded" if not ev.history else "changed outside the watched steps"
+    return Diagnosis("weights", f"parameter {f.tensor} was already non-finite when step {f.step} began ({origin})",
                      "restart from an earlier, finite checkpoint (and lower the lr if an update broke it)")
+
+
+def _nondeterministic(f: Finding, ev: Evidence) -> Diagnosis | None:
+    if f.reproducible:
+        return None
+    return Diagnosis("nondeterministic", f"the step's check saw a non-finite {f.what.replace('_', ' ')} at "
+                     f"{f.layer or f.phase}, but re-running the step from its snapshot (model, optimizer, torch's, "
+                     "numpy's and Python's RNG) stayed finite: something outside them changes between runs",
+                     "make the data and training functions deterministic (no counters, unseeded generators or "
+                     "global state), then trace again")
+
+
+def _scale_as_set(f: Finding, ev: Evidence) -> Diagnosis | None:
+    """A scale invalid before the step or driven there by the optimizer: the cause itself.  One an
+    observer made invalid is weighed after the history (exploding values also ruin ranges)."""
+    return _scale(f, ev) if f.phase != "observer" else None
 
 
 def _scale(f: Finding, ev: Evidence) -> Diagnosis | None:
@@ -210,27 +224,38 @@ def _scale(f: Finding, ev: Evidence) -> Diagnosis | None:
                      f"zero point in range): {how}", fix)
 
 
-def _bn_modules(f: Finding, ev: Evidence) -> list[tuple[str, nn.Module]]:
-    """The BatchNorms in the module that made the failing call (for an inline op, its container)."""
-    path = f.owner
-    try:
-        scope = ev.model.get_submodule(path) if path else ev.model
-    except AttributeError:
-        return []
-    if isinstance(scope, nn.modules.batchnorm._BatchNorm):
-        return [(path, scope)]
-    return [(f"{path}.{n}" if path else n, m) for n, m in scope.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+def _bn_modules(f: Finding, ev: Evidence, *, scope: bool) -> list[tuple[str, nn.Module]]:
+    """The BatchNorms of the failing call: the called module itself or its paired BN (a QConv's
+    sits beside it), and with ``scope`` every BN in the module whose forward made the call (an
+    inline op's container)."""
+    found: dict[int, tuple[str, nn.Module]] = {}
+    modules = dict(ev.model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    called = modules.get(f.layer.split("#")[0])
+    for module in (called, getattr(called, "bn", None)):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            found[id(module)] = (names.get(id(module), ""), module)
+    container = (modules.get(f.owner) if f.owner else ev.model) if scope else None
+    for path, module in (container.named_modules() if container is not None else []):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            found.setdefault(id(module), (names.get(id(module), path), module))
+    return list(found.values())
 
 
 def _bn_variance(f: Finding, ev: Evidence) -> Diagnosis | None:
-    if f.phase != "forward" or not f.created:
+    if f.what == "param" and f.tensor.endswith("running_var"):  # found before the step ran
+        candidates = [(f.layer, ev.model.get_submodule(f.layer))] if f.layer else []
+    elif f.phase == "forward" and f.created:
+        candidates = _bn_modules(f, ev, scope=False)
+    else:
         return None
-    for name, bn in _bn_modules(f, ev):
+    for name, bn in candidates:
         var = getattr(bn, "running_var", None)
         if var is None:
             continue
-        bad = (var < 0) | ~torch.isfinite(var)
+        # A NaN that this step's own forward wrote into the statistics is a consequence: only a
+        # negative variance, or one that was already not finite when the step began, is a cause.
+        bad = (var < 0) | (~torch.isfinite(var) if f.what == "param" else torch.zeros_like(var, dtype=torch.bool))
         if bool(bad.any()):
             channels = [int(i) for i in bad.nonzero().reshape(-1)[:8]]
             return Diagnosis("bn_variance", f"BatchNorm {name} has a negative or NaN running_var in channel(s) "
@@ -243,7 +268,7 @@ def _bn_variance(f: Finding, ev: Evidence) -> Diagnosis | None:
 def _bn_zero_weight(f: Finding, ev: Evidence) -> Diagnosis | None:
     if f.phase != "forward" or not f.created or not _dividing(f.op):
         return None
-    for name, bn in _bn_modules(f, ev):
+    for name, bn in _bn_modules(f, ev, scope=True):
         gamma = getattr(bn, "weight", None)
         if gamma is None:
             continue
@@ -254,6 +279,13 @@ def _bn_zero_weight(f: Finding, ev: Evidence) -> Diagnosis | None:
                              f"whose gamma is 0 in channel(s) {channels}: 0 / 0 = NaN",
                              f"fold {name} with qdebug's with_bn_reverse_fold (it handles gamma = 0 exactly), or "
                              "divide by torch.where(f == 0, 1, f) as torch's ConvBn2d does")
+    return None
+
+
+def _half_overflow(f: Finding, ev: Evidence) -> Diagnosis | None:
+    """A half-precision op overflowing is that op's range, whatever the history (autocast)."""
+    if f.dtype in ("float16", "bfloat16") and f.phase == "forward" and f.created and (f.posinf or f.neginf):
+        return _overflow(f, ev)
     return None
 
 
@@ -295,14 +327,14 @@ def _range_collapse(f: Finding, ev: Evidence) -> Diagnosis | None:
 
 def _gradient_explosion(f: Finding, ev: Evidence) -> Diagnosis | None:
     norms = [h.grad_norm for h in ev.history if h.grad_norm is not None]
-    if len(norms) < 2 or f.phase == "observer":
+    if len(norms) < 3:
         return None
     # The run of growing norms that ends at the last step.
     start = len(norms) - 1
     while start > 0 and norms[start - 1] > 0 and norms[start] > norms[start - 1]:
         start -= 1
     rising = norms[start:]
-    if len(rising) < 2 or rising[0] <= 0:
+    if len(rising) < 3 or rising[0] <= 0:  # two rises in a row, at least: one is noise
         return None
     growth = (rising[-1] / rising[0]) if math.isfinite(rising[-1]) else math.inf
     if growth < GROWTH:
@@ -348,6 +380,12 @@ def _backward_op(f: Finding, ev: Evidence) -> Diagnosis | None:
            "truediv": "the derivative of a / b, -a / b^2, overflows for b near 0"}.get(op, "its derivative overflowed "
                                                                                      "on finite values")
     target = "the gradient of " + (f.tensor or "its input")
+    if f.layer in f.hidden:  # its forward made NaN/Inf that a mask (torch.where) kept out of the output
+        return Diagnosis("backward_op", f"the forward of {f.layer} ({op}) made NaN/Inf where a mask hid it from the "
+                         f"output; the backward multiplies the mask's zero gradient by its derivative there "
+                         f"(0 x Inf = NaN) and so created {target}",
+                         "mask the op's input, not its output: e.g. torch.sqrt(torch.where(c, x, 1)) inside "
+                         "torch.where(c, ..., 0)")
     return Diagnosis("backward_op", f"the forward of {f.layer} ({op}) was finite, but its backward created {target}: "
                      f"{why}", "guard the op (e.g. torch.sqrt(x + 1e-12), or x.clamp_min(1e-12) before it) so its "
                      "derivative stays finite")

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
 from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
-from qdebug.tools.nan_watch import NonFiniteError, Watch, consumers_of, finite
+from qdebug.tools.nan_watch import NonFiniteError, Watch, consumers_of
 
 
 class NanTrace:
@@ -41,17 +41,19 @@ class NanTrace:
         self.report: dict[str, Any] | None = None
         self.steps = 0
         self._stats = StepStats(0, 0)
-        self._bad_at_start: list[str] = []
 
     def __enter__(self) -> "NanTrace":
         self.watch.__enter__()
-        self._begin()
+        try:
+            self._begin()  # a parameter or scale already invalid raises here, before the block runs
+        except NonFiniteError as exc:
+            self.__exit__(type(exc), exc, None)
+            raise
         return self
 
     def _begin(self) -> None:
         self.watch.begin(self.steps, self.steps)
         self._stats = StepStats(self.steps, self.steps)
-        self._bad_at_start = [n for n, p in self.model.named_parameters() if not finite(p)]
 
     def step(self, loss: Any = None) -> None:
         """The end of one training step: check the parameters and learned scales after the
@@ -83,7 +85,7 @@ class NanTrace:
     def _diagnosed(self, exc: NonFiniteError) -> dict[str, Any]:
         finding = exc.finding
         diagnosis = diagnose(finding, evidence_for(self.model, history=list(self.history),
-                                                   bad_at_start=list(self._bad_at_start), lr=self.lr))
+                                                   lr=self.lr))
         return {**finding.to_dict(), "cause": diagnosis.cause, "detail": diagnosis.detail, "fix": diagnosis.fix}
 
 

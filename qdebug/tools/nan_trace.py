@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -33,7 +34,7 @@ from qdebug.engine.context import run_model
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.errors import QDebugError
 from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
-from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of, finite
+from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of
 
 LOSSES = ("auto", "ce", "mse", "distill")
 OPTIMIZERS = ("sgd", "adam")
@@ -49,6 +50,7 @@ class Snapshot:
     rng_state: torch.Tensor
     step: int
     batch: int
+    other_rng: tuple = ()  # Python's and numpy's generator states (a user's data or training code may draw)
 
 
 @dataclass
@@ -101,9 +103,15 @@ def compute_loss(model: nn.Module, batch: Batch, kind: str, train: Callable | No
     """The step's loss (module docstring); a clean error when the data cannot give one."""
     if train is not None:
         loss = train(model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise QDebugError(f"the --train function returned {type(loss).__name__}, not a scalar loss tensor",
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not torch.is_floating_point(loss):
+            what = f"a {loss.dtype} tensor of {loss.numel()} value(s)" if isinstance(loss, torch.Tensor) else \
+                type(loss).__name__
+            raise QDebugError(f"the --train function returned {what}, not a floating-point scalar loss",
                               "return the loss: def step(model, batch): ... return loss")
+        if not loss.requires_grad:
+            raise QDebugError("the --train function's loss does not depend on the model's parameters "
+                              "(computed without the model, under torch.no_grad, or detached)",
+                              "return the loss the model's output gives, not a copy or a number")
         return loss.reshape(())
     if kind == "distill" or (kind == "auto" and batch.target is None):
         if not is_prepared(model):
@@ -150,7 +158,7 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
     """Run ``steps`` steps (0: forward passes only) until the first non-finite value (module docstring)."""
     if loss not in LOSSES:
         raise QDebugError(f"unknown loss {loss!r}", f"choose one of {', '.join(LOSSES)}")
-    torch.manual_seed(seed)
+    _seed_all(seed)
     if rng_state is not None:
         torch.set_rng_state(rng_state)
     run = _Run(model, batches, steps=steps, loss=loss, optimizer=optimizer, lr=lr, train=train, saturation=True)
@@ -161,9 +169,10 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
             raise QDebugError(f"the saved optimizer state does not fit --optimizer {optimizer}: {exc}",
                               "use the optimizer the bundle was made with") from None
     finding = run.go(progress)
+    contained = [{"phase": k[0], "layer": k[1], "what": k[2], "step": step} for k, step in run.contained.items()]
     result = TraceResult(None, run.history, run.steps_run, meta={
         "steps": steps, "loss": run.loss_kind, "optimizer": optimizer if steps else None,
-        "lr": lr if steps else None, "seed": seed, "batches": len(batches)})
+        "lr": lr if steps else None, "seed": seed, "batches": len(batches), "contained": contained})
     if finding is not None:
         diagnosis = diagnose(finding, run.evidence(finding))
         result.first = {**finding.to_dict(), "cause": diagnosis.cause, "detail": diagnosis.detail,
@@ -171,7 +180,7 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
         result.snapshot = run.failing_snapshot
         result.failing_batch = batches[finding.batch]
     if float_model is not None:
-        torch.manual_seed(seed)
+        _seed_all(seed)
         if rng_state is not None:
             torch.set_rng_state(rng_state)
         # All the requested steps, not only those up to the finding: a float model that fails a
@@ -197,11 +206,14 @@ class _Run:
         self.lr = lr
         self.optimizer_name = optimizer
         self.optimizer = make_optimizer(model, optimizer, lr) if steps else None
+        if steps and self.optimizer is None:
+            raise QDebugError("the model has no trainable parameters: there is nothing to train",
+                              "trace its forward passes with --steps 0")
         self.float_check = float_check
         self.history: list[StepStats] = []
         self.steps_run = 0
         self.failing_snapshot: Snapshot | None = None
-        self.bad_at_start: list[str] = []
+        self.contained: dict[tuple, int] = {}  # (phase, layer, what) of a contained non-finite value -> first step
         consumers = consumers_of(engine_state(model).plan) if is_prepared(model) else _traced_consumers(model, batches)
         self.watch = Watch(model, detail=False, saturation=saturation, consumers=consumers)
         self.params = [(n, p) for n, p in model.named_parameters()]
@@ -215,7 +227,7 @@ class _Run:
             self.model.eval()
         with self.watch:
             for index in range(total):
-                step, batch_index = (index, index % len(self.batches)) if self.steps else (0, index)
+                step, batch_index = (index, index % len(self.batches)) if self.steps else (index, index)
                 found = self._one(step, batch_index)
                 self.steps_run = index + 1
                 if progress is not None:
@@ -227,36 +239,34 @@ class _Run:
     def _one(self, step: int, batch_index: int) -> Finding | None:
         batch = self.batches[batch_index]
         snapshot = self._snapshot(step, batch_index)
-        self.bad_at_start = [n for n, p in self.params if not finite(p)]
         stats = StepStats(step, batch_index)
         self.watch.detail = False
-        self.watch.begin(step, batch_index, batch.size())
         try:
+            self.watch.begin(step, batch_index, batch.size())  # what the step starts from: exact in any mode
             self._step(batch, stats)
-        except NonFiniteError as exc:  # only raised in detail mode: not here
+        except NonFiniteError as exc:
+            self.failing_snapshot = snapshot
             return exc.finding
-        flagged = self.watch.flush()
-        if flagged is None and self._loss_finite(stats):
+        failed, contained = self.watch.flush()
+        if failed is None:
+            if contained is not None:
+                self.contained.setdefault(contained[:3], step)
             self.history.append(stats)
             return None
         # Re-run the step in detail from the snapshot: the first non-finite value, with its story.
         self._restore(snapshot)
         self.failing_snapshot = snapshot
         self.watch.detail = True
-        self.watch.begin(step, batch_index, batch.size())
-        retry = StepStats(step, batch_index)
         try:
-            self._step(batch, retry)
+            self.watch.begin(step, batch_index, batch.size())
+            self._step(batch, StepStats(step, batch_index))
         except NonFiniteError as exc:
             return exc.finding
         finally:
             self.watch.detail = False
-        if not self._loss_finite(retry):
-            return self._loss_finding(step, batch_index, retry)
-        # A finite step after all (a finite tensor whose sum overflowed): carry on from it.
-        self.failing_snapshot = None
-        self.history.append(retry)
-        return None
+        # The re-run stayed finite: the step is not reproducible from its snapshot.
+        phase, layer, what, tensor = failed
+        return Finding(phase, layer, "", what, tensor=tensor, step=step, batch=batch_index, reproducible=False)
 
     def _step(self, batch: Batch, stats: StepStats) -> None:
         watch = self.watch
@@ -264,19 +274,27 @@ class _Run:
             with torch.no_grad():
                 run_model(self.model, batch.inputs)
             watch.check_scales("observer")
-            self._saturation(stats)
+            stats.take_saturation(watch.point_saturation)
             return
         self.optimizer.zero_grad(set_to_none=True)
         loss = compute_loss(self.model, batch, self.loss_kind, self.train)
         watch.check_scales("observer")
-        self._saturation(stats)
+        watch.check_loss(loss)
+        stats.take_saturation(watch.point_saturation)
         stats.loss = float(loss.detach())
         if not math.isfinite(stats.loss):
-            return  # the forward's checks say where, the loss's own check below when they do not
-        loss.backward()
+            return  # flagged: the detailed re-run says where
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            if self.train is not None and ("second time" in str(exc) or "does not require grad" in str(exc)):
+                raise QDebugError(f"the --train function's loss cannot be back-propagated: {str(exc).splitlines()[0]}",
+                                  "return the loss the model computed, without calling backward() on it") from None
+            raise
         grads = [(n, p.grad.detach()) for n, p in self.params if p.grad is not None]
         if grads:
-            stats.take_grad_norms([n for n, _ in grads], torch._foreach_norm([g for _, g in grads]))
+            stats.take_grad_norms([n for n, _ in grads],
+                                  torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float64))
         self.optimizer.step()
         watch.check_scales("update")
         tensors = [p.detach() for _, p in self.params]
@@ -285,31 +303,18 @@ class _Run:
             watch.check_params(list(maxima))
             stats.take_weight_maxima([n for n, _ in self.params], maxima)
 
-    def _saturation(self, stats: StepStats) -> None:
-        stats.take_saturation(self.watch.point_saturation)
-
-    def _loss_finite(self, stats: StepStats) -> bool:
-        return stats.loss is None or math.isfinite(stats.loss)
-
-    def _loss_finding(self, step: int, batch: int, stats: StepStats) -> Finding:
-        """Every tensor of the model was finite, yet the loss was not: the loss made it."""
-        value = stats.loss
-        f = Finding("forward", "loss", self.loss_kind, "output", created=True, step=step, batch=batch, numel=1,
-                    nan=int(math.isnan(value)), posinf=int(value == math.inf), neginf=int(value == -math.inf),
-                    dtype="float32")
-        return f
-
     # -- snapshots ----------------------------------------------------------------------
     def _snapshot(self, step: int, batch: int) -> Snapshot:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        return Snapshot(state, opt, torch.get_rng_state(), step, batch)
+        return Snapshot(state, opt, torch.get_rng_state(), step, batch, _other_rng_states())
 
     def _restore(self, snapshot: Snapshot) -> None:
         self.model.load_state_dict(snapshot.model_state)
         if self.optimizer is not None and snapshot.optimizer_state is not None:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer_state))
         torch.set_rng_state(snapshot.rng_state)
+        _set_other_rng_states(snapshot.other_rng)
         if is_prepared(self.model):
             for point in engine_state(self.model).points.values():
                 point.forget_cached()
@@ -318,7 +323,7 @@ class _Run:
     def evidence(self, finding: Finding):
         batch = self.batches[finding.batch]
         return evidence_for(self.model, inputs=batch.inputs, targets=batch.target, history=list(self.history),
-                            bad_at_start=list(self.bad_at_start), lr=self.lr if self.steps else None,
+                            lr=self.lr if self.steps else None,
                             optimizer=self.optimizer_name if self.steps else None)
 
 
@@ -337,7 +342,37 @@ def _traced_consumers(model: nn.Module, batches: list[Batch]) -> dict[str, list[
     return consumers_of(plan)
 
 
-def plain_float_model(model: nn.Module, spec) -> tuple[nn.Module, str]:
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        pass
+
+
+def _other_rng_states() -> tuple:
+    try:
+        import numpy as np
+
+        return random.getstate(), np.random.get_state()
+    except ImportError:  # pragma: no cover
+        return random.getstate(), None
+
+
+def _set_other_rng_states(states: tuple) -> None:
+    if not states:
+        return
+    random.setstate(states[0])
+    if states[1] is not None:
+        import numpy as np
+
+        np.random.set_state(states[1])
+
+
+def plain_float_model(model: nn.Module, spec, *, strict: bool = False) -> tuple[nn.Module, str]:
     """The float architecture ``spec`` (a ModelSpec) built without the engine, holding ``model``'s
     weights: every parameter and buffer it has, found under the same name and shape in ``model``.
     When ``model`` lacks some (BN folded away by fuse_bn), a copy of ``model`` with every quant
@@ -354,6 +389,13 @@ def plain_float_model(model: nn.Module, spec) -> tuple[nn.Module, str]:
             if isinstance(dict(plain.named_modules()).get(path), nn.modules.batchnorm._BatchNorm):
                 freeze_bn_stats(plain, path)
         return plain, "plain"
+    if strict:  # an architecture the user named: it must hold these weights
+        missing = [k for k, v in wanted.items() if k not in source]
+        shaped = [k for k, v in wanted.items() if k in source and source[k].shape != v.shape]
+        what = f"lacks {missing[0]}" if missing else f"has {shaped[0]} shaped {list(source[shaped[0]].shape)}, " \
+            f"not {list(wanted[shaped[0]].shape)}"
+        raise QDebugError(f"the float architecture {spec.target} does not fit the checkpoint's weights (the "
+                          f"checkpoint {what})", "give --float the float checkpoint of this same model")
     stand_in = copy.deepcopy(model)
     if is_prepared(stand_in):
         for point in engine_state(stand_in).points.values():

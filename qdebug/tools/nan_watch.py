@@ -75,6 +75,9 @@ class Finding:
     params: list[str] = field(default_factory=list)  # the layer's own parameters that are not finite
     value: float | None = None  # a scale's value
     owner: str = ""  # the module whose forward made the call (an inline op's container)
+    reproducible: bool = True  # False: the cheap check saw it, the step's detailed re-run did not
+    hidden: list[str] = field(default_factory=list)  # calls of this step whose non-finite output a mask or a
+    # saturating quant point kept from spreading (torch.where, a -inf mask, an Inf clamped by fake quantization)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,26 +139,41 @@ class Watch:
         self.saturation = saturation and is_prepared(model)
         self.plan = engine_state(model).plan if is_prepared(model) else None
         self.points = engine_state(model).points if is_prepared(model) else {}
-        self.consumers = consumers or {}  # call name -> consumer call names ("<output>" for the model's)
+        self.static_consumers = consumers or {}  # call -> consumers from a plan: where the run shows none
         self.params = [(n, p) for n, p in model.named_parameters()]
         self.param_names = {id(p): n for n, p in self.params}
-        self.step_index = 0
-        self.batch_index = 0
-        self.batch_size = 0
-        self.pending: list[tuple[tuple, torch.Tensor]] = []  # ((phase, layer, what, tensor), sum)
-        self.point_saturation: dict[str, torch.Tensor] = {}  # this step: point -> clipped fraction
-        # This step: parameter -> its gradient's 2-norm, taken as it is accumulated (a user's loop
-        # may zero the gradients before the step's end is reported).
+        self.batchnorms = [(n, m) for n, m in model.named_modules()
+                           if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         self.keep_grad_norms = keep_grad_norms
-        self.grad_norms: dict[str, torch.Tensor] = {}
+        self.step_index = self.batch_index = self.batch_size = 0
         self.valid_scales: set[str] = set()  # points whose scale was valid when the step began
         self._handles: list[Any] = []
         self._tap = None
+        self._reset()
+
+    def _reset(self) -> None:
+        # Cheap mode: exact flags of what matters, and sums of everything else (see ``flush``).
+        self.essential: list[tuple[tuple, torch.Tensor]] = []
+        self.intermediate: list[tuple[tuple, torch.Tensor]] = []
+        self.point_saturation: dict[str, torch.Tensor] = {}  # this step: point -> clipped fraction
+        # This step: parameter -> its gradient's 2-norm, taken as it is accumulated (a user's loop
+        # may zero the gradients before the step's end is reported).
+        self.grad_norms: dict[str, torch.Tensor] = {}
+        # Detailed mode: this step's non-finite values by call, and the calls' graph as it ran.
+        self.forward_events: dict[str, Finding] = {}
+        self.grad_events: dict[str, Finding] = {}
+        self.producers: dict[str, list[str]] = {}
+        self.consumers: dict[str, list[str]] = {}
+        self._tensor_call: dict[int, str] = {}
+        self._node_call: dict[Any, str] = {}
+        self._alive: list[torch.Tensor] = []  # keeps ids unique while the step runs
 
     # -- installing -----------------------------------------------------------------
     def __enter__(self) -> "Watch":
         self._tap = tap(self.model, self._on_call)
         self._tap.__enter__()
+        # After the engine's (and tap's) own root hook: sees the output the caller gets.
+        self._handles.append(self.model.register_forward_hook(self._on_model_output))
         for name, p in self.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
@@ -168,55 +186,143 @@ class Watch:
         if self._tap is not None:
             self._tap.__exit__(None, None, None)
             self._tap = None
+        self._reset()
 
     def begin(self, step: int, batch: int, batch_size: int = 0) -> None:
+        """A new step: forget the last one's values; check what it starts from (``check_start``)."""
         self.step_index, self.batch_index, self.batch_size = step, batch, batch_size
-        self.pending = []
-        self.point_saturation = {}
-        self.grad_norms = {}
+        self._reset()
         self.valid_scales = {p.name for p in points_in_use(self.model) if not bool(scale_invalid(p).any())}
+        self.check_start()
 
-    # -- the checks -------------------------------------------------------------------
-    def _look(self, key: tuple, t: torch.Tensor, make: Any) -> None:
-        """Cheap: keep the fused sum.  Detailed: raise at once when ``t`` is not finite
-        (``make()`` builds the finding)."""
-        if not self.detail:
-            self.pending.append((key, fused_sum(t)))
-            return
-        if math.isfinite(float(fused_sum(t))) or finite(t):
-            return
-        finding = make()
-        raise NonFiniteError(finding)
+    # -- what the step starts from ---------------------------------------------------------
+    def check_start(self) -> None:
+        """A parameter or a scale already non-finite (or invalid) before the step runs: raised in
+        either mode -- nothing to re-run, and an integer kernel would fail on a NaN scale."""
+        for name, p in self.params:
+            if p.is_floating_point() and not finite(p):
+                layer = name.rsplit(".", 1)[0] if "." in name else ""
+                f = Finding("forward", layer, self._module_op(layer), "param", tensor=name, created=False,
+                            point=self._weight_point(layer, name))
+                raise NonFiniteError(self._stamp(f, p))
+        for path, bn in self.batchnorms:
+            var = bn.running_var
+            if not bn.training and var is not None and not bool(((var >= 0) & torch.isfinite(var)).all()):
+                # Statistics in use (eval, or frozen) that cannot be: sqrt(var + eps) would be NaN.
+                f = Finding("forward", path, type(bn).__name__, "param", tensor=f"{path}.running_var", created=False)
+                raise NonFiniteError(self._stamp(f, var))
+        for point in points_in_use(self.model):
+            self._check_scale(point, point.owner or point.name, point.op)
 
-    def _stamp(self, f: Finding, t: torch.Tensor | None) -> Finding:
-        f.step, f.batch = self.step_index, self.batch_index
-        if t is not None:
-            count_nonfinite(f, t, self.batch_size)
-        return f
-
+    # -- the forward ------------------------------------------------------------------------
     def _on_call(self, event: Event) -> None:
         call = event.call
         if call.category == "input" and not self.batch_size and isinstance(event.out, torch.Tensor) and event.out.dim():
             self.batch_size = event.out.shape[0]  # a user's loop: samples are counted along the input's dim 0
         point = self._output_point(call.name)
         if self.detail and point is not None and point.mode == "fake" and point.initialized:
-            self._check_scale(point, call.name, call.op, during=True)
+            self._check_scale(point, call.name, call.op)
         raw = [t for t in tensors_in(event.raw) if is_float(t)] if event.raw is not event.out else []
         outs = [t for t in tensors_in(event.out) if is_float(t)]
-        for t in raw:
-            self._look(("forward", call.name, "raw_output", ""), t,
-                       lambda t=t: self._forward_finding(event, t, "raw_output", point))
-        # Fake quantization with a valid scale (checked apart) maps a finite input to a finite
-        # output: the quantized output needs its own look only when its input was not summed.
-        for t in (outs if not raw or self.detail else []):
-            self._look(("forward", call.name, "output", ""), t,
-                       lambda t=t: self._forward_finding(event, t, "output", point))
+        if call.category == "input":  # the data itself matters, even where the input's quant point saturates it
+            data = (raw or outs)[:1]
+            if not self.detail:
+                self.essential += [(("forward", call.name, "output", ""), torch.isfinite(t.detach()).all()) for t in data]
+            elif data and not finite(data[0]):
+                raise NonFiniteError(self._forward_finding(event, data[0], "output", point))
+        if self.detail:
+            self._link(call.name, [x for x in event.inputs if is_float(x)], outs)
+            for what, tensors in (("raw_output", raw), ("output", outs)):
+                bad = next((t for t in tensors if not finite(t)), None)
+                if bad is not None and call.name not in self.forward_events:
+                    self.forward_events[call.name] = self._forward_finding(event, bad, what, point)
+        else:
+            # Fake quantization with a valid scale maps a finite input to a finite output: the
+            # quantized output needs its own sum only when its input was not summed.
+            for t in raw or outs:
+                self.intermediate.append((("forward", call.name, "output", ""), fused_sum(t)))
         for t in outs:
             if t.requires_grad and torch.is_grad_enabled():
-                t.register_hook(self._grad_hook(call.name, call.op))
+                t.register_hook(self._grad_hook(call.name))
         if self.saturation and point is not None and point.kind == "activation" and raw and not point.spec.per_channel \
                 and point.mode == "fake" and point.initialized:
             self.point_saturation[point.name] = clipped_fraction(raw[0], point)
+
+    def _link(self, name: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Detailed mode: the call graph as it runs (tensor identity, else the autograd graph)."""
+        found = [p for p in (self._producer_of(x) for x in inputs) if p]
+        self.producers[name] = list(dict.fromkeys(found))
+        for p in self.producers[name]:
+            self.consumers.setdefault(p, []).append(name)
+        for t in outs:
+            self._tensor_call[id(t)] = name
+            self._alive.append(t)
+            if t.grad_fn is not None:
+                self._node_call[t.grad_fn] = name
+
+    def _producer_of(self, x: torch.Tensor) -> str | None:
+        name = self._tensor_call.get(id(x))
+        if name is not None or x.grad_fn is None:
+            return name
+        # A view, a max-pool or another op the tap does not name sits in between: walk back.
+        frontier, seen = [x.grad_fn], set()
+        for _ in range(64):
+            if not frontier:
+                break
+            node = frontier.pop(0)
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in self._node_call:
+                return self._node_call[node]
+            frontier += [n for n, _ in node.next_functions if n is not None]
+        return None
+
+    def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        outs = [t for t in tensors_in(output) if is_float(t)]
+        if not self.detail:
+            for t in outs:
+                self.essential.append((("forward", "<output>", "output", ""), torch.isfinite(t.detach()).all()))
+            return
+        bad = [t for t in outs if not finite(t)]
+        if bad:
+            self._raise(self._origin_forward(bad))
+
+    def _origin_forward(self, bad_outputs: list[torch.Tensor]) -> Finding:
+        """The call that created the non-finite output: from the output's call, upstream through
+        producers whose outputs were non-finite too, to one whose inputs were finite."""
+        starts = [self._producer_of(t) for t in bad_outputs]
+        current = next((s for s in starts if s in self.forward_events), None)
+        if current is None:  # no call is known to have made it: the earliest non-finite call
+            if not self.forward_events:
+                f = Finding("forward", "<output>", "output", "output", created=None)
+                return self._stamp(f, bad_outputs[0])
+            current = next(iter(self.forward_events))
+        order = list(self.forward_events)
+        seen = {current}
+        while True:
+            upstream = [p for p in self._producers(current) if p in self.forward_events and p not in seen]
+            if not upstream:
+                return self.forward_events[current]
+            current = min(upstream, key=order.index)
+            seen.add(current)
+
+    def _producers(self, name: str) -> list[str]:
+        found = self.producers.get(name)
+        if found:
+            return found
+        return [p for p, consumers in self.static_consumers.items() if name in consumers]
+
+    def _consumers(self, name: str) -> list[str]:
+        return self.consumers.get(name) or [c for c in self.static_consumers.get(name, []) if c != "<output>"]
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """The loss of the step: made non-finite by the loss function when the model's outputs were finite."""
+        if not self.detail:
+            self.essential.append((("forward", "loss", "output", ""), torch.isfinite(loss.detach()).all()))
+            return
+        if not finite(loss):
+            self._raise(self._stamp(Finding("forward", "loss", "loss", "output", created=True), loss))
 
     def _output_point(self, call_name: str):
         if self.plan is None:
@@ -227,19 +333,16 @@ class Watch:
 
     def _forward_finding(self, event: Event, t: torch.Tensor, what: str, point) -> Finding:
         call = event.call
-        inputs = [x for x in event.inputs if is_float(x)]
         if what == "output" and event.raw is not event.out:
             inputs = [x for x in tensors_in(event.raw) if is_float(x)]  # the quant point's own input
-            created = all(finite(x) for x in inputs)
-            described = [describe(x) for x in inputs]
         else:
-            created = all(finite(x) for x in inputs)
-            described = [describe(x) for x in inputs]
+            inputs = [x for x in event.inputs if is_float(x)]
         module = call.module
         bad_params = [f"{call.name}.{n}" for n, p in (module.named_parameters() if module is not None else [])
                       if not finite(p)]
-        f = Finding("forward", call.name, call.op, what, point=self._point_name(call.name), created=created,
-                    inputs=described, params=bad_params, owner=call.owner)
+        f = Finding("forward", call.name, call.op, what, point=self._point_name(call.name),
+                    created=all(finite(x) for x in inputs), inputs=[describe(x) for x in inputs], params=bad_params,
+                    owner=call.owner)
         if what == "output" and event.raw is not event.out and point is not None:
             f.tensor = point.name
         return self._stamp(f, t)
@@ -250,36 +353,67 @@ class Watch:
         rec = self.plan.calls.get(call_name)
         return (rec.output_point or rec.point) if rec is not None else None
 
-    def _grad_hook(self, name: str, op: str):
+    # -- the backward -------------------------------------------------------------------------
+    def _grad_hook(self, name: str):
         def hook(grad: torch.Tensor) -> None:
             if grad is None or not is_float(grad):
                 return
-            self._look(("backward", name, "output_grad", ""), grad, lambda: self._grad_finding(name, grad))
+            if not self.detail:
+                self.intermediate.append((("backward", name, "output_grad", ""), fused_sum(grad)))
+            elif name not in self.grad_events and not finite(grad):
+                self.grad_events[name] = self._stamp(Finding("backward", name, "", "output_grad", tensor=name,
+                                                             created=True), grad)
         return hook
-
-    def _grad_finding(self, name: str, grad: torch.Tensor) -> Finding:
-        consumers = self.consumers.get(name) or []
-        made_by = [c for c in consumers if c != "<output>"]
-        if not made_by:
-            f = Finding("backward", "loss", "loss", "output_grad", tensor=name, created=True, consumers=["<loss>"])
-        else:
-            op = self.plan.calls[made_by[0]].op if self.plan is not None and made_by[0] in self.plan.calls else ""
-            f = Finding("backward", made_by[0], op or _op_of(made_by[0]), "output_grad", tensor=name, created=True,
-                        consumers=made_by)
-        f.point = self._point_name(f.layer) if f.layer != "loss" else None
-        return self._stamp(f, grad)
 
     def _on_param_grad(self, p: torch.Tensor) -> None:
         grad = p.grad
         if grad is None:
             return
         name = self.param_names.get(id(p), "?")
-        layer = name.rsplit(".", 1)[0] if "." in name else ""
         if self.keep_grad_norms:
-            self.grad_norms[name] = torch.linalg.vector_norm(grad.detach())
-        self._look(("backward", layer, "param_grad", name), grad, lambda: self._stamp(Finding(
-            "backward", layer, self._module_op(layer), "param_grad", tensor=name, created=True,
-            point=self._weight_point(layer, name)), grad))
+            self.grad_norms[name] = torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)
+        if not self.detail:
+            self.essential.append((("backward", name, "param_grad", name), torch.isfinite(grad.detach()).all()))
+            return
+        if not finite(grad):
+            self._raise(self._origin_backward(name, grad))
+
+    def _origin_backward(self, param: str, grad: torch.Tensor) -> Finding:
+        """Who made parameter ``param``'s gradient non-finite: its layer's weight-gradient
+        computation when the gradient arriving at the layer's output was finite; else, walking
+        from that output toward the loss through calls whose output gradients were non-finite
+        too, the backward of the consumers of the last one (or the loss, past the model's output)."""
+        layer = param.rsplit(".", 1)[0] if "." in param else ""
+        calls = [c for c in self.grad_events if c.split("#")[0] == layer]
+        if not calls:
+            f = Finding("backward", layer, self._module_op(layer), "param_grad", tensor=param, created=True,
+                        point=self._weight_point(layer, param))
+            return self._stamp(f, grad)
+        order = list(self.grad_events)
+        current, seen = min(calls, key=order.index), set()
+        while True:
+            seen.add(current)
+            downstream = [c for c in self._consumers(current) if c in self.grad_events and c not in seen]
+            if not downstream:
+                break
+            current = min(downstream, key=order.index)
+        event = self.grad_events[current]
+        made_by = [c for c in self._consumers(current) if c != "<output>"]
+        if made_by:
+            event.layer, event.consumers = made_by[0], made_by
+            event.op = self._call_op(made_by[0])
+            event.point = self._point_name(made_by[0])
+        else:
+            event.layer, event.op, event.consumers = "loss", "loss", ["<loss>"]
+        return event
+
+    def _call_op(self, name: str) -> str:
+        if self.plan is not None and name in self.plan.calls:
+            return self.plan.calls[name].op
+        try:
+            return type(self.model.get_submodule(name.split("#")[0])).__name__
+        except AttributeError:
+            return _op_of(name)
 
     def _module_op(self, path: str) -> str:
         try:
@@ -291,37 +425,30 @@ class Watch:
         name = f"{layer}.weight"
         return name if param.endswith(".weight") and name in self.points else None
 
-    def _check_scale(self, point, layer: str, op: str, *, during: bool) -> None:
+    # -- scales and the update ------------------------------------------------------------------
+    def _check_scale(self, point, layer: str, op: str, phase: str = "observer") -> None:
         bad = scale_invalid(point)
         if not bool(bad.any()):
             return
         became = point.name in self.valid_scales
-        values = point.scale.detach().float().reshape(-1)[bad.reshape(-1)] if bad.numel() > 1 else \
-            point.scale.detach().float().reshape(-1)
-        f = Finding("observer" if became else "forward", layer, op, "scale", tensor=point.name, point=point.name,
-                    created=True, value=float(values[0]), numel=int(bad.sum()))
+        value = point.scale.detach().float().reshape(-1)[bad.reshape(-1).nonzero()[0]].reshape(-1)[0] \
+            if bad.numel() > 1 else point.scale.detach().float()
+        f = Finding(phase if became else "forward", layer, op, "scale", tensor=point.name, point=point.name,
+                    created=True, value=float(value), numel=int(bad.sum()))
         raise NonFiniteError(self._stamp(f, None))
 
-    # -- after a phase ------------------------------------------------------------------
     def check_scales(self, phase: str) -> None:
         """Every quant point in use: a scale made invalid in this phase (an observer in the
-        forward, a learned scale in the update), or one invalid from the start."""
+        forward, a learned scale in the update)."""
         used = points_in_use(self.model)
         if not used:
             return
         if not self.detail:
             flags = torch.stack([scale_invalid(p).any() for p in used])
-            self.pending.append(((phase, "", "scale", ""), torch.where(flags.any(), torch.nan, 0.0)))
+            self.essential.append(((phase, "", "scale", ""), ~flags.any()))
             return
         for p in used:
-            bad = scale_invalid(p)
-            if bool(bad.any()):
-                became = p.name in self.valid_scales
-                value = float(p.scale.detach().float().reshape(-1)[bad.reshape(-1).nonzero()[0]].reshape(-1)[0]) \
-                    if bad.numel() > 1 else float(p.scale.detach().float())
-                f = Finding(phase if became else "forward", p.owner or p.name, p.op, "scale", tensor=p.name,
-                            point=p.name, created=True, value=value, numel=int(bad.sum()))
-                raise NonFiniteError(self._stamp(f, None))
+            self._check_scale(p, p.owner or p.name, p.op, phase)
 
     def check_params(self, norms: list[torch.Tensor] | None = None) -> None:
         """After the optimizer's step: a parameter that is no longer finite (``norms``: their
@@ -332,7 +459,7 @@ class Watch:
         if norms is None:
             norms = list(torch._foreach_norm([p.detach() for p in params], float("inf")))
         if not self.detail:
-            self.pending.append((("update", "", "param", ""), torch.stack(norms).sum()))
+            self.essential.append((("update", "", "param", ""), torch.isfinite(torch.stack(norms)).all()))
             return
         for (name, p), norm in zip(self.params, norms):
             if not math.isfinite(float(norm)):
@@ -341,16 +468,34 @@ class Watch:
                             point=self._weight_point(layer, name))
                 raise NonFiniteError(self._stamp(f, p))
 
-    def flush(self) -> tuple | None:
-        """Cheap mode: the key (phase, layer, what, tensor) of the first non-finite sum of this
-        step, else None.  One synchronisation per step."""
-        if not self.pending:
-            return None
-        sums = torch.stack([s.float().reshape(()) for _, s in self.pending])
-        bad = ~torch.isfinite(sums)
-        if not bool(bad.any()):
-            return None
-        return self.pending[int(bad.nonzero()[0])][0]
+    def _stamp(self, f: Finding, t: torch.Tensor | None) -> Finding:
+        f.step, f.batch = self.step_index, self.batch_index
+        if t is not None:
+            count_nonfinite(f, t, self.batch_size)
+        return f
+
+    def _raise(self, f: Finding) -> None:
+        f.hidden = [name for name in self.forward_events if name != f.layer or f.phase != "forward"][:8]
+        raise NonFiniteError(f)
+
+    # -- cheap mode's verdict -----------------------------------------------------------------------
+    def flush(self) -> tuple[tuple | None, tuple | None]:
+        """Cheap mode, once per step (one synchronisation): (the key of the first check that
+        failed among what matters -- the model's output, the loss, a parameter's gradient, a
+        parameter, a scale -- or None; the key of the first non-finite value that stayed
+        contained -- masked by torch.where, a -inf mask before a softmax, saturated by a quant
+        point, a masked gradient -- or None)."""
+        failed = contained = None
+        if self.essential:
+            ok = torch.stack([flag.reshape(()) for _, flag in self.essential])
+            if not bool(ok.all()):
+                failed = self.essential[int((~ok).nonzero()[0])][0]
+        if failed is None and self.intermediate:
+            sums = torch.stack([s.float().reshape(()) for _, s in self.intermediate])
+            bad = ~torch.isfinite(sums)
+            if bool(bad.any()):
+                contained = self.intermediate[int(bad.nonzero()[0])][0]
+        return failed, contained
 
 
 def count_nonfinite(f: Finding, t: torch.Tensor, batch_size: int = 0) -> None:
