@@ -304,6 +304,8 @@ def test_the_cheap_pass_flags_what_matters_and_notes_what_is_contained():
     with Watch(qm, detail=False) as watch:
         watch.begin(0, 0, 4)
         F.cross_entropy(qm(batch.inputs), batch.target).backward()
+        grads = [p.grad for p in qm.parameters() if p.grad is not None]
+        watch.check_grads(list(torch._foreach_norm(grads)), grads)
         failed, contained = watch.flush()
     assert failed[0] == "backward" and failed[2] == "param_grad"
 
@@ -595,6 +597,21 @@ def test_cli_float_check_refuses_an_architecture_that_does_not_fit(cli, stages, 
     qdebug.save(build_zoo("mobilenetv2", **SMALL_MOBILENETV2), tmp_path / "other.pt", stage="float")
     result = cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 1, "--float-check", "--float", "other.pt")
     result.assert_error("does not fit the checkpoint's weights")
+
+
+def test_a_step_that_does_not_reproduce_is_called_nondeterministic():
+    calls = {"n": 0}
+
+    def train(model, batch):  # NaN on its 3rd call only: the re-run (4th call) is finite
+        calls["n"] += 1
+        loss = F.cross_entropy(model(batch.inputs), batch.target)
+        return loss * math.nan if calls["n"] == 3 else loss
+
+    torch.manual_seed(0)
+    first = _first(trace_steps(LogOfShifted(), [Batch(b.inputs.abs(), b.target) for b in _data()], steps=5,
+                               train=train))
+    assert (first["step"], first["reproducible"], first["cause"]) == (2, False, "nondeterministic")
+    assert first["layer"] == "loss"
 
 
 def test_a_model_without_trainable_parameters_cannot_train():

@@ -261,6 +261,9 @@ def nan_trace(
         else:
             what = f"{result.steps_run} step(s)" if steps else f"{result.steps_run} forward pass(es)"
             say(f"all finite: {what} without a NaN or Inf (forward{', backward and update' if steps else ''})")
+        for seen in result.meta.get("contained") or []:
+            say(f"note: a non-finite {seen['what'].replace('_', ' ')} at {seen['layer']} (first in step {seen['step']}) "
+                "stayed contained (a mask, or a saturating quant point): not a failure")
         line = float_check_line(result.float_check, first)
         if line:
             say(line)

@@ -52,7 +52,8 @@ class NanTrace:
         return self
 
     def _begin(self) -> None:
-        self.watch.begin(self.steps, self.steps)
+        # What the model starts from is checked once; afterwards each step() checked the update.
+        self.watch.begin(self.steps, self.steps, check=not self.steps)
         self._stats = StepStats(self.steps, self.steps)
 
     def step(self, loss: Any = None) -> None:

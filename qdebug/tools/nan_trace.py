@@ -242,7 +242,8 @@ class _Run:
         stats = StepStats(step, batch_index)
         self.watch.detail = False
         try:
-            self.watch.begin(step, batch_index, batch.size())  # what the step starts from: exact in any mode
+            # What the step starts from: the last step's checks passed it, so only the first is checked.
+            self.watch.begin(step, batch_index, batch.size(), check=not self.history)
             self._step(batch, stats)
         except NonFiniteError as exc:
             self.failing_snapshot = snapshot
@@ -293,8 +294,10 @@ class _Run:
             raise
         grads = [(n, p.grad.detach()) for n, p in self.params if p.grad is not None]
         if grads:
-            stats.take_grad_norms([n for n, _ in grads],
-                                  torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float64))
+            names, tensors = [n for n, _ in grads], [g for _, g in grads]
+            norms = list(torch._foreach_norm(tensors))
+            watch.check_grads(norms, tensors)
+            stats.take_grad_norms(names, _unoverflowed(norms, tensors))
         self.optimizer.step()
         watch.check_scales("update")
         tensors = [p.detach() for _, p in self.params]
@@ -340,6 +343,16 @@ def _traced_consumers(model: nn.Module, batches: list[Batch]) -> dict[str, list[
     finally:
         model.train(was_training)
     return consumers_of(plan)
+
+
+def _unoverflowed(norms: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Float32 2-norms, each one that overflowed on finite values taken again in float64 (the
+    timeline's gradient norms stay numbers while they grow past 1e19)."""
+    flat = torch.stack([n.reshape(()) for n in norms])
+    if bool(torch.isfinite(flat).all()):
+        return norms
+    return [n if bool(torch.isfinite(n)) else torch.linalg.vector_norm(t, dtype=torch.float64)
+            for n, t in zip(norms, tensors)]
 
 
 def _seed_all(seed: int) -> None:

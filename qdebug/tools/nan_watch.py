@@ -188,12 +188,15 @@ class Watch:
             self._tap = None
         self._reset()
 
-    def begin(self, step: int, batch: int, batch_size: int = 0) -> None:
-        """A new step: forget the last one's values; check what it starts from (``check_start``)."""
+    def begin(self, step: int, batch: int, batch_size: int = 0, *, check: bool = True) -> None:
+        """A new step: forget the last one's values; check what it starts from (``check_start``)
+        unless the caller knows it is what the last step's checks passed (``check=False``)."""
         self.step_index, self.batch_index, self.batch_size = step, batch, batch_size
         self._reset()
-        self.valid_scales = {p.name for p in points_in_use(self.model) if not bool(scale_invalid(p).any())}
-        self.check_start()
+        if self.detail:  # which scales an invalid one was valid before: the phase that broke it
+            self.valid_scales = {p.name for p in points_in_use(self.model) if not bool(scale_invalid(p).any())}
+        if check:
+            self.check_start()
 
     # -- what the step starts from ---------------------------------------------------------
     def check_start(self) -> None:
@@ -373,8 +376,7 @@ class Watch:
         if self.keep_grad_norms:
             self.grad_norms[name] = torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)
         if not self.detail:
-            self.essential.append((("backward", name, "param_grad", name), torch.isfinite(grad.detach()).all()))
-            return
+            return  # the cheap pass checks every gradient at once from their norms (``check_grads``)
         if not finite(grad):
             self._raise(self._origin_backward(name, grad))
 
@@ -437,15 +439,29 @@ class Watch:
                     created=True, value=float(value), numel=int(bad.sum()))
         raise NonFiniteError(self._stamp(f, None))
 
+    def check_grads(self, norms: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Cheap mode, after the backward: every parameter's gradient from its 2-norm (one fused
+        ``_foreach_norm`` for all): a finite norm proves a finite gradient; a gradient whose norm
+        is not finite is looked at itself (its norm may have overflowed on finite values)."""
+        if not norms or self.detail:
+            return
+        finite_norms = torch.isfinite(torch.stack([n.reshape(()) for n in norms]))
+        if bool(finite_norms.all()):
+            return
+        ok = all(finite(g) for g, fine in zip(grads, finite_norms.tolist()) if not fine)
+        self.essential.append((("backward", "", "param_grad", ""), torch.tensor(ok)))
+
     def check_scales(self, phase: str) -> None:
         """Every quant point in use: a scale made invalid in this phase (an observer in the
-        forward, a learned scale in the update)."""
+        forward; in the update only learned scales change)."""
         used = points_in_use(self.model)
+        if phase == "update":
+            used = [p for p in used if isinstance(p.scale, nn.Parameter)]
         if not used:
             return
-        if not self.detail:
-            flags = torch.stack([scale_invalid(p).any() for p in used])
-            self.essential.append(((phase, "", "scale", ""), ~flags.any()))
+        if not self.detail:  # one fused look at every scale (zero points come from the same update)
+            scales = torch.cat([p.scale.detach().reshape(-1).float() for p in used])
+            self.essential.append(((phase, "", "scale", ""), (torch.isfinite(scales) & (scales >= TINY)).all()))
             return
         for p in used:
             self._check_scale(p, p.owner or p.name, p.op, phase)
