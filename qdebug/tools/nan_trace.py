@@ -37,6 +37,7 @@ from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
 from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of
 
 LOSSES = ("auto", "ce", "mse", "distill")
+CONTAINED_EVERY = 16  # cheap steps that also look for contained non-finite values: 0, 16, 32, ...
 OPTIMIZERS = ("sgd", "adam")
 SGD_MOMENTUM = 0.9
 
@@ -216,6 +217,7 @@ class _Run:
         self.contained: dict[tuple, int] = {}  # (phase, layer, what) of a contained non-finite value -> first step
         consumers = consumers_of(engine_state(model).plan) if is_prepared(model) else _traced_consumers(model, batches)
         self.watch = Watch(model, detail=False, saturation=saturation, consumers=consumers)
+        self._buffers: dict[str, Any] = {}  # the last snapshot, whose tensors the next one reuses
         self.params = [(n, p) for n, p in model.named_parameters()]
 
     # -- the loop ---------------------------------------------------------------------
@@ -241,6 +243,7 @@ class _Run:
         snapshot = self._snapshot(step, batch_index)
         stats = StepStats(step, batch_index)
         self.watch.detail = False
+        self.watch.look_contained = step % CONTAINED_EVERY == 0
         try:
             # What the step starts from: the last step's checks passed it, so only the first is checked.
             self.watch.begin(step, batch_index, batch.size(), check=not self.history)
@@ -308,8 +311,12 @@ class _Run:
 
     # -- snapshots ----------------------------------------------------------------------
     def _snapshot(self, step: int, batch: int) -> Snapshot:
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        """Copied into the buffers of the last snapshot when shapes agree: after the first steps a
+        snapshot allocates nothing (no page faults).  A snapshot is valid until the next one."""
+        state = _copy_into(self._buffers.get("model"), self.model.state_dict())
+        opt = _copy_into(self._buffers.get("optimizer"), self.optimizer.state_dict()) \
+            if self.optimizer is not None else None
+        self._buffers = {"model": state, "optimizer": opt}
         return Snapshot(state, opt, torch.get_rng_state(), step, batch, _other_rng_states())
 
     def _restore(self, snapshot: Snapshot) -> None:
@@ -343,6 +350,22 @@ def _traced_consumers(model: nn.Module, batches: list[Batch]) -> dict[str, list[
     finally:
         model.train(was_training)
     return consumers_of(plan)
+
+
+def _copy_into(old: Any, new: Any) -> Any:
+    """A deep copy of ``new`` (nested dicts and lists of tensors and plain values), written into
+    the tensors of ``old`` wherever the structure, shape and dtype agree."""
+    if isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, dict):
+        old = old if isinstance(old, dict) else {}
+        return type(new)((k, _copy_into(old.get(k), v)) for k, v in new.items())
+    if isinstance(new, (list, tuple)):
+        old = old if isinstance(old, (list, tuple)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(_copy_into(o, v) for o, v in zip(old, new))
+    return copy.deepcopy(new)
 
 
 def _unoverflowed(norms: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -145,6 +145,9 @@ class Watch:
         self.batchnorms = [(n, m) for n, m in model.named_modules()
                            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         self.keep_grad_norms = keep_grad_norms
+        # Cheap mode: also sum the values that do not matter, to note contained ones (the runner
+        # looks on some steps only: they cost a read of every activation and its gradient).
+        self.look_contained = True
         self.step_index = self.batch_index = self.batch_size = 0
         self.valid_scales: set[str] = set()  # points whose scale was valid when the step began
         self._handles: list[Any] = []
@@ -239,14 +242,15 @@ class Watch:
                 bad = next((t for t in tensors if not finite(t)), None)
                 if bad is not None and call.name not in self.forward_events:
                     self.forward_events[call.name] = self._forward_finding(event, bad, what, point)
-        else:
+        elif self.look_contained:
             # Fake quantization with a valid scale maps a finite input to a finite output: the
             # quantized output needs its own sum only when its input was not summed.
             for t in raw or outs:
                 self.intermediate.append((("forward", call.name, "output", ""), fused_sum(t)))
-        for t in outs:
-            if t.requires_grad and torch.is_grad_enabled():
-                t.register_hook(self._grad_hook(call.name))
+        if self.detail or self.look_contained:
+            for t in outs:
+                if t.requires_grad and torch.is_grad_enabled():
+                    t.register_hook(self._grad_hook(call.name))
         if self.saturation and point is not None and point.kind == "activation" and raw and not point.spec.per_channel \
                 and point.mode == "fake" and point.initialized:
             self.point_saturation[point.name] = clipped_fraction(raw[0], point)
