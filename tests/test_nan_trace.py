@@ -9,6 +9,7 @@ manager are tested on the same kinds of models.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import sys
@@ -504,29 +505,13 @@ def test_cli_repro_bundle_replays_a_training_step_exactly(cli, tmp_path):
     assert {k: again[k] for k in same} == {k: first[k] for k in same}
 
 
-NANPKG = '''\
+NANPKG = """\
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-class DivNet(nn.Module):
-    def __init__(self, fold=True):
-        super().__init__()
-        self.fold = fold
-        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(4)
-        self.head = nn.Linear(4, 10)
-
-    def forward(self, x):
-        if self.fold:
-            f = self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)
-            y = F.conv2d(x, self.conv.weight * f.reshape(-1, 1, 1, 1), padding=1) / f.reshape(1, -1, 1, 1)
-            y = self.bn(y)
-        else:
-            y = self.bn(self.conv(x))
-        return self.head(F.adaptive_avg_pool2d(torch.relu(y), 1).flatten(1))
-
+""" + inspect.getsource(DivideByBnFactor) + """
 
 def step(model, batch):
     x, y = batch
@@ -543,7 +528,7 @@ def detached(model, batch):
 
 def leaves(model, batch):
     raise SystemExit(5)
-'''
+"""
 
 
 def test_cli_user_module_train_function_and_float_check_on_its_plain_architecture(cli, tmp_path):
@@ -553,28 +538,29 @@ def test_cli_user_module_train_function_and_float_check_on_its_plain_architectur
     (pkg / "nets.py").write_text(NANPKG)
     sys.path.insert(0, str(tmp_path))
     with clean_imports(tmp_path):
-        from nanpkg.nets import DivNet
+        from nanpkg.nets import DivideByBnFactor as DivNet
 
         torch.manual_seed(0)
         qat = DivNet(fold=True)
         with torch.no_grad():
             qat.bn.weight[1] = 0.0
-        qdebug.save(qat, tmp_path / "user.pt", stage="float", model_spec="nanpkg.nets:DivNet",
+        qdebug.save(qat, tmp_path / "user.pt", stage="float", model_spec="nanpkg.nets:DivideByBnFactor",
                     model_kwargs={"fold": True})
-        qdebug.save(DivNet(fold=False), tmp_path / "plain.pt", stage="float", model_spec="nanpkg.nets:DivNet",
+        qdebug.save(DivNet(fold=False), tmp_path / "plain.pt", stage="float",
+                    model_spec="nanpkg.nets:DivideByBnFactor",
                     model_kwargs={"fold": False})
         torch.save([(b.inputs, b.target) for b in _data()], tmp_path / "d.pt")
-        result = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt", "--steps", 3,
+        result = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivideByBnFactor", "--data", "d.pt", "--steps", 3,
                      "--train", "nanpkg.nets:step", "--float-check", "--float", "plain.pt", "--json")
         assert result.code == 1, result.err
         doc = json.loads(result.out)
         assert (doc["first"]["layer"], doc["first"]["cause"]) == ("div#2", "bn_zero_weight")
         assert doc["float_check"]["finite"] is True and doc["float_check"]["model"] == "plain"
         assert doc["meta"]["loss"] == "train"
-        broken = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt", "--steps", 1,
+        broken = cli("nan-trace", "user.pt", "--model", "nanpkg.nets:DivideByBnFactor", "--data", "d.pt", "--steps", 1,
                      "--train", "nanpkg.nets:broken")
         broken.assert_error("--train function nanpkg.nets:broken raised KeyError", "nets.py")
-        common = ("nan-trace", "user.pt", "--model", "nanpkg.nets:DivNet", "--data", "d.pt")
+        common = ("nan-trace", "user.pt", "--model", "nanpkg.nets:DivideByBnFactor", "--data", "d.pt")
         cli(*common, "--steps", 1, "--train", "nanpkg.nets:detached").assert_error("does not depend on the model")
         cli(*common, "--steps", 1, "--train", "nanpkg.nets:leaves").assert_error("raised SystemExit")
         cli(*common, "--steps", 0, "--train", "nanpkg.nets:step").assert_error("--train runs training steps")

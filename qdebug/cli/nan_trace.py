@@ -26,7 +26,8 @@ SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV a
 BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt
 
 
-def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None, top: Optional[int] = SHOWN_STEPS):
+def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None,
+                    top: Optional[int] = SHOWN_STEPS):
     from qdebug.report.table import fixed, render_table
 
     view = frame if top is None else frame.tail(top)
@@ -163,7 +164,8 @@ def _bundle(info) -> dict:
 def nan_trace(
     checkpoint: Optional[str] = typer.Argument(None, metavar="CHECKPOINT", show_default=False),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
-    steps: int = typer.Option(100, "--steps", metavar="N", help="Training steps (0: forward passes only, one per batch)."),
+    steps: int = typer.Option(100, "--steps", metavar="N",
+                              help="Training steps (0: forward passes only, one per batch)."),
     lr: Optional[float] = typer.Option(None, "--lr", metavar="LR", help="Learning rate (default 0.01)."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", metavar="sgd|adam",
                                             help="The optimizer (default sgd, momentum 0.9)."),
@@ -262,7 +264,8 @@ def nan_trace(
             what = f"{result.steps_run} step(s)" if steps else f"{result.steps_run} forward pass(es)"
             say(f"all finite: {what} without a NaN or Inf (forward{', backward and update' if steps else ''})")
         for seen in result.meta.get("contained") or []:
-            say(f"note: a non-finite {seen['what'].replace('_', ' ')} at {seen['layer']} (first in step {seen['step']}) "
+            what = seen["what"].replace("_", " ")
+            say(f"note: a non-finite {what} at {seen['layer']} (first in step {seen['step']}) "
                 "stayed contained (a mask, or a saturating quant point): not a failure")
         line = float_check_line(result.float_check, first)
         if line:

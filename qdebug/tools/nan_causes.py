@@ -249,36 +249,39 @@ def _bn_variance(f: Finding, ev: Evidence) -> Diagnosis | None:
         candidates = _bn_modules(f, ev, scope=False)
     else:
         return None
-    for name, bn in candidates:
-        var = getattr(bn, "running_var", None)
-        if var is None:
-            continue
-        # A NaN that this step's own forward wrote into the statistics is a consequence: only a
-        # negative variance, or one that was already not finite when the step began, is a cause.
-        bad = (var < 0) | (~torch.isfinite(var) if f.what == "param" else torch.zeros_like(var, dtype=torch.bool))
-        if bool(bad.any()):
-            channels = [int(i) for i in bad.nonzero().reshape(-1)[:8]]
-            return Diagnosis("bn_variance", f"BatchNorm {name} has a negative or NaN running_var in channel(s) "
-                             f"{channels}: sqrt(var + eps) is NaN",
-                             f"reset {name}'s running statistics (bn.reset_running_stats()) or recompute them on "
-                             "clean data, then freeze them (qdebug.engine.freeze_bn_stats)")
-    return None
+    # A NaN that this step's own forward wrote into the statistics is a consequence: only a
+    # negative variance, or one that was already not finite when the step began, is a cause.
+    found = _bad_channels(candidates, lambda bn: None if bn.running_var is None else (bn.running_var < 0) | (
+        ~torch.isfinite(bn.running_var) if f.what == "param" else torch.zeros_like(bn.running_var, dtype=torch.bool)))
+    if found is None:
+        return None
+    name, channels = found
+    return Diagnosis("bn_variance", f"BatchNorm {name} has a negative or NaN running_var in channel(s) {channels}: "
+                     "sqrt(var + eps) is NaN",
+                     f"reset {name}'s running statistics (bn.reset_running_stats()) or recompute them on clean data, "
+                     "then freeze them (qdebug.engine.freeze_bn_stats)")
 
 
 def _bn_zero_weight(f: Finding, ev: Evidence) -> Diagnosis | None:
     if f.phase != "forward" or not f.created or not _dividing(f.op):
         return None
-    for name, bn in _bn_modules(f, ev, scope=True):
-        gamma = getattr(bn, "weight", None)
-        if gamma is None:
-            continue
-        zero = gamma.detach() == 0
-        if bool(zero.any()):
-            channels = [int(i) for i in zero.nonzero().reshape(-1)[:8]]
-            return Diagnosis("bn_zero_weight", f"{f.layer} divides by the BN factor gamma / sqrt(var + eps) of {name}, "
-                             f"whose gamma is 0 in channel(s) {channels}: 0 / 0 = NaN",
-                             f"fold {name} with qdebug's with_bn_reverse_fold (it handles gamma = 0 exactly), or "
-                             "divide by torch.where(f == 0, 1, f) as torch's ConvBn2d does")
+    found = _bad_channels(_bn_modules(f, ev, scope=True),
+                          lambda bn: None if bn.weight is None else bn.weight.detach() == 0)
+    if found is None:
+        return None
+    name, channels = found
+    return Diagnosis("bn_zero_weight", f"{f.layer} divides by the BN factor gamma / sqrt(var + eps) of {name}, whose "
+                     f"gamma is 0 in channel(s) {channels}: 0 / 0 = NaN",
+                     f"fold {name} with qdebug's with_bn_reverse_fold (it handles gamma = 0 exactly), or divide by "
+                     "torch.where(f == 0, 1, f) as torch's ConvBn2d does")
+
+
+def _bad_channels(bns: list[tuple[str, nn.Module]], mask_of) -> tuple[str, list[int]] | None:
+    """The first BatchNorm whose per-channel ``mask_of(bn)`` holds a channel, and (up to 8 of) them."""
+    for name, bn in bns:
+        mask = mask_of(bn)
+        if mask is not None and bool(mask.any()):
+            return name, [int(i) for i in mask.nonzero().reshape(-1)[:8]]
     return None
 
 

@@ -155,7 +155,8 @@ def _pairwise(output: Any, target: Any, kind: str) -> torch.Tensor:
 def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str = "auto", optimizer: str = "sgd",
                 lr: float = 0.01, seed: int = 0, train: Callable | None = None,
                 optimizer_state: dict | None = None, rng_state: torch.Tensor | None = None,
-                float_model: nn.Module | None = None, float_kind: str = "plain", progress: Callable[[int, int], None] | None = None) -> TraceResult:
+                float_model: nn.Module | None = None, float_kind: str = "plain",
+                progress: Callable[[int, int], None] | None = None) -> TraceResult:
     """Run ``steps`` steps (0: forward passes only) until the first non-finite value (module docstring)."""
     if loss not in LOSSES:
         raise QDebugError(f"unknown loss {loss!r}", f"choose one of {', '.join(LOSSES)}")

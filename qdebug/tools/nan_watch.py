@@ -233,7 +233,8 @@ class Watch:
         if call.category == "input":  # the data itself matters, even where the input's quant point saturates it
             data = (raw or outs)[:1]
             if not self.detail:
-                self.essential += [(("forward", call.name, "output", ""), torch.isfinite(t.detach()).all()) for t in data]
+                self.essential += [(("forward", call.name, "output", ""), torch.isfinite(t.detach()).all())
+                                   for t in data]
             elif data and not finite(data[0]):
                 raise NonFiniteError(self._forward_finding(event, data[0], "output", point))
         if self.detail:
