@@ -16,7 +16,7 @@ from qdebug.cli.common import (
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
-    prepare_out, print_table, table_width,
+    prepare_out, print_table, say, table_width,
 )
 from qdebug.errors import QDebugError
 
@@ -110,6 +110,7 @@ def calibrate(
 
     from qdebug.checkpoint import save
     from qdebug.engine import calibrate as run_calibration, prepare
+    from qdebug.tools.calibration_check import CLIPPING, LOW_SQNR_DB, check_calibration
     from qdebug.tools.inspect import inspect_model
 
     with model_errors("tracing the model", batch_list[0]):
@@ -119,11 +120,37 @@ def calibrate(
     save(qm, output, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(batch_list[0].inputs),
          meta={"calibration_batches": len(batch_list), "source": str(path)})
     result = inspect_model(qm, stage="calibrated")
-    meta = {**result.meta, "output": str(output), "batches": len(batch_list), "qconfig": qcfg.to_dict()}
+    with progress_bar("checking", None), model_errors("checking the calibrated model", batch_list[0]):
+        check = check_calibration(qm, [b.inputs for b in batch_list])
+    meta = {**result.meta, "output": str(output), "batches": len(batch_list), "qconfig": qcfg.to_dict(),
+            "output_sqnr_db": check.sqnr_db, "clipping": check.clipping}
+    summary = _check_lines(check, len(batch_list))
 
     def render() -> None:
         print_table(render_layers(result.layers, title=f"calibrated on {len(batch_list)} batch(es)",
                                   width=table_width(wide)))
+        for line in summary:
+            say(line)
 
     emit(Report("calibrate", result.layers, meta), fmt, out, render)
     note(f"wrote {output} (stage calibrated, {meta['quant_points']} quant points, qat mode {qat_mode})")
+    if check.low:
+        worst = ", ".join(f"{c['point']} ({c['clipped']:.0%} clipped)" for c in check.clipping[:3])
+        note(f"warning: the calibrated model's output SQNR against float is {check.sqnr_db:.1f} dB (< {LOW_SQNR_DB:g}): "
+             f"it no longer computes its float function; "
+             + (f"worst points: {worst}; try another --observer (minmax, percentile, mse)" if worst else
+                f"no point clips more than {CLIPPING:.0%}: qdebug compare {path} {output} says where the error enters"))
+
+
+def _check_lines(check, batches: int) -> list[str]:
+    """The calibration check as the table view's last lines."""
+    from qdebug.tools.calibration_check import CLIPPING
+
+    lines = [f"output SQNR vs float: {check.sqnr_db:.2f} dB over {batches} batch(es)"]
+    if check.clipping:
+        shown = ", ".join(f"{c['point']} {c['clipped']:.1%}" for c in check.clipping[:8])
+        more = f" (+{len(check.clipping) - 8} more)" if len(check.clipping) > 8 else ""
+        lines.append(f"points clipping more than {CLIPPING:.0%} of their values: {shown}{more}")
+    else:
+        lines.append(f"no point clips more than {CLIPPING:.0%} of its values")
+    return lines

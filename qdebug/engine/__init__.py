@@ -7,7 +7,8 @@
 from qdebug.engine.convert import convert
 from qdebug.engine.fusebn import FreezeBN, FuseBN, freeze_bn_stats
 from qdebug.engine.prepare import (
-    absorb_bn, calibrate, engine_state, is_prepared, prepare, quant_points, refresh_weight_qparams, set_mode,
+    absorb_bn, calibrate, engine_state, is_prepared, prepare, quant_points, quantization_off, refresh_weight_qparams,
+    set_mode,
 )
 from qdebug.engine.spec import QConfig, QuantSpec
 
@@ -26,4 +27,5 @@ __all__ = [
     "engine_state",
     "is_prepared",
     "refresh_weight_qparams",
+    "quantization_off",
 ]

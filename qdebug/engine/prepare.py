@@ -12,12 +12,13 @@ still an instance of the user's class with the user's layer names.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import itertools
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -313,6 +314,23 @@ def set_mode(
     if not changed:
         raise QDebugError(f"no quant point matches {pattern!r}", "list the names with qdebug.engine.quant_points")
     return changed
+
+
+@contextlib.contextmanager
+def quantization_off(model: nn.Module) -> Iterator[None]:
+    """Every quant point of a prepared ``model`` in float mode for the duration (its float run),
+    the modes restored after; a model the engine did not prepare is left alone."""
+    if not is_prepared(model):
+        yield
+        return
+    saved = [(p, p.mode) for p in engine_state(model).points.values()]
+    for point, _ in saved:
+        point.mode = "float"
+    try:
+        yield
+    finally:
+        for point, mode in saved:
+            point.mode = mode
 
 
 def quant_points(model: nn.Module) -> "OrderedDict[str, QuantPoint]":

@@ -20,16 +20,15 @@ from __future__ import annotations
 import copy
 import math
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from qdebug.data import Batch
-from qdebug.engine import engine_state, is_prepared
+from qdebug.engine import engine_state, is_prepared, quantization_off
 from qdebug.engine.context import run_model
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.errors import QDebugError
@@ -81,23 +80,6 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     raise QDebugError(f"unknown optimizer {name!r}", f"choose one of {', '.join(OPTIMIZERS)}")
-
-
-@contextmanager
-def quantization_off(model: nn.Module) -> Iterator[None]:
-    """Every quant point in float mode for the duration (a plain model is left alone)."""
-    if not is_prepared(model):
-        yield
-        return
-    points = engine_state(model).points.values()
-    saved = [(p, p.mode) for p in points]
-    for p in points:
-        p.mode = "float"
-    try:
-        yield
-    finally:
-        for p, mode in saved:
-            p.mode = mode
 
 
 def compute_loss(model: nn.Module, batch: Batch, kind: str, train: Callable | None) -> torch.Tensor:
