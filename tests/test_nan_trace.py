@@ -163,13 +163,19 @@ def test_a_negative_running_var_in_a_forward_pass():
     assert first["tensor"] == "layer2.0.bn1.running_var" and "channel(s) [3]" in first["detail"]
 
 
-def test_a_negative_running_var_beside_a_reverse_folded_conv():
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_negative_running_var_beside_a_reverse_folded_conv(frozen):
+    """Reverse fold divides by gamma / sqrt(running_var + eps) in training too: frozen, the BN
+    is caught before the step; training, at the conv, diagnosed on the statistics the step
+    began with (its own forward overwrites them with NaN)."""
     qm = _qat_resnet()
-    freeze_bn_stats(qm)
+    if frozen:
+        freeze_bn_stats(qm)
     with torch.no_grad():
         qm.layer1[0].bn2.running_var[1] = -1.0
     first = _first(trace_steps(qm, _data(), steps=2))
-    assert (first["layer"], first["cause"]) == ("layer1.0.bn2", "bn_variance")
+    assert first["layer"] == ("layer1.0.bn2" if frozen else "layer1.0.conv2") and first["cause"] == "bn_variance"
+    assert "layer1.0.bn2" in first["detail"] and "channel(s) [1]" in first["detail"]
 
 
 class LogOfShifted(nn.Module):
@@ -185,6 +191,36 @@ def test_log_of_a_negative_input_is_an_op_domain_error():
     first = _first(trace_steps(LogOfShifted(), _data(), steps=2))
     assert (first["phase"], first["layer"], first["op"], first["cause"]) == ("forward", "log", "log", "op_domain")
     assert first["created"] is True and "negative value(s)" in first["detail"]
+    assert first["hidden"] == []  # fc carried the NaN to the output: nothing was contained
+
+
+class StashedLog(nn.Module):
+    """The output masks log's NaN; the loss reads the raw value the model kept aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16 * 16, 10)
+
+    def forward(self, x):
+        y = self.fc(x.flatten(1))
+        self.raw = torch.log(y)
+        return torch.where(y > 0, self.raw, torch.zeros_like(y))
+
+
+def test_a_masked_nan_that_reaches_the_loss_another_way_is_found_at_its_origin():
+    torch.manual_seed(0)
+
+    def train(model, batch):
+        return F.cross_entropy(model(batch.inputs), batch.target) + 1e-3 * model.raw.mean()
+
+    first = _first(trace_steps(StashedLog(), _data(), steps=2, train=train))
+    assert (first["phase"], first["layer"], first["cause"]) == ("forward", "log", "op_domain")
+
+
+def test_an_optimizer_step_size_past_float32_is_an_update_overflow():
+    first = _first(trace_steps(LogOfShifted(), [Batch(b.inputs.abs(), b.target) for b in _data()], steps=2,
+                               lr=1e38, optimizer="adam"))
+    assert (first["phase"], first["layer"], first["cause"]) == ("update", "optimizer", "overflow")
 
 
 # -- backward -----------------------------------------------------------------------------------
@@ -371,6 +407,27 @@ def _autocast_fp16_works() -> bool:
             return nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float16
     except (RuntimeError, TypeError):
         return False
+
+
+def test_an_fp16_overflow_reached_through_untracked_views_in_a_user_loop():
+    """The overflowing matmul's output reaches fc through a slice, a cast and an expand of
+    tensors without gradients: neither identity nor autograd links them, so the step's first
+    call that made a non-finite value is named."""
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16 * 16, 10)
+
+        def forward(self, x):
+            h = x.flatten(1).half() * 1000
+            h = h @ h.t()
+            return self.fc(h[:, :1].float().expand(-1, 16 * 16))
+
+    model = Half()
+    with pytest.raises(NonFiniteError):
+        with qdebug.nan_trace(model) as trace:
+            model(_data()[0].inputs)
+    assert (trace.report["layer"], trace.report["dtype"], trace.report["cause"]) == ("matmul", "float16", "overflow")
 
 
 @pytest.mark.skipif(not _autocast_fp16_works(), reason="this CPU build has no float16 autocast")
@@ -569,7 +626,8 @@ def test_cli_user_module_train_function_and_float_check_on_its_plain_architectur
 
 @pytest.mark.parametrize("args, fragment", [
     (("--steps", "-1"), "--steps must be >= 0"),
-    (("--lr", "nan"), "--lr must be a finite number"),
+    (("--lr", "nan"), "--lr must be a number from 0 to 3.4e38"),
+    (("--lr", "1e39"), "--lr must be a number from 0 to 3.4e38"),
     (("--optimizer", "rmsprop"), "--optimizer 'rmsprop'"),
     (("--loss", "hinge"), "--loss 'hinge'"),
     (("--train", "x.y:z", "--loss", "ce"), "--loss does not apply"),

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV and JSON have them all
 BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None,
@@ -56,6 +57,8 @@ def headline(first: dict) -> list[str]:
         where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
     elif first["what"] == "param_grad":
         where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
+    elif first["layer"] == "optimizer":
+        where = f"the {first['op']} optimizer's step size left float32's range"
     elif first["what"] == "param" and first["phase"] == "forward":
         where = f"{subject} was already invalid before the step ran"
     elif first["what"] == "param":
@@ -67,14 +70,15 @@ def headline(first: dict) -> list[str]:
     else:
         where = f"{first['layer']} ({first['op']}) {verb} a non-finite {what}"
     lines = [f"FIRST NON-FINITE: {first['phase']} of step {first['step']}, batch {first['batch']}: {where}"]
-    facts = [counts_text(finding)]
+    facts = [counts_text(finding)] if first.get("numel") or first.get("value") is not None else []
     if first.get("numel") and first["what"] != "scale":
         facts[0] += f" of {first['numel']} values ({first['dtype']} {first['shape']})"
     if first.get("point"):
         facts.append(f"quant point {first['point']}")
     if first.get("samples"):
         facts.append(f"samples {', '.join(map(str, first['samples']))}")
-    lines.append("  " + "; ".join(facts))
+    if facts:
+        lines.append("  " + "; ".join(facts))
     lines.append(f"  cause: {first['cause']}: {first['detail']}")
     lines.append(f"  fix: {first['fix']}")
     return lines
@@ -156,7 +160,8 @@ def _bundle(info) -> dict:
         "step, batch, samples, layer, op, quant point, NaN/Inf counts, whether the layer created the value, "
         "its cause and a fix, and the timeline of the steps before. The checkpoint's stage decides the modes "
         "(qat: as saved; calibrated: frozen scales). Exit code 1 when a non-finite value was found.\n\n"
-        "Example: qdebug nan-trace fixtures/demo/qat.pt --data fixtures/demo/eval.pt --steps 20 --lr 0.01\n\n"
+        "Example: qdebug nan-trace fixtures/demo/qat.pt --data fixtures/demo/eval.pt --steps 20 --batch-size 16 "
+        "--lr 0.01\n\n"
         "Example: qdebug nan-trace fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt --steps 0\n\n"
         "Example: qdebug nan-trace qat.pt --data train.pt --train mypkg.train:step --float-check --out nan-out"
     ),
@@ -193,8 +198,8 @@ def nan_trace(
     fmt = output_format(fmt, as_json)
     if steps < 0:
         raise QDebugError(f"--steps must be >= 0, got {steps}", "e.g. --steps 500, or --steps 0 for forward passes")
-    if lr is not None and not (lr >= 0 and lr < float("inf")):
-        raise QDebugError(f"--lr must be a finite number >= 0, got {lr}", "e.g. --lr 0.01")
+    if lr is not None and not 0 <= lr <= FLOAT32_MAX:
+        raise QDebugError(f"--lr must be a number from 0 to 3.4e38 (float32's largest), got {lr}", "e.g. --lr 0.01")
     if optimizer is not None and optimizer not in ("sgd", "adam"):
         raise QDebugError(f"--optimizer {optimizer!r} is not sgd or adam", "e.g. --optimizer adam")
     if loss is not None and loss not in ("auto", "ce", "mse", "distill"):

@@ -158,6 +158,8 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
         "steps": steps, "loss": run.loss_kind, "optimizer": optimizer if steps else None,
         "lr": lr if steps else None, "seed": seed, "batches": len(batches), "contained": contained})
     if finding is not None:
+        if run.failing_snapshot is not None:  # the evidence as the step found it (BN statistics, scales)
+            run.restore(run.failing_snapshot)
         diagnosis = diagnose(finding, run.evidence(finding))
         result.first = {**finding.to_dict(), "cause": diagnosis.cause, "detail": diagnosis.detail,
                         "fix": diagnosis.fix}
@@ -241,7 +243,7 @@ class _Run:
             self.history.append(stats)
             return None
         # Re-run the step in detail from the snapshot: the first non-finite value, with its story.
-        self._restore(snapshot)
+        self.restore(snapshot)
         self.failing_snapshot = snapshot
         self.watch.detail = True
         try:
@@ -284,7 +286,14 @@ class _Run:
             norms = list(torch._foreach_norm(tensors))
             watch.check_grads(norms, tensors)
             stats.take_grad_norms(names, _unoverflowed(norms, tensors))
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except RuntimeError as exc:
+            if "overflow" not in str(exc):
+                raise
+            # The optimizer's own step size (lr over a bias correction) left float32's range.
+            raise NonFiniteError(Finding("update", "optimizer", self.optimizer_name, "param", tensor="step size",
+                                         created=True, dtype="float32", step=stats.step, batch=stats.batch)) from None
         watch.check_scales("update")
         tensors = [p.detach() for _, p in self.params]
         if tensors:
@@ -302,7 +311,7 @@ class _Run:
         self._buffers = {"model": state, "optimizer": opt}
         return Snapshot(state, opt, torch.get_rng_state(), step, batch, _other_rng_states())
 
-    def _restore(self, snapshot: Snapshot) -> None:
+    def restore(self, snapshot: Snapshot) -> None:
         self.model.load_state_dict(snapshot.model_state)
         if self.optimizer is not None and snapshot.optimizer_state is not None:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer_state))

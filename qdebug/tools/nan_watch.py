@@ -268,21 +268,26 @@ class Watch:
             if t.grad_fn is not None:
                 self._node_call[t.grad_fn] = name
 
-    def _producer_of(self, x: torch.Tensor) -> str | None:
+    def _producer_of(self, x: torch.Tensor, among: Any = None) -> str | None:
+        """The call that produced ``x``: by identity, else the nearest call up its autograd graph
+        (a view, a max-pool or another op the tap does not name may sit in between); with
+        ``among``, the nearest call in ``among`` (e.g. the calls whose outputs were non-finite)."""
         name = self._tensor_call.get(id(x))
-        if name is not None or x.grad_fn is None:
+        if name is not None and (among is None or name in among):
             return name
-        # A view, a max-pool or another op the tap does not name sits in between: walk back.
+        if x.grad_fn is None:
+            return None
         frontier, seen = [x.grad_fn], set()
-        for _ in range(64):
+        for _ in range(256):
             if not frontier:
                 break
             node = frontier.pop(0)
             if node in seen:
                 continue
             seen.add(node)
-            if node in self._node_call:
-                return self._node_call[node]
+            found = self._node_call.get(node)
+            if found is not None and (among is None or found in among):
+                return found
             frontier += [n for n, _ in node.next_functions if n is not None]
         return None
 
@@ -296,24 +301,45 @@ class Watch:
         if bad:
             self._raise(self._origin_forward(bad))
 
-    def _origin_forward(self, bad_outputs: list[torch.Tensor]) -> Finding:
-        """The call that created the non-finite output: from the output's call, upstream through
-        producers whose outputs were non-finite too, to one whose inputs were finite."""
-        starts = [self._producer_of(t) for t in bad_outputs]
-        current = next((s for s in starts if s in self.forward_events), None)
+    def _origin_forward(self, bad: list[torch.Tensor]) -> Finding:
+        """The call that created the non-finite ``bad`` values (the model's outputs, or the loss):
+        from the nearest call whose output was non-finite, upstream through producers whose
+        outputs were non-finite too, to one whose inputs were finite."""
+        starts = [self._producer_of(t, among=self.forward_events) for t in bad]
+        current = next((s for s in starts if s is not None), None)
         if current is None:  # no call is known to have made it: the earliest non-finite call
             if not self.forward_events:
                 f = Finding("forward", "<output>", "output", "output", created=None)
-                return self._stamp(f, bad_outputs[0])
+                return self._stamp(f, bad[0])
             current = next(iter(self.forward_events))
         order = list(self.forward_events)
         seen = {current}
         while True:
             upstream = [p for p in self._producers(current) if p in self.forward_events and p not in seen]
             if not upstream:
-                return self.forward_events[current]
+                break
             current = min(upstream, key=order.index)
             seen.add(current)
+        event = self.forward_events[current]
+        if event.created is False:
+            # Its non-finite input came along a path neither identity nor autograd shows (ops on
+            # tensors without gradients, through views): the step's first call that made one.
+            earlier = [e for e in order[:order.index(current)] if self.forward_events[e].created]
+            if earlier:
+                return self.forward_events[earlier[0]]
+        return event
+
+    def _contained(self, f: Finding) -> list[str]:
+        """The calls of this step whose non-finite output did not reach their consumers' outputs
+        (a mask): every consumer known, none with a non-finite output."""
+        found = []
+        for name in self.forward_events:
+            if name == f.layer and f.phase == "forward":
+                continue
+            consumers = self._consumers(name)
+            if consumers and not any(c in self.forward_events for c in consumers):
+                found.append(name)
+        return found[:8]
 
     def _producers(self, name: str) -> list[str]:
         found = self.producers.get(name)
@@ -330,6 +356,8 @@ class Watch:
             self.essential.append((("forward", "loss", "output", ""), torch.isfinite(loss.detach()).all()))
             return
         if not finite(loss):
+            if self._producer_of(loss, among=self.forward_events) is not None:  # a model value reached it
+                self._raise(self._origin_forward([loss]))
             self._raise(self._stamp(Finding("forward", "loss", "loss", "output", created=True), loss))
 
     def _output_point(self, call_name: str):
@@ -496,7 +524,7 @@ class Watch:
         return f
 
     def _raise(self, f: Finding) -> None:
-        f.hidden = [name for name in self.forward_events if name != f.layer or f.phase != "forward"][:8]
+        f.hidden = self._contained(f)
         raise NonFiniteError(f)
 
     # -- cheap mode's verdict -----------------------------------------------------------------------
