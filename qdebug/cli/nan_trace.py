@@ -50,12 +50,9 @@ def headline(first: dict) -> list[str]:
 
     finding = Finding(**{k: v for k, v in first.items() if k in Finding.__dataclass_fields__})
     verb = "created" if first.get("created") else "passed on"
-    what = {"output": "output", "raw_output": "output (before its quant point)", "output_grad": "gradient",
-            "param_grad": "gradient", "param": "value", "scale": "scale"}.get(first["what"], first["what"])
+    what = "output (before its quant point)" if first["what"] == "raw_output" else first["what"]
     subject = first.get("tensor") or first["layer"]
-    if first["what"] == "output_grad":
-        where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
-    elif first["what"] == "param_grad":
+    if first["what"] in ("output_grad", "param_grad"):
         where = f"the backward of {first['layer']} ({first['op']}) {verb} a non-finite gradient of {subject}"
     elif first["layer"] == "optimizer":
         where = f"the {first['op']} optimizer's step size left float32's range"
