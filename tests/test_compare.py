@@ -678,3 +678,30 @@ def test_every_cause_line_fits_80_columns():
     for cause, advice in compare_module.ADVICE.items():
         line = f"  cause:         {advice.format(gain=6.02 * 8)}"
         assert len(line) <= 80, (cause, line)
+
+
+def test_a_row_without_its_own_quantization_is_never_at_fault():
+    """A BN whose ReLU6 holds the quant point carries the error it is handed: the ReLU6 (which
+    quantizes) is at fault, not the BN, however the BN's row is flagged (issue 16)."""
+    from qdebug.tools.compare import findings
+
+    rows = [
+        {"layer": "conv", "target": "q", "note": "", "sqnr_db": 40.0, "isolated_sqnr_db": 40.0, "diagnosis": ""},
+        {"layer": "bn", "target": "q", "note": "", "sqnr_db": 12.0, "isolated_sqnr_db": 12.0,
+         "diagnosis": "outlier_channels"},
+        {"layer": "relu6", "target": "q", "note": "", "sqnr_db": 11.0, "isolated_sqnr_db": 14.0,
+         "diagnosis": "outlier_channels"},
+    ]
+    frame = pd.DataFrame(rows)
+    assert findings(frame)["q"]["at_fault"] == "bn"
+    assert findings(frame, {"q": {"bn"}})["q"]["at_fault"] == "relu6"
+
+
+def test_unquantized_calls_are_the_ones_with_neither_output_nor_weight_point(make_resnet, images):
+    from qdebug.tools.compare import _unquantized_calls
+
+    qm = prepare(make_resnet(), QConfig(), mode="with_bn", example_inputs=images())
+    calls = _unquantized_calls(qm)
+    assert "bn1" in calls and "layer1.0.bn1" in calls  # each BN's point is its ReLU's
+    assert "conv1" not in calls and "relu" not in calls and "fc" not in calls
+    assert _unquantized_calls(make_resnet()) == set()

@@ -167,6 +167,21 @@ def _skips(ref: nn.Module, other: nn.Module, ref_label: str, label: str) -> dict
     return skip
 
 
+def _unquantized_calls(model: nn.Module) -> set[str]:
+    """The calls of a prepared model that quantize nothing themselves: no output point of their
+    own (fused into the next op's) and no weight point.  Empty for a model not prepared."""
+    if not is_prepared(model):
+        return set()
+    found = set()
+    for name, rec in engine_state(model).plan.calls.items():
+        if rec.point is not None or rec.category == "input":
+            continue
+        module = model.get_submodule(rec.owner) if rec.is_module and rec.owner else None
+        if getattr(module, "weight_point", None) is None:
+            found.add(name)
+    return found
+
+
 def compare(
     models: Sequence[tuple[str, nn.Module]],
     batches: Sequence[Any],
@@ -269,7 +284,8 @@ def compare(
             frame[col] = math.nan
     frame = frame[["index", "layer", "type", "target", *METRICS, "note"]]
     frame["diagnosis"] = [diagnose(r, limits) for r in frame.to_dict("records")]
-    summary = summarize(frame, limits, ref_label)
+    unquantized = {label: _unquantized_calls(model) for label, model in others}
+    summary = summarize(frame, limits, ref_label, unquantized)
     meta = {
         "reference": ref_label,
         "targets": [label for label, _ in others],
@@ -279,7 +295,7 @@ def compare(
         "kl_feature_maps": kl_feature_maps,
         "layers": int(frame["layer"].nunique()),
         "flagged": int((frame["diagnosis"] != "").sum()),
-        "findings": findings(frame),
+        "findings": findings(frame, unquantized),
     }
     return CompareResult(frame, meta, summary, samples)
 
@@ -351,10 +367,15 @@ ADVICE = {
 }
 
 
-def findings(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:
+def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None) -> dict[str, dict[str, Any]]:
     """Per compared model: the worst layer, where error first crosses a threshold, and the
     first layer at fault itself (its own error) -- or, when every flagged row only inherits
-    its error, the layer with the largest own error.  JSON's ``meta.findings``."""
+    its error, the layer with the largest own error.  JSON's ``meta.findings``.
+
+    ``unquantized``: per target, the rows with no quantization of their own (no weight point
+    and no output point: a BN whose ReLU6 holds the point): they can carry error, never
+    be at fault."""
+    unquantized = unquantized or {}
     out: dict[str, dict[str, Any]] = {}
     for target, rows in frame.groupby("target", sort=False):
         measured = rows[rows["note"] == ""]
@@ -368,7 +389,8 @@ def findings(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:
         if not flagged.empty:
             first = flagged.iloc[0]
             found.update(first_flagged=first["layer"], first_diagnosis=first["diagnosis"])
-            cause = flagged[flagged["diagnosis"] != "propagated"]
+            cause = flagged[(flagged["diagnosis"] != "propagated")
+                            & ~flagged["layer"].isin(unquantized.get(target, set()))]
             if cause.empty:  # every flagged row only inherits its error: no single layer is to blame
                 own = measured.sort_values("isolated_sqnr_db", na_position="last").iloc[0]
                 found.update(at_fault=None, largest_own_error=own["layer"],
@@ -379,10 +401,11 @@ def findings(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:
     return out
 
 
-def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str) -> str:
+def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
+              unquantized: dict[str, set[str]] | None = None) -> str:
     """A few short lines per compared model (see ``findings``)."""
     lines = []
-    for target, found in findings(frame).items():
+    for target, found in findings(frame, unquantized).items():
         if not found["layers"]:
             lines.append(f"{target} vs {ref_label}: no comparable layer")
             continue
