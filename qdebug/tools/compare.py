@@ -383,18 +383,24 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
             out[target] = {"layers": 0, "flagged": 0}
             continue
         flagged = measured[measured["diagnosis"] != ""]
-        worst = measured.sort_values("sqnr_db", na_position="first").iloc[0]
+        own_rows = measured[~measured["layer"].isin(unquantized.get(target, set()))]
+        own_rows = own_rows if not own_rows.empty else measured
+        if own_rows["isolated_sqnr_db"].notna().any():
+            # The worst layer is the one whose *own* error is worst, not one that inherits it.
+            worst = own_rows.sort_values("isolated_sqnr_db", na_position="last").iloc[0]
+        else:  # --no-isolated: only the propagated error is known
+            worst = own_rows.sort_values("sqnr_db", na_position="first").iloc[0]
         found: dict[str, Any] = {"layers": int(len(measured)), "flagged": int(len(flagged)),
-                                 "worst_layer": worst["layer"], "worst_sqnr_db": worst["sqnr_db"]}
+                                 "worst_layer": worst["layer"], "worst_sqnr_db": worst["sqnr_db"],
+                                 "worst_isolated_sqnr_db": worst["isolated_sqnr_db"]}
         if not flagged.empty:
             first = flagged.iloc[0]
             found.update(first_flagged=first["layer"], first_diagnosis=first["diagnosis"])
             cause = flagged[(flagged["diagnosis"] != "propagated")
                             & ~flagged["layer"].isin(unquantized.get(target, set()))]
             if cause.empty:  # every flagged row only inherits its error: no single layer is to blame
-                own = measured.sort_values("isolated_sqnr_db", na_position="last").iloc[0]
-                found.update(at_fault=None, largest_own_error=own["layer"],
-                             largest_own_error_db=own["isolated_sqnr_db"])
+                found.update(at_fault=None, largest_own_error=worst["layer"],
+                             largest_own_error_db=worst["isolated_sqnr_db"])
             else:
                 found.update(at_fault=cause.iloc[0]["layer"], at_fault_diagnosis=cause.iloc[0]["diagnosis"])
         out[target] = found
@@ -409,7 +415,9 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
         if not found["layers"]:
             lines.append(f"{target} vs {ref_label}: no comparable layer")
             continue
-        worst = f"{found['worst_layer']} ({_fmt_db(found['worst_sqnr_db'])})"
+        own = found["worst_isolated_sqnr_db"]
+        worst = f"{found['worst_layer']} ({_fmt_db(found['worst_sqnr_db'])}" + (
+            f"; its own error {_fmt_db(own)} isolated)" if own is not None and not math.isnan(own) else ")")
         if not found["flagged"]:
             lines += [f"{target} vs {ref_label}: nothing flagged "
                       f"(sqnr_db < {limits['sqnr_db']:g}, isolated_sqnr_db < {limits['isolated_sqnr_db']:g})",
@@ -418,10 +426,8 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
         lines += [f"{target} vs {ref_label}: {found['flagged']} of {found['layers']} layers flagged",
                   f"  worst layer:   {worst}",
                   f"  first flagged: {found['first_flagged']} ({found['first_diagnosis']})"]
-        if found["at_fault"] is None:
-            lines += ["  at fault:      no layer alone: the loss builds up over many layers",
-                      f"  largest own error: {found['largest_own_error']} "
-                      f"({_fmt_db(found['largest_own_error_db'])} isolated)"]
+        if found["at_fault"] is None:  # the worst layer above is the one with the largest own error
+            lines += ["  at fault:      no layer alone: the loss builds up over many layers"]
         else:
             diagnosis = found["at_fault_diagnosis"]
             lines += [f"  at fault:      {found['at_fault']} ({diagnosis})",
