@@ -18,7 +18,8 @@ e = y - x, sums over every element of every batch):
                     from the raw values)
     nonfinite       number of NaN/Inf values in y (never averaged away: metrics become NaN/inf)
     per channel (axis 1):  min_channel_sqnr_db, median_channel_sqnr_db, and
-    channel_range_ratio = max over channels of (max - min of x) / median of it.
+    channel_range_ratio = max over channels of (max - min of x) / median of it, and
+    widest_channel = the index of that channel.
 
 A perfect match gives sqnr_db = inf and cosine = 1; a NaN anywhere in y makes the
 sums NaN, and the metrics say so.
@@ -349,6 +350,7 @@ class ErrorStats:
             ranges = (self.ch_max - self.ch_min).clamp(min=0)
             median = float(ranges.median())
             out["channel_range_ratio"] = float(ranges.max()) / median if median > 0 else (math.inf if float(ranges.max()) > 0 else 1.0)
+            out["widest_channel"] = int(ranges.argmax())
         return {prefix + k: v for k, v in out.items()}
 
 

@@ -16,7 +16,7 @@ QAT_MODES = ("fuse_bn", "with_bn", "with_bn_reverse_fold")
 # compare's metric columns, in display order (docs/compare.md defines each).
 COMPARE_METRICS = (
     "cosine", "sqnr_db", "mse", "rel_l2", "max_abs", "max_abs_scales", "mean_abs", "kl", "saturation", "nonfinite",
-    "min_channel_sqnr_db", "median_channel_sqnr_db", "channel_range_ratio",
+    "min_channel_sqnr_db", "median_channel_sqnr_db", "channel_range_ratio", "widest_channel",
     "isolated_cosine", "isolated_sqnr_db", "isolated_mse", "isolated_max_abs",
 )
 # compare's default table columns, most useful first (the first ones stay at 80 columns).

@@ -704,3 +704,13 @@ def test_unquantized_calls_are_the_ones_with_neither_output_nor_weight_point(mak
     assert "bn1" in calls and "layer1.0.bn1" in calls  # each BN's point is its ReLU's
     assert "conv1" not in calls and "relu" not in calls and "fc" not in calls
     assert _unquantized_calls(make_resnet()) == set()
+
+
+def test_an_outlier_channel_at_fault_is_named_with_its_range_ratio():
+    text = _summary_frame([
+        {"layer": "a", "sqnr_db": 30.0, "isolated_sqnr_db": 31.0},
+        {"layer": "b", "sqnr_db": 18.0, "isolated_sqnr_db": 19.0, "min_channel_sqnr_db": 5.0,
+         "channel_range_ratio": 64.0, "widest_channel": 5},
+    ])
+    assert "  at fault:      b (outlier_channels: channel 5 spans 64x the median channel's range)" in text.splitlines()
+    assert "equalize (CLE), then int16, per-channel last" in text

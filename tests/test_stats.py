@@ -195,6 +195,7 @@ def test_per_channel_metrics_on_a_crafted_outlier_channel():
     assert result["median_channel_sqnr_db"] == pytest.approx(channel_sqnr[c // 2], rel=REL)
     assert result["channel_range_ratio"] == pytest.approx(ranges[-1] / ranges[c // 2], rel=REL)
     assert 40 < result["channel_range_ratio"] < 90  # the x64 channel stands out
+    assert result["widest_channel"] == outlier  # and is named
     # the outlier channel has the best SQNR (same noise, 64x the signal): +36 dB over the median
     assert channel_sqnr[-1] - channel_sqnr[c // 2] == pytest.approx(20 * math.log10(64), abs=3)
 

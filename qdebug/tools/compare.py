@@ -362,7 +362,7 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
 ADVICE = {
     "clipping": "range cut off: recalibrate (observer, data), not more bits",
     "rounding": "range fine, steps too coarse: int16 (+{gain:.0f} dB; qdebug suggest)",
-    "outlier_channels": "channels stretch the range: per-channel, int16 or equalization",
+    "outlier_channels": "wide channels: equalize (CLE), then int16, per-channel last",
     "nonfinite": "NaN/Inf appears here: check weights and scales (qdebug inspect)",
 }
 
@@ -402,7 +402,11 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
                 found.update(at_fault=None, largest_own_error=worst["layer"],
                              largest_own_error_db=worst["isolated_sqnr_db"])
             else:
-                found.update(at_fault=cause.iloc[0]["layer"], at_fault_diagnosis=cause.iloc[0]["diagnosis"])
+                row = cause.iloc[0]
+                found.update(at_fault=row["layer"], at_fault_diagnosis=row["diagnosis"])
+                if row["diagnosis"] == "outlier_channels" and not pd.isna(row.get("widest_channel")):
+                    found.update(outlier_channel=int(row["widest_channel"]),
+                                 channel_range_ratio=row["channel_range_ratio"])
         out[target] = found
     return out
 
@@ -430,7 +434,11 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
             lines += ["  at fault:      no layer alone: the loss builds up over many layers"]
         else:
             diagnosis = found["at_fault_diagnosis"]
-            lines += [f"  at fault:      {found['at_fault']} ({diagnosis})",
+            detail = diagnosis
+            if "outlier_channel" in found:
+                detail += (f": channel {found['outlier_channel']} spans {found['channel_range_ratio']:.0f}x the "
+                           "median channel's range")
+            lines += [f"  at fault:      {found['at_fault']} ({detail})",
                       f"  cause:         {ADVICE[diagnosis].format(gain=6.02 * 8)}"]
     return "\n".join(lines)
 
