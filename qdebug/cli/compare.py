@@ -252,11 +252,19 @@ def _plots(result, out: Path, reference: str) -> list[Path]:
     from qdebug.report.plots import plot_along_network, plot_histograms
 
     frame = result.frame
-    written = [plot_along_network(frame, out / "compare_along_network.png", reference=reference)]
-    worst = frame[frame["note"] == ""].sort_values("sqnr_db", na_position="first").head(HISTOGRAM_LAYERS)
+    written = [plot_along_network(frame, out / "compare_along_network.png", reference=reference,
+                                  thresholds=result.meta.get("thresholds"))]
+    measured = frame[frame["note"] == ""]
+    # The layers whose own error is worst (propagated error when isolated errors were not taken).
+    if measured["isolated_sqnr_db"].notna().any():
+        worst = measured[measured["isolated_sqnr_db"].notna()].sort_values("isolated_sqnr_db")
+    else:
+        worst = measured.sort_values("sqnr_db", na_position="first")
+    worst = worst.head(HISTOGRAM_LAYERS)
     keys = [(r.layer, r.target) for r in worst.itertuples() if (r.layer, r.target) in result.samples]
     if keys:
-        written.append(plot_histograms(result.samples, keys, out / "compare_worst_histograms.png", reference=reference))
+        written.append(plot_histograms(result.samples, keys, out / "compare_worst_histograms.png", reference=reference,
+                                       frame=frame))
     return written
 
 

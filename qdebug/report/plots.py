@@ -23,44 +23,85 @@ def _finite(values) -> list[float]:
     return out
 
 
-def plot_along_network(frame: pd.DataFrame, path: str | Path, *, reference: str) -> Path:
-    """SQNR (dB) and cosine per layer, in execution order, one line per compared model."""
-    measured = frame[frame["note"] == ""]
-    layers = list(dict.fromkeys(measured["layer"]))
+def plot_along_network(frame: pd.DataFrame, path: str | Path, *, reference: str,
+                       thresholds: dict | None = None) -> Path:
+    """SQNR (dB) and cosine per layer, in execution order: one colour per compared model in
+    both panels (propagated solid, isolated dashed), the flagging thresholds as lines, the
+    flagged rows marked, a gap where a row has no value; every n-th layer named when there
+    are too many to read."""
+    layers = list(dict.fromkeys(frame["layer"]))
     position = {name: i for i, name in enumerate(layers)}
-    fig, (ax_sqnr, ax_cos) = plt.subplots(2, 1, figsize=(max(8, len(layers) * 0.18), 7), sharex=True)
-    for target, rows in measured.groupby("target", sort=False):
-        xs = [position[n] for n in rows["layer"]]
-        ax_sqnr.plot(xs, _finite(rows["sqnr_db"]), marker=".", label=f"{target} (propagated)")
+    fig, (ax_sqnr, ax_cos) = plt.subplots(2, 1, figsize=(min(max(8, len(layers) * 0.16), 24) + 2.5, 7.5),
+                                          sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (target, rows) in enumerate(frame.groupby("target", sort=False)):
+        colour = colours[k % len(colours)]
+        xs = list(range(len(layers)))
+
+        def along(column: str, rows=rows) -> list[float]:
+            values = [math.nan] * len(layers)  # rows without a value stay gaps in the line
+            for name, note, v in zip(rows["layer"], rows["note"], rows[column]):
+                if note == "" and v is not None:
+                    values[position[name]] = float(v) if not math.isinf(float(v)) else math.nan
+            return values
+
+        ax_sqnr.plot(xs, along("sqnr_db"), marker=".", color=colour, label=f"{target} (propagated)")
         if rows["isolated_sqnr_db"].notna().any():
-            ax_sqnr.plot(xs, _finite(rows["isolated_sqnr_db"]), linestyle="--", alpha=0.7, label=f"{target} (isolated)")
-        ax_cos.plot(xs, _finite(rows["cosine"]), marker=".", label=target)
-    ax_sqnr.set_ylabel("SQNR vs " + reference + " (dB)")
-    ax_sqnr.legend(fontsize=8)
+            ax_sqnr.plot(xs, along("isolated_sqnr_db"), linestyle="--", marker="_", color=colour, alpha=0.75,
+                         label=f"{target} (isolated: own error)")
+        ax_cos.plot(xs, along("cosine"), marker=".", color=colour, label=target)
+        if "diagnosis" in rows:
+            flagged = [(position[n], v) for n, d, v in zip(rows["layer"], rows["diagnosis"], rows["sqnr_db"])
+                       if d and v is not None and math.isfinite(float(v))]
+            if flagged:
+                ax_sqnr.scatter([x for x, _ in flagged], [v for _, v in flagged], marker="x", color="tab:red",
+                                zorder=3, label=f"{target}: flagged")
+    for key, style in (("sqnr_db", "-"), ("isolated_sqnr_db", "--")):
+        if thresholds and key in thresholds:
+            ax_sqnr.axhline(thresholds[key], color="gray", linestyle=style, linewidth=0.8,
+                            label=f"{key} threshold ({thresholds[key]:g} dB)")
+    ax_sqnr.set_ylabel(f"SQNR vs {reference} (dB)")
+    ax_sqnr.set_title(f"error along the network, against {reference}", fontsize=10)
+    ax_sqnr.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))  # beside the data, not over it
     ax_sqnr.grid(alpha=0.3)
-    ax_cos.set_ylabel("cosine")
+    ax_cos.set_ylabel(f"cosine vs {reference}")
+    ax_cos.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
     ax_cos.grid(alpha=0.3)
-    ax_cos.set_xticks(range(len(layers)))
-    ax_cos.set_xticklabels(layers, rotation=90, fontsize=6)
+    every = max(1, math.ceil(len(layers) / 80))
+    ax_cos.set_xticks(range(0, len(layers), every))
+    ax_cos.set_xticklabels(layers[::every], rotation=90, fontsize=6)
+    ax_cos.set_xlabel("layer, in execution order" + (f" (every {every}th named)" if every > 1 else ""))
     fig.tight_layout()
     return _save(fig, path)
 
 
-def plot_histograms(samples: dict, layers: list[tuple[str, str]], path: str | Path, *, reference: str) -> Path:
-    """Reference-vs-compared value histograms of the given (layer, target) pairs."""
+def plot_histograms(samples: dict, layers: list[tuple[str, str]], path: str | Path, *, reference: str,
+                    frame: pd.DataFrame | None = None) -> Path:
+    """The error distribution (compared - reference, on the same sampled positions) of the given
+    (layer, target) pairs -- the layers with the worst own error -- with log-scale counts."""
     n = max(len(layers), 1)
-    fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), squeeze=False)
+    fig, axes = plt.subplots(n, 1, figsize=(7, 2.5 * n), squeeze=False)
     for ax, key in zip(axes[:, 0], layers):
         x, y = samples[key]
-        finite = torch.cat([x[torch.isfinite(x)], y[torch.isfinite(y)]])
-        if finite.numel() == 0:
-            ax.set_title(f"{key[0]} ({key[1]}): no finite values")
+        error = (y - x) if x.shape == y.shape else y.new_empty(0)
+        error = error[torch.isfinite(error)]
+        title = f"{key[0]} ({key[1]})"
+        if frame is not None:
+            row = frame[(frame["layer"] == key[0]) & (frame["target"] == key[1])]
+            if len(row):
+                own = row["isolated_sqnr_db"].iloc[0]
+                title += f": {float(row['sqnr_db'].iloc[0]):.1f} dB" + (
+                    f", own error {float(own):.1f} dB" if own is not None and not pd.isna(own) else "")
+        if error.numel() == 0:
+            ax.set_title(title + ": no finite error", fontsize=9)
             continue
-        bins = torch.linspace(float(finite.min()), float(finite.max()) + 1e-12, 81).numpy()
-        ax.hist(x[torch.isfinite(x)].numpy(), bins=bins, alpha=0.55, label=reference)
-        ax.hist(y[torch.isfinite(y)].numpy(), bins=bins, alpha=0.55, label=key[1])
-        ax.set_title(f"{key[0]} ({key[1]})", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.hist(error.numpy(), bins=81, color="tab:purple", alpha=0.8)
+        ax.set_yscale("log")
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4), useOffset=False)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(f"error: {key[1]} - {reference}", fontsize=8)
+        ax.set_ylabel("count (log)", fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, path)
 
