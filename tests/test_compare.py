@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import math
+import warnings
 import weakref
 
 import pandas as pd
@@ -704,6 +705,9 @@ def test_unquantized_calls_are_the_ones_with_neither_output_nor_weight_point(mak
     assert "bn1" in calls and "layer1.0.bn1" in calls  # each BN's point is its ReLU's
     assert "conv1" not in calls and "relu" not in calls and "fc" not in calls
     assert _unquantized_calls(make_resnet()) == set()
+    # Folded, a BN's row stands for conv + BN: it carries the conv's weight point.
+    folded = _unquantized_calls(prepare(make_resnet(), QConfig(), mode="fuse_bn", example_inputs=images()))
+    assert "bn1" not in folded and "layer1.0.bn1" not in folded
 
 
 def test_an_outlier_channel_at_fault_is_named_with_its_range_ratio():
@@ -714,3 +718,81 @@ def test_an_outlier_channel_at_fault_is_named_with_its_range_ratio():
     ])
     assert "  at fault:      b (outlier_channels: channel 5 spans 64x the median channel's range)" in text.splitlines()
     assert "equalize (CLE), then int16, per-channel last" in text
+
+
+class _SameConv(nn.Conv2d):
+    """TensorFlow's "SAME" padding (EfficientNet's): pad by what the stride leaves over, more
+    at the bottom/right, then a valid convolution."""
+
+    def forward(self, x):
+        ih, iw = x.shape[-2:]
+        (kh, kw), (sh, sw) = self.kernel_size, self.stride
+        ph = max((-(-ih // sh) - 1) * sh + kh - ih, 0)
+        pw = max((-(-iw // sw) - 1) * sw + kw - iw, 0)
+        x = nn.functional.pad(x, [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2])
+        return nn.functional.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class _MBBlock(nn.Module):
+    """EfficientNet-Lite's block: 1x1 expand, BN, ReLU6, depthwise SAME, BN, ReLU6, 1x1 project, BN."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        mid = cin * 4
+        self._expand_conv, self._bn0 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self._depthwise_conv = _SameConv(mid, mid, 3, stride=stride, groups=mid, bias=False)
+        self._bn1 = nn.BatchNorm2d(mid)
+        self._project_conv, self._bn2 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu6 = nn.ReLU6()
+
+    def forward(self, x):
+        y = self.relu6(self._bn0(self._expand_conv(x)))
+        y = self._bn2(self._project_conv(self.relu6(self._bn1(self._depthwise_conv(y)))))
+        return y + x if y.shape == x.shape else y
+
+
+class _EfficientNetLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._conv_stem, self._bn0 = _SameConv(3, 16, 3, stride=2, bias=False), nn.BatchNorm2d(16)
+        self.relu6 = nn.ReLU6()
+        self._blocks = nn.ModuleList([_MBBlock(16, 24), _MBBlock(24, 24, stride=2), _MBBlock(24, 24)])
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = self.relu6(self._bn0(self._conv_stem(x)))
+        for block in self._blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_planted_outlier_channel_in_an_efficientnet_like_model_is_named_and_nothing_else_blamed():
+    """Channel 5 of ``_blocks.0._bn2`` x64, compensated exactly by ``_blocks.1._expand_conv``'s
+    input channel 5 / 64 (the float function is unchanged): the summary blames that BN, names
+    the channel, and its worst own error is the compensating layer's."""
+    torch.manual_seed(0)
+    model = _EfficientNetLike().train()
+    with torch.no_grad():
+        for _ in range(4):  # BN statistics
+            model(torch.randn(8, 3, 32, 32))
+    model.eval()
+    x = torch.randn(8, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x)
+        bn = model._blocks[0]._bn2
+        bn.weight[5] *= 64
+        bn.bias[5] *= 64
+        model._blocks[1]._expand_conv.weight[:, 5] /= 64
+        torch.testing.assert_close(model(x), before, rtol=1e-4, atol=1e-5)
+    calibration = [torch.randn(8, 3, 32, 32) for _ in range(4)]
+    with warnings.catch_warnings():  # SAME padding's F.pad may be reported as a float fallback
+        warnings.simplefilter("ignore")
+        qm = prepare(model, QConfig(), mode="fuse_bn", example_inputs=calibration[0])
+    calibrate(qm, calibration)
+    result = compare([("float", model), ("calibrated", qm)], [torch.randn(8, 3, 32, 32) for _ in range(2)])
+    found = result.meta["findings"]["calibrated"]
+    assert (found["at_fault"], found["at_fault_diagnosis"], found["outlier_channel"]) == \
+        ("_blocks.0._bn2", "outlier_channels", 5)
+    assert 40 < found["channel_range_ratio"] < 100
+    assert found["worst_layer"] == "_blocks.1._bn0"  # the expand conv (BN folded in) with the tiny weights
+    assert "channel 5 spans" in result.summary

@@ -172,11 +172,16 @@ def _unquantized_calls(model: nn.Module) -> set[str]:
     own (fused into the next op's) and no weight point.  Empty for a model not prepared."""
     if not is_prepared(model):
         return set()
+    plan = engine_state(model).plan
+    # A BN folded into its conv stands for conv + BN: its row carries the conv's weight point
+    # (the conv's own row is skipped, "compared at its BN").
+    folded = {bn: conv for conv, bn in plan.pairs if conv in _folded_convs(model)}
     found = set()
-    for name, rec in engine_state(model).plan.calls.items():
+    for name, rec in plan.calls.items():
         if rec.point is not None or rec.category == "input":
             continue
-        module = model.get_submodule(rec.owner) if rec.is_module and rec.owner else None
+        owner = folded.get(rec.owner, rec.owner)
+        module = model.get_submodule(owner) if rec.is_module and owner else None
         if getattr(module, "weight_point", None) is None:
             found.add(name)
     return found
