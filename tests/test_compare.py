@@ -796,3 +796,7 @@ def test_a_planted_outlier_channel_in_an_efficientnet_like_model_is_named_and_no
     assert 40 < found["channel_range_ratio"] < 100
     assert found["worst_layer"] == "_blocks.1._bn0"  # the expand conv (BN folded in) with the tiny weights
     assert "channel 5 spans" in result.summary
+    # The consequence downstream: the weights that compensate the channel underflow at int8.
+    assert found["downstream_layer"] == "_blocks.1._expand_conv"
+    assert found["downstream_zero_codes"] > 0.2 and found["downstream_zero_codes_elsewhere"] < 0.05
+    assert "consequence:   _blocks.1._expand_conv: " in result.summary

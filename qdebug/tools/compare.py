@@ -187,6 +187,39 @@ def _unquantized_calls(model: nn.Module) -> set[str]:
     return found
 
 
+def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[str, Any]:
+    """Where an outlier channel's stretch lands: the first weighted layer fed by ``layer``, and
+    the fraction of its weights on input ``channel`` that quantize to code 0 -- weights shrunk
+    to compensate the channel underflow -- against that fraction on its other input channels.
+    Empty when ``model`` is not prepared or no such layer follows."""
+    if not is_prepared(model):
+        return {}
+    plan = engine_state(model).plan
+    frontier, seen = list(plan.calls[layer].consumers) if layer in plan.calls else [], set()
+    while frontier:
+        name = frontier.pop(0)
+        rec = plan.calls.get(name)
+        if name in seen or rec is None:
+            continue
+        seen.add(name)
+        module = model.get_submodule(rec.owner) if rec.is_module and rec.owner else None
+        point = getattr(module, "weight_point", None)
+        if isinstance(module, _QWeighted) and point is not None and point.initialized:
+            with torch.no_grad():
+                weight, _ = module.quantized_input_weight()
+                if weight.dim() < 2 or weight.shape[1] <= channel or module.weight.shape[1] == 1:
+                    return {}  # a depthwise layer keeps each channel to itself
+                scale = point.scale.detach().reshape([-1] + [1] * (weight.dim() - 1)) \
+                    if point.scale.numel() > 1 else point.scale.detach()
+                zero = torch.round(weight / scale) == 0
+                on = float(zero[:, channel].float().mean())
+                rest = torch.cat([zero[:, :channel], zero[:, channel + 1:]], dim=1)
+            return {"downstream_layer": rec.owner, "downstream_zero_codes": on,
+                    "downstream_zero_codes_elsewhere": float(rest.float().mean()) if rest.numel() else 0.0}
+        frontier += [c for c in rec.consumers if c != "<output>"]
+    return {}
+
+
 def compare(
     models: Sequence[tuple[str, nn.Module]],
     batches: Sequence[Any],
@@ -290,7 +323,12 @@ def compare(
     frame = frame[["index", "layer", "type", "target", *METRICS, "note"]]
     frame["diagnosis"] = [diagnose(r, limits) for r in frame.to_dict("records")]
     unquantized = {label: _unquantized_calls(model) for label, model in others}
-    summary = summarize(frame, limits, ref_label, unquantized)
+    found = findings(frame, unquantized)
+    for label, model in others:  # an outlier channel's consequence: the next layer's weights on it
+        at_fault = found.get(label, {})
+        if "outlier_channel" in at_fault:
+            at_fault.update(_downstream_underflow(model, at_fault["at_fault"], at_fault["outlier_channel"]))
+    summary = summarize(frame, limits, ref_label, unquantized, found)
     meta = {
         "reference": ref_label,
         "targets": [label for label, _ in others],
@@ -300,7 +338,7 @@ def compare(
         "kl_feature_maps": kl_feature_maps,
         "layers": int(frame["layer"].nunique()),
         "flagged": int((frame["diagnosis"] != "").sum()),
-        "findings": findings(frame, unquantized),
+        "findings": found,
     }
     return CompareResult(frame, meta, summary, samples)
 
@@ -417,10 +455,10 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
 
 
 def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
-              unquantized: dict[str, set[str]] | None = None) -> str:
-    """A few short lines per compared model (see ``findings``)."""
+              unquantized: dict[str, set[str]] | None = None, found: dict | None = None) -> str:
+    """A few short lines per compared model (see ``findings``; ``found``: findings already made)."""
     lines = []
-    for target, found in findings(frame, unquantized).items():
+    for target, found in (found if found is not None else findings(frame, unquantized)).items():
         if not found["layers"]:
             lines.append(f"{target} vs {ref_label}: no comparable layer")
             continue
@@ -443,8 +481,12 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
             if "outlier_channel" in found:
                 detail += (f": channel {found['outlier_channel']} spans {found['channel_range_ratio']:.0f}x the "
                            "median channel's range")
-            lines += [f"  at fault:      {found['at_fault']} ({detail})",
-                      f"  cause:         {ADVICE[diagnosis].format(gain=6.02 * 8)}"]
+            lines += [f"  at fault:      {found['at_fault']} ({detail})"]
+            if found.get("downstream_layer"):
+                lines.append(f"  consequence:   {found['downstream_layer']}: {found['downstream_zero_codes']:.0%} of "
+                             f"its channel-{found['outlier_channel']} weights round to 0 "
+                             f"({found['downstream_zero_codes_elsewhere']:.0%} elsewhere)")
+            lines.append(f"  cause:         {ADVICE[diagnosis].format(gain=6.02 * 8)}")
     return "\n".join(lines)
 
 
