@@ -695,6 +695,11 @@ def test_a_row_without_its_own_quantization_is_never_at_fault():
     frame = pd.DataFrame(rows)
     assert findings(frame)["q"]["at_fault"] == "bn"
     assert findings(frame, {"q": {"bn"}})["q"]["at_fault"] == "relu6"
+    # A conv + BN (weights quantized) whose output point is its ReLU6's: an activation range
+    # problem there is the ReLU6's; rounding would be its own.
+    assert findings(frame, {}, {"q": {"bn"}})["q"]["at_fault"] == "relu6"
+    frame.loc[1, "diagnosis"] = "rounding"
+    assert findings(frame, {}, {"q": {"bn"}})["q"]["at_fault"] == "bn"
 
 
 def test_unquantized_calls_are_the_ones_with_neither_output_nor_weight_point(make_resnet, images):

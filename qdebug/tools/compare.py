@@ -52,6 +52,9 @@ DEFAULT_THRESHOLDS = {
     "channel_range_ratio": 8.0,  # ... in a layer whose channel ranges differ this much: outlier channels
 }
 HISTOGRAM_SAMPLES = 4096
+# An outlier channel's consequence is named when this share (and twice the share elsewhere) of
+# the next layer's weights on it round to 0: weights shrunk to compensate the stretched channel.
+UNDERFLOW = 0.1
 
 
 @dataclass
@@ -167,6 +170,16 @@ def _skips(ref: nn.Module, other: nn.Module, ref_label: str, label: str) -> dict
     return skip
 
 
+def _calls_without_output_point(model: nn.Module) -> set[str]:
+    """The calls of a prepared model whose output no point of their own quantizes (it is fused
+    into the next op's, a ReLU6's): an activation range problem there -- clipping, outlier
+    channels -- is not theirs, the range that is quantized is the next op's."""
+    if not is_prepared(model):
+        return set()
+    return {name for name, rec in engine_state(model).plan.calls.items()
+            if rec.point is None and rec.category != "input"}
+
+
 def _unquantized_calls(model: nn.Module) -> set[str]:
     """The calls of a prepared model that quantize nothing themselves: no output point of their
     own (fused into the next op's) and no weight point.  Empty for a model not prepared."""
@@ -191,7 +204,8 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
     """Where an outlier channel's stretch lands: the first weighted layer fed by ``layer``, and
     the fraction of its weights on input ``channel`` that quantize to code 0 -- weights shrunk
     to compensate the channel underflow -- against that fraction on its other input channels.
-    Empty when ``model`` is not prepared or no such layer follows."""
+    Empty when ``model`` is not prepared, no such layer follows, or nothing underflows
+    (``UNDERFLOW``)."""
     if not is_prepared(model):
         return {}
     plan = engine_state(model).plan
@@ -214,8 +228,11 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
                 zero = torch.round(weight / scale) == 0
                 on = float(zero[:, channel].float().mean())
                 rest = torch.cat([zero[:, :channel], zero[:, channel + 1:]], dim=1)
+            elsewhere = float(rest.float().mean()) if rest.numel() else 0.0
+            if on < UNDERFLOW or on < 2 * elsewhere:  # no underflow worth naming
+                return {}
             return {"downstream_layer": rec.owner, "downstream_zero_codes": on,
-                    "downstream_zero_codes_elsewhere": float(rest.float().mean()) if rest.numel() else 0.0}
+                    "downstream_zero_codes_elsewhere": elsewhere}
         frontier += [c for c in rec.consumers if c != "<output>"]
     return {}
 
@@ -323,12 +340,13 @@ def compare(
     frame = frame[["index", "layer", "type", "target", *METRICS, "note"]]
     frame["diagnosis"] = [diagnose(r, limits) for r in frame.to_dict("records")]
     unquantized = {label: _unquantized_calls(model) for label, model in others}
-    found = findings(frame, unquantized)
+    unranged = {label: _calls_without_output_point(model) for label, model in others}
+    found = findings(frame, unquantized, unranged)
     for label, model in others:  # an outlier channel's consequence: the next layer's weights on it
         at_fault = found.get(label, {})
         if "outlier_channel" in at_fault:
             at_fault.update(_downstream_underflow(model, at_fault["at_fault"], at_fault["outlier_channel"]))
-    summary = summarize(frame, limits, ref_label, unquantized, found)
+    summary = summarize(frame, limits, ref_label, unquantized, found)  # found: made just above
     meta = {
         "reference": ref_label,
         "targets": [label for label, _ in others],
@@ -410,15 +428,18 @@ ADVICE = {
 }
 
 
-def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None) -> dict[str, dict[str, Any]]:
+def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None,
+             unranged: dict[str, set[str]] | None = None) -> dict[str, dict[str, Any]]:
     """Per compared model: the worst layer, where error first crosses a threshold, and the
     first layer at fault itself (its own error) -- or, when every flagged row only inherits
     its error, the layer with the largest own error.  JSON's ``meta.findings``.
 
     ``unquantized``: per target, the rows with no quantization of their own (no weight point
     and no output point: a BN whose ReLU6 holds the point): they can carry error, never
-    be at fault."""
-    unquantized = unquantized or {}
+    be at fault.  ``unranged``: per target, the rows whose output no point of their own
+    quantizes (a conv + BN before a fused ReLU6): at fault for rounding (their weights), never
+    for an activation range (clipping, outlier channels)."""
+    unquantized, unranged = unquantized or {}, unranged or {}
     out: dict[str, dict[str, Any]] = {}
     for target, rows in frame.groupby("target", sort=False):
         measured = rows[rows["note"] == ""]
@@ -439,8 +460,10 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
         if not flagged.empty:
             first = flagged.iloc[0]
             found.update(first_flagged=first["layer"], first_diagnosis=first["diagnosis"])
+            range_problem = flagged["diagnosis"].isin(["clipping", "outlier_channels"])
             cause = flagged[(flagged["diagnosis"] != "propagated")
-                            & ~flagged["layer"].isin(unquantized.get(target, set()))]
+                            & ~flagged["layer"].isin(unquantized.get(target, set()))
+                            & ~(range_problem & flagged["layer"].isin(unranged.get(target, set())))]
             if cause.empty:  # every flagged row only inherits its error: no single layer is to blame
                 found.update(at_fault=None, largest_own_error=worst["layer"],
                              largest_own_error_db=worst["isolated_sqnr_db"])
