@@ -790,7 +790,7 @@ def test_a_planted_outlier_channel_in_an_efficientnet_like_model_is_named_and_no
         model._blocks[1]._expand_conv.weight[:, 5] /= 64
         torch.testing.assert_close(model(x), before, rtol=1e-4, atol=1e-5)
     calibration = [torch.randn(8, 3, 32, 32) for _ in range(4)]
-    with warnings.catch_warnings():  # SAME padding's F.pad may be reported as a float fallback
+    with warnings.catch_warnings():  # prepare names any op it runs in float: not what this test is about
         warnings.simplefilter("ignore")
         qm = prepare(model, QConfig(), mode="fuse_bn", example_inputs=calibration[0])
     calibrate(qm, calibration)

@@ -5,7 +5,9 @@ kernels, in float, fake-quant and integer stages."""
 from __future__ import annotations
 
 import math
+import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -113,3 +115,50 @@ def test_a_bias_free_subclass_under_reverse_fold_keeps_its_missing_bias():
         first, second = prepared(x), prepared(x)
     assert torch.allclose(first, net(x), atol=1e-5) and torch.equal(first, second)
     assert prepared.get_submodule("conv").bias is None
+
+
+class InlinePad(nn.Module):
+    """SAME padding written in the container's forward (F.pad, then a valid conv), and a
+    reflection pad that is not a zero pad."""
+
+    def __init__(self, reflect: bool = False):
+        super().__init__()
+        self.reflect = reflect
+        self.conv = nn.Conv2d(3, 8, 3, stride=2)
+        self.act = nn.ReLU()
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        x = F.pad(x, (0, 1, 0, 1), mode="reflect") if self.reflect else F.pad(x, (0, 1, 0, 1))
+        return self.head(self.act(self.conv(x)))
+
+
+def test_a_zero_pad_is_an_integer_pass_through_and_other_pads_fall_back():
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a zero pad is no float fallback: no warning
+        prepared = calibrate(prepare(InlinePad().eval(), QConfig(), example_inputs=x), [x])
+    assert not any("pad" in name for name in quant_points(prepared))  # the output stays on the input's grid
+    quantized = convert(prepared)
+    with torch.no_grad():
+        y_int, y_fake = quantized(x), prepared(x)
+    assert sum(m.integer_fallbacks for m in quantized.modules() if isinstance(m, QConv)) == 0
+    step = float(quant_points(quantized)["head"].scale)
+    assert float((y_int - y_fake).abs().max()) <= step * (1 + 1e-4)
+    # The fake-quant run pads the quantized input with exact zeros, as torch's own ops do.
+    with torch.no_grad():
+        for name, point in quant_points(prepared).items():
+            if name != "input":
+                point.mode = "float"
+        p = quant_points(prepared)["input"]
+        xq = torch.fake_quantize_per_tensor_affine(x, float(p.scale), int(p.zero_point), p.spec.qmin, p.spec.qmax)
+        # Only the input point on: the model is the float layers after a zero pad of the
+        # fake-quantized input (torch's kernels as the oracle).
+        float_layers = InlinePad().eval()
+        float_layers.load_state_dict({k: v for k, v in prepared.state_dict().items() if "qdebug" not in k})
+        expected = float_layers.head(float_layers.act(float_layers.conv(F.pad(xq, (0, 1, 0, 1)))))
+        assert torch.equal(prepared(x), expected)
+    with pytest.warns(UserWarning, match="no quantized kernel"):  # reflection is not a zero pad
+        reflected = prepare(InlinePad(reflect=True).eval(), QConfig(), example_inputs=x)
+    assert any(point.fallback for point in quant_points(reflected).values())

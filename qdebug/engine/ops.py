@@ -10,8 +10,8 @@ Every call the engine sees during a forward falls in one *category*:
   leaky_relu, ...): quantized at their output, computed in float (a table lookup on
   an integer target).
 - ``passthrough``: ops that only move or select values (view, flatten, maxpool,
-  dropout, identity, nearest upsampling, ...): the output stays on the input's grid,
-  so no new quant point.
+  dropout, identity, nearest upsampling, constant-zero padding, ...): the output stays
+  on the input's grid, so no new quant point.
 - ``fallback``: any other op producing a float tensor from an activation.  It runs
   in float and its output is re-quantized; ``quant_points`` and a warning report it.
 - ``ignore``: calls whose result holds no floating tensor (``x.size()``, ``x.shape``).
@@ -155,6 +155,12 @@ def function_category(func: Callable, args: tuple, kwargs: dict[str, Any]) -> st
     if name == "interpolate":
         mode = kwargs.get("mode", args[3] if len(args) > 3 else "nearest")
         return "passthrough" if mode == "nearest" else "activation"
+    if name == "pad":
+        # Constant-zero padding (TF "SAME" padding) keeps a tensor on its grid: 0 is always
+        # representable (code = the zero point), so a deployed int8 model pads in integers.
+        mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
+        value = kwargs.get("value", args[3] if len(args) > 3 else None)
+        return "passthrough" if mode == "constant" and not value else "fallback"
     return category
 
 
