@@ -10,6 +10,7 @@ asserted explicitly.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -263,3 +264,55 @@ def test_channel_axis():
     assert channel_axis(QuantSpec(per_channel=True, ch_axis=-1), 4) == 3
     assert channel_axis(QuantSpec(per_channel=True, ch_axis=-4), 4) == 0
     assert channel_axis(QuantSpec(per_channel=True, ch_axis=2), 4) == 2
+
+
+def _hard_values(scale: float, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Values where an implementation of fake quant could differ in a bit: exact ties between
+    two codes, values rounding to -0, signed zeros, subnormals, +-Inf, finite values whose
+    code overflows int64 or float32, plus plain noise across and beyond the range."""
+    k = torch.randint(-70000, 70000, (n,), generator=gen).to(torch.float32)
+    ties = (k + 0.5) * scale
+    to_minus_zero = -torch.rand(n, generator=gen) * scale * 0.49
+    noise = torch.randn(n, generator=gen) * scale * 300
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1e30, -1e30, 3e38, -3e38, 1e-40, -1e-40, 1e-45])
+    return torch.cat([ties, to_minus_zero, noise, special])
+
+
+@pytest.mark.parametrize("bits, signed", [(2, True), (4, False), (8, True), (8, False), (16, True), (16, False)])
+def test_the_vectorized_per_tensor_path_has_torch_kernels_bits(bits, signed):
+    """Eval forwards use ``_per_tensor_exact``: every output bit equals torch's kernel's
+    (compared as int32 bit patterns, so even the sign of a zero), NaN aside (kept, see below)."""
+    from qdebug.engine.fake_quant import _per_tensor_exact, fake_quantize_counting
+
+    gen = torch.Generator().manual_seed(bits * 2 + signed)
+    for trial in range(40):
+        spec = QuantSpec(bits=bits, signed=signed, symmetric=trial % 2 == 0)
+        scale = torch.tensor(float(torch.rand((), generator=gen)) * 10.0 ** int(torch.randint(-7, 3, (), generator=gen)))
+        zero_point = torch.tensor(0 if spec.symmetric else int(torch.randint(spec.qmin, spec.qmax + 1, (), generator=gen)),
+                                  dtype=torch.int32)
+        x = _hard_values(float(scale), 3000, gen)
+        ref = torch.fake_quantize_per_tensor_affine(x, scale, zero_point, spec.qmin, spec.qmax)
+        out = _per_tensor_exact(x, scale, zero_point, spec)
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (spec, float(scale), int(zero_point))
+        counted, clipped = fake_quantize_counting(x, scale, zero_point, spec)
+        assert torch.equal(counted.view(torch.int32), ref.view(torch.int32))
+        # torch's own in-range mask (the kernel behind fake_quantize_per_tensor_affine): no NaN here
+        if hasattr(torch.ops.aten, "_fake_quantize_per_tensor_affine_cachemask_tensor_qparams"):
+            _, inside = torch.ops.aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(
+                x, scale, zero_point, torch.ones(1, dtype=torch.long), spec.qmin, spec.qmax)
+            assert clipped == int((~inside).sum())
+        # the public entry point takes this path in eval and torch's kernel under autograd: same bits
+        with torch.no_grad():
+            assert torch.equal(fake_quantize(x, scale, zero_point, spec).view(torch.int32), ref.view(torch.int32))
+        grad_x = x.clone().requires_grad_(True)
+        assert torch.equal(fake_quantize(grad_x, scale, zero_point, spec).detach().view(torch.int32), ref.view(torch.int32))
+
+
+def test_the_vectorized_path_keeps_nan_without_a_scan():
+    from qdebug.engine.fake_quant import _per_tensor_exact
+
+    spec = QuantSpec()
+    x = torch.tensor([math.nan, 1.0, -math.nan, 300.0])
+    out = _per_tensor_exact(x, torch.tensor(0.1), torch.tensor(0, dtype=torch.int32), spec)
+    assert torch.isnan(out[0]) and torch.isnan(out[2])
+    assert out[1] == pytest.approx(1.0) and out[3] == pytest.approx(12.7)

@@ -11,6 +11,12 @@ deliberate difference: torch maps NaN to ``qmin``; qdebug keeps NaN as NaN so a
 NaN is never hidden behind a plausible number (nan-trace depends on it).  +-Inf
 saturate to the range ends, as an integer would.
 
+Per tensor and without autograd (every eval forward), the same arithmetic runs as
+a few vectorized torch ops instead (``_per_tensor_exact``): torch's CPU kernel
+rounds one value at a time, ~4 ns per value, an order of magnitude slower than the
+ops, and the results are the same bits (tested against torch's kernel on ties,
+signed zeros, subnormals, +-Inf and huge values at every width).
+
 Backward, selected by ``spec.estimator`` (seed 004):
 
 - ``ste``: identity, dL/dx = g.
@@ -42,16 +48,48 @@ def _kernel(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int,
     within_range: bool = False,
 ) -> torch.Tensor:
-    """torch's fake-quant kernel for per-tensor or per-channel qparams (no NaN handling).
+    """torch's fake-quant kernel for per-tensor or per-channel qparams (NaN: see ``_keep_nan``).
 
     ``within_range``: x is finite and inside the range its qparams came from, so
     the per-channel overflow guard (``_clamp_for_per_channel``) can be skipped.
+    Per tensor without autograd: ``_per_tensor_exact`` (same bits, NaN kept).
     """
     if spec.per_channel:
         if not within_range:
             x = _clamp_for_per_channel(x, scale, zero_point, spec, axis)
         return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, spec.qmin, spec.qmax)
+    if _exact_path(x, scale):
+        return _per_tensor_exact(x, scale, zero_point, spec)
     return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, spec.qmin, spec.qmax)
+
+
+def _exact_path(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``_per_tensor_exact`` may stand in for torch's kernel: float32 and no autograd
+    graph to record (torch's kernel carries the backward)."""
+    if x.dtype != torch.float32 or scale.numel() != 1:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad))
+
+
+def _rounded_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """round_half_even(x * (1/s)) + z in float32, as torch's kernel computes it, and z as float32."""
+    s = scale.detach().reshape(())
+    z = zero_point.detach().reshape(()).to(torch.float32)
+    # 1/s in float32, then one float32 product and nearbyint: torch's kernel, op for op.
+    return torch.mul(x, torch.reciprocal(s.to(torch.float32))).round_().add_(z), z
+
+
+def _per_tensor_exact(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``torch.fake_quantize_per_tensor_affine``'s values as vectorized ops, NaN kept as NaN.
+
+    (clamp(round(x / s) + z, qmin, qmax) - z) * s, float32 throughout: every step is exact
+    (integers below 2^24) except the product with 1/s and the final product with s, which
+    round exactly as torch's kernel does (it forms (q - z) * s in double from float32
+    operands: an exact product, rounded once to float32, like the float32 product here).
+    Adding z before the clamp turns a -0 code into +0, as torch's integer codes do.
+    """
+    codes, z = _rounded_codes(x, scale, zero_point)
+    return codes.clamp_(spec.qmin, spec.qmax).sub_(z).mul_(scale.detach().reshape(()).to(torch.float32))
 
 
 def _clamp_for_per_channel(
@@ -69,7 +107,13 @@ def _clamp_for_per_channel(
     return torch.clamp(x, (spec.qmin - 2 - z) * s, (spec.qmax + 2 - z) * s)
 
 
-def _keep_nan(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _keep_nan(x: torch.Tensor, out: torch.Tensor, spec: QuantSpec | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` with x's NaN put back where torch's kernel wrote ``qmin``.
+
+    Not needed (no pass at all) after ``_per_tensor_exact``, which keeps NaN itself.
+    """
+    if spec is not None and scale is not None and not spec.per_channel and _exact_path(x, scale):
+        return out
     # A max-reduction propagates NaN: one cheap read decides whether the exact
     # (allocating) select is needed at all; most tensors have no NaN.
     if x.numel() == 0 or not torch.isnan(x.detach().amax()):
@@ -100,7 +144,7 @@ class _NoGradFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scale, zero_point, spec, axis, mode):
-        out = _keep_nan(x, _kernel(x, scale.detach(), zero_point, spec, axis))
+        out = _keep_nan(x, _kernel(x, scale.detach(), zero_point, spec, axis), spec, scale.detach())
         ctx.spec, ctx.axis, ctx.mode = spec, axis, mode
         ctx.scale_requires_grad = scale.requires_grad
         ctx.save_for_backward(x, scale, zero_point)
@@ -143,7 +187,7 @@ class _NoGradFakeQuant(torch.autograd.Function):
 class _AlphaBlend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, zero_point, spec, axis, alpha):
-        fq = _keep_nan(x, _kernel(x, scale, zero_point, spec, axis))
+        fq = _keep_nan(x, _kernel(x, scale, zero_point, spec, axis), spec, scale)
         ctx.alpha = alpha
         if alpha >= 1.0:
             return fq
@@ -194,7 +238,7 @@ def fake_quantize(
         ).to(x.dtype)
     if estimator == "clipped_ste":
         out = _kernel(x, scale.detach(), zero_point, spec, axis, within_range)
-        return out if known_finite else _keep_nan(x, out)  # an observer just proved x finite
+        return out if known_finite else _keep_nan(x, out, spec, scale.detach())  # an observer just proved x finite
     if estimator == "ste":
         return _NoGradFakeQuant.apply(x, scale, zero_point, spec, axis, "ste")
     if estimator == "qte":
@@ -222,29 +266,23 @@ def fake_quantize(
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
-_ENABLED = torch.ones(1, dtype=torch.long)
-# The kernel torch.fake_quantize_per_tensor_affine runs, with its in-range mask kept.
-HAS_COUNTING_KERNEL = hasattr(torch.ops.aten, "_fake_quantize_per_tensor_affine_cachemask_tensor_qparams")
-
-
 def fake_quantize_counting(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, int]:
     """Per-tensor fake quantization (forward only, float32) that also counts clipped values.
 
-    The output is ``fake_quantize``'s (the same torch kernel, NaN kept).  The count
-    is of the values whose code round(x / s) + z fell outside [qmin, qmax], i.e.
-    that the clamp changed -- read from the in-range mask torch's kernel computes
-    anyway, so it costs one pass over a byte mask.  NaN is not counted.
+    The output is ``fake_quantize``'s (``_per_tensor_exact``: torch's values, NaN kept).
+    The count is of the values whose code round(x / s) + z fell outside [qmin, qmax],
+    i.e. that the clamp changes -- usually settled by one min/max of the codes, counted
+    only when some lie outside.  NaN is not counted; +-Inf is.
     """
-    out, inside = torch.ops.aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(
-        x, scale.detach(), zero_point, _ENABLED, spec.qmin, spec.qmax
-    )
-    clipped = inside.numel() - torch.count_nonzero(inside)
-    if x.numel() and torch.isnan(x.amax()):
-        nan = torch.isnan(x)
-        out = torch.where(nan, x, out)
-        clipped = clipped - nan.sum()
+    codes, z = _rounded_codes(x, scale, zero_point)
+    clipped = 0
+    if codes.numel():
+        low, high = torch.aminmax(codes)  # NaN in either: count (NaN compares false, so is not counted)
+        if not (float(low) >= spec.qmin and float(high) <= spec.qmax):
+            clipped = int(torch.count_nonzero(codes < spec.qmin)) + int(torch.count_nonzero(codes > spec.qmax))
+    out = codes.clamp_(spec.qmin, spec.qmax).sub_(z).mul_(scale.detach().reshape(()).to(torch.float32))
     return out, clipped
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qdebug.engine.fake_quant import HAS_COUNTING_KERNEL, fake_quantize, fake_quantize_counting
+from qdebug.engine.fake_quant import fake_quantize, fake_quantize_counting
 from qdebug.engine.observers import make_observer
 from qdebug.engine.spec import QuantSpec
 from qdebug.errors import QDebugError
@@ -141,7 +141,7 @@ class QuantPoint(nn.Module):
     def _can_count(self, x: torch.Tensor) -> bool:
         """The counting kernel gives this call's exact output: an eval forward without autograd
         of a float32 activation, per tensor (every estimator's eval forward is plain fake quant)."""
-        if not HAS_COUNTING_KERNEL or self.kind != "activation" or self.training or torch.is_grad_enabled():
+        if self.kind != "activation" or self.training or torch.is_grad_enabled():
             return False
         return not self.spec.per_channel and x.dtype == torch.float32
 
