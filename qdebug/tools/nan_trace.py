@@ -337,7 +337,7 @@ def _traced_consumers(model: nn.Module, batches: list[Batch]) -> dict[str, list[
     try:
         with torch.no_grad():
             plan = trace_plan(model.eval(), batches[0].inputs)
-    except Exception:  # the trace only names backward culprits: a model it cannot run still gets traced
+    except Exception:  # only a fallback for naming backward culprits; the run itself reports a failing model
         return {}
     finally:
         model.train(was_training)
