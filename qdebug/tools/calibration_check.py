@@ -14,7 +14,6 @@ observer that went wrong) shows as a point clipping much of its input and a low 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -23,6 +22,7 @@ import torch.nn as nn
 
 from qdebug.engine import engine_state, quantization_off
 from qdebug.engine.context import Event, run_model
+from qdebug.stats import sqnr_db
 from qdebug.tap import tap
 from qdebug.tools.experiment import named_outputs
 
@@ -81,14 +81,4 @@ def check_calibration(model: nn.Module, batches: Sequence[Any]) -> CalibrationCh
     clipping = [{"point": name, "clipped": n / total} for name, (n, total) in counts.items()
                 if total and n / total > CLIPPING]
     clipping.sort(key=lambda row: -row["clipped"])
-    return CalibrationCheck(_sqnr_db(signal, error), clipping)
-
-
-def _sqnr_db(signal: float, error: float) -> float:
-    if not (math.isfinite(signal) and math.isfinite(error)):
-        return math.nan
-    if error == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10.0 * math.log10(signal / error)
+    return CalibrationCheck(sqnr_db(signal, error), clipping)

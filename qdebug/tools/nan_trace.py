@@ -116,8 +116,6 @@ def _pairwise(output: Any, target: Any, kind: str) -> torch.Tensor:
         return sum(_pairwise(output[k], target[k], kind) for k in shared)
     if isinstance(output, (tuple, list)) and isinstance(target, (tuple, list)) and len(output) == len(target):
         return sum(_pairwise(o, t, kind) for o, t in zip(output, target))
-    if isinstance(output, (tuple, list, dict)) and kind == "mse" and isinstance(target, type(output)):
-        pass
     if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise QDebugError(f"cannot compute a loss between a {type(output).__name__} output and a "
                           f"{type(target).__name__} target", "give --train package.module:function for this model")

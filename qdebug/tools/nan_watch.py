@@ -43,7 +43,6 @@ from qdebug.engine.context import Event
 from qdebug.engine.ops import tensors_in
 from qdebug.tap import tap
 
-PHASES = ("forward", "backward", "update", "observer")
 # The smallest normal float32: a scale below it is subnormal (1/s overflows, precision is gone).
 TINY = torch.finfo(torch.float32).tiny
 MAX_SAMPLES = 16  # sample indices listed in a finding
