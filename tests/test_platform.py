@@ -102,6 +102,28 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(stages):
     assert ours >= 2
 
 
+_CTRL_C_IN_TORCH_IMPORT = """
+import os, signal, sys, threading, traceback
+from qdebug.cli.interrupts import hold_interrupts_during_torch_import
+hold_interrupts_during_torch_import()
+threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    import torch
+except KeyboardInterrupt:
+    frames = [frame.filename for frame in traceback.extract_tb(sys.exc_info()[2])]
+    print("INSIDE TORCH" if any("/torch/" in name for name in frames) else "AFTER TORCH", *frames)
+"""
+
+
+def test_ctrl_c_inside_torch_import_waits_for_the_import_to_end():
+    """torch's import calls Python from C++: an interrupt raised there aborts the process (SIGABRT),
+    so it is held back and raised by qdebug's loader, a Python frame, once the import is over."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_TORCH_IMPORT], capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("AFTER TORCH") and "qdebug/cli/interrupts.py" in proc.stdout, proc.stdout
+
+
 # -- one output convention ---------------------------------------------------------------------
 def _invocations(stages) -> dict[str, list]:
     return {

@@ -14,6 +14,9 @@ INTERRUPTED = 130
 def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the real command: `qdebug ... | head` ends quietly, as cat or grep do
         _default_sigpipe()
+        from qdebug.cli.interrupts import hold_interrupts_during_torch_import
+
+        hold_interrupts_during_torch_import()
     try:
         from qdebug.cli.app import run
     except KeyboardInterrupt:
