@@ -495,14 +495,19 @@ def test_mse_per_channel_vs_brute_force():
 # -- kl -----------------------------------------------------------------------------------------
 
 
-def _naive_kl_threshold_bin(h: np.ndarray, levels: int) -> int:
+def _naive_kl_threshold_bin(h: np.ndarray, levels: int, *, zero_bin_rule: bool = True) -> int:
     """TensorRT entropy calibration written out literally, one candidate at a time.
 
+    Bin 0's count is first replaced by bin 1's (NVIDIA's pytorch-quantization does so: exact
+    zeros are quantized exactly, and a ReLU's would otherwise dominate the divergence).
     P: first i bins, clipped tail added to bin i-1.  Q: the first i bins (no tail)
     merged into ``levels`` groups, expanded back over the bins where P > 0.  A bin
     with P > 0 and Q = 0 gets q = 1e-4 (normalised).  Ties: the first i.
     """
     n = len(h)
+    h = h.astype(np.float64).copy()
+    if zero_bin_rule:
+        h[0] = h[1]
     kls = {}
     for i in range(levels, n + 1):
         p = h[:i].astype(np.float64).copy()
@@ -537,6 +542,28 @@ def test_kl_matches_literal_algorithm():
     lo, hi = obs.clip_range()
     assert float(hi) == pytest.approx(i_best * w, rel=1e-6) and float(lo) == -float(hi)
     assert float(hi) < float(x.abs().max())
+
+
+def test_kl_relu6_output_with_a_zero_spike_keeps_a_useful_range():
+    """A ReLU6 output: ~70% exact zeros, a body near 0 and a spike of saturated values at 6.
+    Without the zero-bin rule entropy calibration keeps a quarter of the range or less, because
+    merging the zero spike with its neighbours costs more than clipping 9% of the values -- on
+    EfficientNet-Lite0 that made 0.75 the range of every ReLU6 and the output SQNR 0 dB."""
+    spec = QuantSpec(observer="kl", bins=1024, bits=7, signed=False, symmetric=False)  # L = 128: a quick loop
+    g = _gen(21)
+    x = (torch.randn(200000, generator=g) - 0.6).clamp(0.0, 6.0)
+    x[:300] = 6.0  # saturated
+    assert float((x == 0).float().mean()) > 0.6 and float((x > 1.5).float().mean()) > 0.015
+    obs = KLObserver(spec)
+    obs(x)
+    w = float(obs.width)
+    assert int(obs.anchor) == 0
+    h = torch.bincount(torch.floor(x.double() / w).long()).numpy()
+    assert _naive_kl_threshold_bin(h, 128, zero_bin_rule=False) * w <= 1.5  # the pathology, on this data
+    i_best = _naive_kl_threshold_bin(h, 128)
+    lo, hi = obs.clip_range()
+    assert float(hi) == pytest.approx(min(i_best * w, 6.0), rel=1e-6) and float(lo) == 0.0
+    assert float(hi) > 3.0
 
 
 def test_kl_uniform_keeps_max():

@@ -677,8 +677,13 @@ class KLObserver(HistogramObserver):
     The signed histogram is folded onto ``|x|`` (exact on the 0-anchored grid)
     and, if its first occupied bin is far from 0, coarsened by exact bin-pair
     merges until it starts at 0 and has at most ``bins`` bins: ``h_0..h_{n-1}``
-    of width ``w``, ``h_{n-1} > 0``, ``N = sum h``.  ``L`` = quantized levels on
-    the |x| axis: ``2^(bits-1)`` signed, ``2^bits`` unsigned.  For each ``i = L..n``:
+    of width ``w``, ``h_{n-1} > 0``, ``N = sum h``.  Then ``h_0 <- h_1`` (the
+    zero-bin rule of NVIDIA's pytorch-quantization): exact zeros -- a ReLU's,
+    often most of its output -- quantize exactly, but merging that spike with
+    its neighbours would cost more than any clipping, so without the rule the
+    first candidate (``L`` bins, an eighth of a ReLU6's range at int8) wins.
+    ``L`` = quantized levels on the |x| axis: ``2^(bits-1)`` signed, ``2^bits``
+    unsigned.  For each ``i = L..n``:
 
     * ``P = (h_0, .., h_{i-2}, h_{i-1} + t)`` with the clipped tail
       ``t = sum_{k>=i} h_k``, normalised by ``N``;
@@ -732,6 +737,7 @@ class KLObserver(HistogramObserver):
             h = np.bincount(idx, weights=row[occupied].astype(np.float64), minlength=int(idx[-1]) + 1)
             if h.shape[0] <= levels:
                 continue  # no more bins than levels: nothing to clip, T = max|x|
+            h[0] = h[1]  # the zero-bin rule (docstring)
             best = _kl_best_bin(h, levels)
             thresholds[c] = best * width_np[c] * 2.0**k
         t = torch.minimum(thresholds.to(amax.device), amax)
