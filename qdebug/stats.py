@@ -68,6 +68,9 @@ def _blocks(shape: torch.Size, channels: bool) -> list[tuple[slice, ...]]:
 
 
 def _merge_channels(a: list, b: list) -> list:
+    """[sum x^2, sum e^2, min x, max x] per channel of two parts (ranges None when not kept)."""
+    if a[2] is None:
+        return [a[0] + b[0], a[1] + b[1], None, None]
     return [a[0] + b[0], a[1] + b[1], torch.minimum(a[2], b[2]), torch.maximum(a[3], b[3])]
 
 
@@ -131,8 +134,9 @@ def _channel_min_max(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _SXX, _SYY, _SEE, _SAE, _KL, _MAX, _SAT = range(7)
 
 
-def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, channels: bool, want_kl: bool,
-                clip: tuple[float, float] | None, dtype: torch.dtype) -> tuple[torch.Tensor, list | None]:
+def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, channels: bool, ranges: bool,
+                want_kl: bool, clip: tuple[float, float] | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, list | None]:
     """One block's partial results in ``dtype`` (see the positions above) and per-channel parts.
 
     sum(x y) is not reduced here: it is (sxx + syy - see) / 2 exactly, one pass fewer.
@@ -147,7 +151,7 @@ def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, cha
     syy = torch.mul(yb, yb, out=square).sum()
     ch = None
     if channels:
-        lo, hi = _channel_min_max(xb)
+        lo, hi = _channel_min_max(xb) if ranges else (None, None)
         ch = [ch_xx, ch_ee, lo, hi]
         sxx, see = ch_xx.sum(), ch_ee.sum()
     else:
@@ -167,7 +171,7 @@ def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, cha
 
 
 def _fold(xv: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor | None, blocks: list, channels: bool,
-          want_kl: bool, clip: tuple[float, float] | None, dtype: torch.dtype) -> dict:
+          ranges: bool, want_kl: bool, clip: tuple[float, float] | None, dtype: torch.dtype) -> dict:
     """The sums of ``ErrorStats.update`` over some blocks of the views of x, y (and raw).
 
     Each block is reduced in ``dtype`` (torch's pairwise summation: relative error ~1e-7 in
@@ -181,13 +185,13 @@ def _fold(xv: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor | None, blocks: l
     for block in blocks:
         xb, yb = xv[block], yv[block]
         rb = rv[block] if clip is not None else None
-        sums, ch_part = _block_sums(xb, yb, rb, channels, want_kl, clip, dtype)
+        sums, ch_part = _block_sums(xb, yb, rb, channels, ranges, want_kl, clip, dtype)
         values = sums.tolist()
         if not all(map(math.isfinite, values)):
             bad = int((~torch.isfinite(yb)).sum())
             nonfinite += bad
             if bad == 0 and dtype != torch.float64 and bool(torch.isfinite(xb).all()):
-                sums, ch_part = _block_sums(xb, yb, rb, channels, want_kl, clip, torch.float64)
+                sums, ch_part = _block_sums(xb, yb, rb, channels, ranges, want_kl, clip, torch.float64)
                 values = sums.tolist()
         for i in (_SXX, _SYY, _SEE, _SAE, _KL, _SAT):
             totals[i] += values[i]
@@ -195,7 +199,7 @@ def _fold(xv: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor | None, blocks: l
         if not math.isnan(batch_max):
             batch_max = block_max if math.isnan(block_max) else max(batch_max, block_max)
         if ch_part is not None:
-            ch_part = [t.double() for t in ch_part]
+            ch_part = [t.double() if t is not None else None for t in ch_part]
             ch = ch_part if ch is None else _merge_channels(ch, ch_part)
     # sum(x y) = (sum(x^2) + sum(y^2) - sum((y - x)^2)) / 2, in float64 from the block sums.
     sxy = (totals[_SXX] + totals[_SYY] - totals[_SEE]) / 2.0
@@ -208,7 +212,8 @@ def _fold(xv: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor | None, blocks: l
 class ErrorStats:
     """Running sums for one (layer, compared model) pair."""
 
-    want_channels: bool = True
+    want_channels: bool = True  # per-channel SQNR (min, median)
+    want_ranges: bool = True  # per-channel ranges of x (channel_range_ratio, widest_channel)
     want_kl: bool = True
     n: int = 0
     sxx: float = 0.0
@@ -259,7 +264,8 @@ class ErrorStats:
                 clip = ((qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale)
         per_channel = x.dim() >= 2 and x.shape[1] > 1
         channels, want_kl = self.want_channels and per_channel, self.want_kl and per_channel
-        if y is x and clip is None and not (channels or want_kl) and self._fold_identical(x):
+        if (y is x and clip is None and not want_kl and not (channels and self.want_ranges)
+                and self._fold_identical(x, channels)):
             return
         # Block by block (see BLOCK, _fold): float32 block sums accumulated in float64.
         layout = (x.shape[0], x.shape[1], -1) if channels or want_kl else (-1,)
@@ -269,7 +275,7 @@ class ErrorStats:
         # One thread walks the blocks; torch's intra-op threads share out each op.  (Python
         # threads folding blocks side by side fought torch's spinning worker threads for the
         # cores and ran slower than this.)
-        parts = [_fold(xv, yv, rv, blocks, channels, want_kl, clip, work_dtype(x, y))]
+        parts = [_fold(xv, yv, rv, blocks, channels, self.want_ranges, want_kl, clip, work_dtype(x, y))]
         batch_max, ch = 0.0, None
         for part in parts:
             self.sxx += part["sxx"]
@@ -292,32 +298,43 @@ class ErrorStats:
             self.kl_n += x.numel() // x.shape[1]
         if ch is not None:
             xx, ee, lo, hi = ch
-            if self.ch_xx is None:
-                self.ch_xx, self.ch_ee, self.ch_min, self.ch_max = xx, ee, lo, hi
-            else:
-                self.ch_xx += xx
-                self.ch_ee += ee
-                self.ch_min = torch.minimum(self.ch_min, lo)
-                self.ch_max = torch.maximum(self.ch_max, hi)
+            self._add_channels(xx, ee, lo, hi)
 
-    def _fold_identical(self, x: torch.Tensor) -> bool:
-        """Fold a batch whose y is x itself (an exact match): only sum(x^2) needs a pass.
+    def _add_channels(self, xx: torch.Tensor, ee: torch.Tensor, lo: torch.Tensor | None,
+                      hi: torch.Tensor | None) -> None:
+        if self.ch_xx is None:
+            self.ch_xx, self.ch_ee, self.ch_min, self.ch_max = xx, ee, lo, hi
+            return
+        self.ch_xx += xx
+        self.ch_ee += ee
+        if lo is not None:
+            self.ch_min = torch.minimum(self.ch_min, lo)
+            self.ch_max = torch.maximum(self.ch_max, hi)
+
+    def _fold_identical(self, x: torch.Tensor, channels: bool) -> bool:
+        """Fold a batch whose y is x itself (an exact match): only sum(x^2) needs a pass
+        (per channel with ``channels``; the error sums are 0).
 
         Returns False, folding nothing, when x is not finite (the general path counts and
         propagates NaN/Inf, and redoes float32 overflow in float64).
         """
-        flat = x.detach().reshape(-1)
+        view = x.detach().reshape((x.shape[0], x.shape[1], -1) if channels else (-1,))
         dtype = work_dtype(x, x)
-        total = 0.0
-        for (block,) in _blocks(x.shape, False):
-            xb = flat[block].to(dtype)
-            total += float(torch.mul(xb, xb, out=_scratch(1, xb)).sum())
+        per_channel = None
+        for block in _blocks(x.shape, channels):
+            xb = view[block].to(dtype)
+            square = torch.mul(xb, xb, out=_scratch(1, xb))
+            part = square.sum((0, 2)) if channels else square.sum().reshape(1)
+            per_channel = part.double() if per_channel is None else per_channel + part.double()
+        total = float(per_channel.sum())
         if not math.isfinite(total):
             return False
         self.n += x.numel()
         self.sxx += total
         self.syy += total
         self.sxy += total
+        if channels:
+            self._add_channels(per_channel, torch.zeros_like(per_channel), None, None)
         return True
 
     def result(self, prefix: str = "") -> dict[str, float]:
@@ -347,6 +364,7 @@ class ErrorStats:
             elif channel_sqnr:
                 out["min_channel_sqnr_db"] = min(channel_sqnr)
                 out["median_channel_sqnr_db"] = float(torch.tensor(channel_sqnr, dtype=torch.float64).median())
+        if self.ch_min is not None:
             ranges = (self.ch_max - self.ch_min).clamp(min=0)
             median = float(ranges.median())
             out["channel_range_ratio"] = float(ranges.max()) / median if median > 0 else (math.inf if float(ranges.max()) > 0 else 1.0)

@@ -725,6 +725,20 @@ def test_an_outlier_channel_at_fault_is_named_with_its_range_ratio():
     assert "equalize (CLE), then int16, per-channel last" in text
 
 
+@pytest.mark.parametrize("typical, expected", [
+    (7.0, "outlier_channels"),  # the layer's own quantization costs its median channel: a wide channel did it
+    (40.0, "propagated"),  # healthy median (a few tiny channels round to 0): the low channel was inherited
+    (None, "outlier_channels"),  # --no-isolated: only the propagated channels are known
+])
+def test_outlier_channels_need_the_typical_channel_hurt_by_the_layers_own_quantization(typical, expected):
+    """EfficientNet-Lite0's ``_blocks.14._swish#2`` (a channel 15x the median, a few channels of
+    near-zero values at 0 dB, median channel 38.7 dB isolated) was blamed on a healthy model."""
+    row = {"sqnr_db": 18.0, "isolated_sqnr_db": None if typical is None else 44.0, "min_channel_sqnr_db": -10.0,
+           "channel_range_ratio": 15.0, "isolated_median_channel_sqnr_db": typical, "nonfinite": 0.0}
+    row = {k: (math.nan if v is None else v) for k, v in row.items()}
+    assert compare_module.diagnose(row, compare_module.DEFAULT_THRESHOLDS) == expected
+
+
 class _SameConv(nn.Conv2d):
     """TensorFlow's "SAME" padding (EfficientNet's): pad by what the stride leaves over, more
     at the bottom/right, then a valid convolution."""
@@ -799,6 +813,8 @@ def test_a_planted_outlier_channel_in_an_efficientnet_like_model_is_named_and_no
     assert (found["at_fault"], found["at_fault_diagnosis"], found["outlier_channel"]) == \
         ("_blocks.0._bn2", "outlier_channels", 5)
     assert 40 < found["channel_range_ratio"] < 100
+    rows = result.frame.set_index("layer")
+    assert rows.loc["_blocks.0._bn2", "isolated_median_channel_sqnr_db"] < 25  # the typical channel pays
     assert found["worst_layer"] == "_blocks.1._bn0"  # the expand conv (BN folded in) with the tiny weights
     assert "channel 5 spans" in result.summary
     # The consequence downstream: the weights that compensate the channel underflow at int8.

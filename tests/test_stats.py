@@ -200,6 +200,34 @@ def test_per_channel_metrics_on_a_crafted_outlier_channel():
     assert channel_sqnr[-1] - channel_sqnr[c // 2] == pytest.approx(20 * math.log10(64), abs=3)
 
 
+def test_channel_sqnr_without_ranges_keeps_the_sqnr_and_drops_the_range_columns():
+    """compare's isolated statistics: per-channel SQNR, but the channel ranges of x (the same
+    reference as the propagated statistics') are not reduced twice."""
+    xs, ys = _batches(shape=(3, 6, 4, 5), seed=11)
+    both, sqnr_only = _fold(xs, ys), _fold(xs, ys, want_ranges=False)
+    a, b = both.result(), sqnr_only.result()
+    assert "channel_range_ratio" not in b and "widest_channel" not in b
+    for key in ("sqnr_db", "min_channel_sqnr_db", "median_channel_sqnr_db", "cosine"):
+        assert b[key] == a[key]
+    x = torch.cat(xs).double().transpose(0, 1).reshape(6, -1)
+    e = torch.cat(ys).double().transpose(0, 1).reshape(6, -1) - x
+    by_hand = sorted(10 * math.log10(float((x[i] ** 2).sum()) / float((e[i] ** 2).sum())) for i in range(6))
+    assert b["min_channel_sqnr_db"] == pytest.approx(by_hand[0], rel=REL)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 8, 300, 300)])  # one block, several blocks
+def test_the_same_tensor_per_channel_without_ranges_is_a_perfect_match_in_every_channel(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    x[:, 1] = 0.0  # a dead channel stays out of the channel SQNR
+    stats = ErrorStats(want_ranges=False, want_kl=False)
+    stats.update(x, x)
+    result = stats.result()
+    assert result["sqnr_db"] == math.inf and result["min_channel_sqnr_db"] == math.inf
+    assert stats.ch_xx.tolist() == pytest.approx(x.double().transpose(0, 1).reshape(shape[1], -1).square().sum(1).tolist(),
+                                                 rel=REL)
+    assert stats.sxx == pytest.approx(float(x.double().square().sum()), rel=REL)
+
+
 def test_dead_channels_do_not_count_for_channel_sqnr():
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 3, 4, 4, generator=gen)

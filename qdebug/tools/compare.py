@@ -133,7 +133,7 @@ class _Listener:
         if key not in self.stats:
             # KL over the classes of a [N, C] output always; over a feature map's channels on request.
             want_kl = self.kl_feature_maps or x.dim() <= 2
-            self.stats[key] = (ErrorStats(want_kl=want_kl), ErrorStats(want_channels=False, want_kl=False))
+            self.stats[key] = (ErrorStats(want_kl=want_kl), ErrorStats(want_ranges=False, want_kl=False))
         stats = self.stats[key]
         raw = first_tensor(event.raw) if event.raw is not None else None
         point = self.points.get(name)
@@ -401,10 +401,16 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
     propagated_bad = _bad(row.get("sqnr_db"), limits["sqnr_db"])
     isolated_bad = _bad(row.get("isolated_sqnr_db"), limits["isolated_sqnr_db"])
     clipping = _bad(row.get("saturation"), limits["saturation"], lower_is_bad=False)
-    outliers = _bad(row.get("min_channel_sqnr_db"), limits["min_channel_sqnr_db"]) and _bad(
-        row.get("channel_range_ratio"), limits["channel_range_ratio"], lower_is_bad=False
-    )
     isolated_known = row.get("isolated_sqnr_db") is not None and not math.isnan(row.get("isolated_sqnr_db"))
+    # Outlier channels are the layer's own fault only when its own quantization costs the
+    # typical channel (when measured): a wide channel stretches the per-tensor range, so the
+    # median channel's isolated SQNR falls (7 dB beside a planted x64 channel).  A few tiny
+    # channels rounding to 0 beside a healthy median (40 dB) are not what a wide channel did.
+    typical = row.get("isolated_median_channel_sqnr_db")
+    typical_known = typical is not None and not math.isnan(typical)
+    outliers = (_bad(row.get("min_channel_sqnr_db"), limits["min_channel_sqnr_db"])
+                and _bad(row.get("channel_range_ratio"), limits["channel_range_ratio"], lower_is_bad=False)
+                and (_bad(typical, limits["isolated_sqnr_db"]) if typical_known else True))
     # Clipping is the layer's own fault only when its own error is bad too (when measured):
     # downstream of a clipped layer, values can pile up at a range end without own error.
     if clipping and (isolated_bad if isolated_known else (propagated_bad or row.get("saturation", 0) > 5 * limits["saturation"])):
