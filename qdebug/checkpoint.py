@@ -19,6 +19,11 @@ A qdebug checkpoint is a dict readable with ``torch.load(weights_only=True)``
 
 ``load`` also accepts a plain float ``state_dict`` file (with the architecture
 named by the user) and, only with ``unsafe=True``, a pickled whole module.
+
+Every field a file holds is checked once, before it is used, by one function per concept
+(``_check_version``, ``_check_state``, ``_checked_points``, ``_check_plan``, ...); the model a
+file names is built on the meta device first and must fit its state (``_build_fitting``)
+before any memory is allocated; see docs/checkpoints.md, "What is refused".
 """
 
 from __future__ import annotations
@@ -37,14 +42,20 @@ from qdebug.atomic import atomic_path
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.prepare import POINTS_ATTR, refresh_weight_qparams
+from qdebug.engine.point import MODES as POINT_MODES
+from qdebug.engine.prepare import POINTS_ATTR, QAT_MODES, refresh_weight_qparams
 from qdebug.errors import QDebugError
-from qdebug.modelspec import ModelSpec, build, remember, spec_of
+from qdebug.modelspec import ModelSpec, build, build_meta, remember, spec_of
 from qdebug.torchfile import read_file
 
 FORMAT = "qdebug-checkpoint"
 VERSION = 1
 STAGES = ("float", "calibrated", "qat", "quantized")
+SAMPLE_LIMIT = 64  # sample_inputs rows kept from a file (docs/checkpoints.md)
+SIZE_SLACK = 2**20  # bytes a model may hold beyond what its file's state stores
+MODULES_PER_ENTRY, MODULES_BASE = 8, 1000  # modules + tensors a model may register per state entry, + a base
+DAMAGED = "the file is damaged or not from qdebug.save: re-save it"
+ARCHITECTURE = "the checkpoint belongs to another architecture or other model kwargs"
 
 
 @dataclass
@@ -99,7 +110,7 @@ def save(
         "points": {},
         "frozen_bn": frozen_bn_paths(model),
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "sample_inputs": sample_inputs,
+        "sample_inputs": _own_copy(sample_inputs),
         "meta": {
             "qdebug": qdebug.__version__,
             "torch": str(torch.__version__),
@@ -125,6 +136,19 @@ def save(
     with atomic_path(path) as tmp:
         torch.save(ckpt, tmp)
     return Path(path)
+
+
+def _own_copy(value: Any) -> Any:
+    """Tensors of ``value`` (nested in tuples, lists, dicts) as compact copies: a view saves
+    only its own values (not its whole storage), an expanded view no stride-0 layout a
+    loader would refuse."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone(memory_format=torch.contiguous_format)
+    if isinstance(value, dict):
+        return {k: _own_copy(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_own_copy(v) for v in value)
+    return value
 
 
 def _looks_like_state_dict(obj: Any) -> bool:
@@ -179,7 +203,8 @@ def load(
                 f"{path} is a plain state_dict: it does not say which architecture it belongs to",
                 "name it with --model package.module:Class (or model = ... in qdebug.toml)",
             )
-        net = build(user_spec, from_user=True)
+        _check_state(state, str(path))
+        net = _build_fitting(user_spec, state, str(path), from_user=True, trusted=(), sized_by_file=False)
         _load_state(net, state, str(path))
         return net.eval(), CheckpointInfo(str(path), "float", user_spec, source="state_dict")
     raise QDebugError(
@@ -201,10 +226,7 @@ def _refuse_data_file(obj: Any, state: dict | None, path: str | Path) -> None:
 
 
 def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tuple[str, ...]):
-    version = obj.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise QDebugError(f"{path} has checkpoint version {version!r}; this qdebug reads up to {VERSION}",
-                          "upgrade qdebug")
+    _check_version(obj.get("version"), path)
     stage = obj.get("stage")
     if stage not in STAGES:
         raise QDebugError(f"{path} has an unknown stage {stage!r}",
@@ -212,79 +234,313 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     for key in ("model", "state"):
         if key not in obj:
             raise QDebugError(f"{path} lacks the {key!r} field", "the file is not a complete qdebug checkpoint")
-    file_spec = ModelSpec.from_dict(obj["model"])
+    state = obj["state"]
+    _check_state(state, path)
+    meta = _checked_table(obj.get("meta"), "meta", path)
+    points = _checked_points(obj.get("points"), path)
+    qat_mode = obj.get("qat_mode")
+    if qat_mode is not None and qat_mode not in QAT_MODES:
+        raise QDebugError(f"{path} has an unknown qat_mode {qat_mode!r}", f"QAT modes: {', '.join(QAT_MODES)}")
+    absorbed = _checked_paths(obj.get("absorbed"), "absorbed", path)
+    frozen_bn = _checked_paths(obj.get("frozen_bn"), "frozen_bn", path)
+    samples = _checked_samples(obj.get("sample_inputs"), path)
+    try:
+        file_spec = ModelSpec.from_dict(obj["model"])
+    except QDebugError as exc:
+        raise QDebugError(f"{path}: {exc.message}", exc.hint) from None
+    sized_by_file = user_spec is None
     if user_spec is not None and user_spec.target == file_spec.target and not user_spec.kwargs:
         user_spec = ModelSpec(user_spec.target, dict(file_spec.kwargs))  # same class: keep the file's kwargs
+        sized_by_file = True
     spec = user_spec or file_spec
-    net = build(spec, from_user=user_spec is not None, trusted_modules=trusted)
-    qconfig = None
+    qconfig = plan = None
     if stage != "float":
         try:
             qconfig = QConfig.from_dict(obj.get("qconfig"))
         except QDebugError as exc:
             raise QDebugError(f"{path}: invalid qconfig: {exc.message}", exc.hint) from None
-        if not isinstance(obj.get("plan"), dict):
+        plan = obj.get("plan")
+        if not isinstance(plan, dict):
             raise QDebugError(f"{path} is a {stage} checkpoint without a plan", "re-save it with qdebug.save")
+    net = _build_fitting(spec, state, path, from_user=user_spec is not None, trusted=trusted, plan=plan,
+                         sized_by_file=sized_by_file)
+    if stage != "float":
         try:
             with warnings.catch_warnings():  # told when the model was prepared; inspect reports fallbacks
                 warnings.filterwarnings("ignore", message="qdebug: no quantized kernel")
-                net = prepare(net, qconfig, mode=obj.get("qat_mode") or "fuse_bn", plan=obj["plan"])
-        except (KeyError, AttributeError, TypeError) as exc:
+                net = prepare(net, qconfig, mode=qat_mode or "fuse_bn", plan=plan)
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError) as exc:
             raise QDebugError(
                 f"{path}: the saved plan does not fit model {spec.target} ({type(exc).__name__}: {exc})",
-                "the checkpoint belongs to another architecture or other model kwargs",
+                ARCHITECTURE,
             ) from None
         remember(net, spec)
-        for conv in obj.get("absorbed") or []:
+        convs = {conv for conv, _ in engine_state(net).plan.pairs}
+        for conv in absorbed:
+            if conv not in convs:
+                raise QDebugError(f"{path}: 'absorbed' names {conv!r}, which is no conv of a Conv-BN pair of the plan",
+                                  DAMAGED)
             absorb_bn(net, conv)
         if stage == "quantized":
             net = convert(net)
             remember(net, spec)
-            _make_integer_buffers(net, obj["state"])
-    _load_state(net, obj["state"], path)
+            _make_integer_buffers(net, state)
+    _load_state(net, state, path)
     if stage != "float":
-        points = engine_state(net).points
-        for name, attrs in (obj.get("points") or {}).items():
-            point = points.get(name)
-            if point is None:
-                continue
-            point.mode = attrs.get("mode", point.mode)
-            point.frozen = bool(attrs.get("frozen", point.frozen))
-            point.observe_in_fake = bool(attrs.get("observe_in_fake", False))
-            point.alpha = float(attrs.get("alpha", 1.0))
-            point.forget_cached()
-    _refreeze_bn(net, obj.get("frozen_bn"))
-    info = CheckpointInfo(
-        path, stage, spec, qconfig, obj.get("qat_mode"), obj.get("sample_inputs"), dict(obj.get("meta") or {})
-    )
+        _check_quantization(net, path)
+        _apply_points(net, points, path)
+    _refreeze_bn(net, frozen_bn)
+    info = CheckpointInfo(path, stage, spec, qconfig, qat_mode, samples, meta)
     return net.eval(), info
 
 
-def _refreeze_bn(net: nn.Module, paths: Any) -> None:
-    """Freeze again the BatchNorm statistics that were frozen when the model was saved
-    (paths that name no BatchNorm of this model are ignored: the state check names real mismatches)."""
-    if not isinstance(paths, list):
-        return
-    modules = dict(net.named_modules())
-    for path in paths:
-        if isinstance(path, str) and isinstance(modules.get(path), nn.modules.batchnorm._BatchNorm):
-            freeze_bn_stats(net, path)
+# -- validation: every field of a file is checked here, once, before it is used -----------
+def _check_version(version: Any, path: str) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise QDebugError(f"{path} has an invalid checkpoint version {version!r}; versions are whole numbers from 1",
+                          DAMAGED)
+    if version > VERSION:
+        raise QDebugError(f"{path} has checkpoint version {version!r}; this qdebug reads up to {VERSION}",
+                          "upgrade qdebug")
 
 
-def _make_integer_buffers(net: nn.Module, state: dict) -> None:
-    for name, module in net.named_modules():
-        if isinstance(module, _QWeighted) and f"{name}.weight_int" in state:
-            module.register_buffer("weight_int", torch.empty_like(state[f"{name}.weight_int"]))
-
-
-def _load_state(net: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
-    """load_state_dict with missing/unexpected keys and shape mismatches named."""
+def _check_state(state: Any, path: str) -> None:
+    """A state is a dict of string keys and dense tensors, each holding no more memory than the
+    file stores for it: an expanded (stride-0) view of a small storage is refused, so nothing
+    read from a file grows in memory past its size on disk."""
     if not isinstance(state, dict):
-        raise QDebugError(f"{path}: 'state' is not a dict of tensors",
-                          "the file is damaged or not from qdebug.save: save the model again")
-    own = net.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
+        raise QDebugError(f"{path}: 'state' is a {type(state).__name__}, not a dict of tensors", DAMAGED)
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise QDebugError(f"{path}: 'state' has a key {key!r} that is not a string", DAMAGED)
+        if not isinstance(value, torch.Tensor):
+            raise QDebugError(f"{path}: state entry {key!r} is a {type(value).__name__}, not a tensor", DAMAGED)
+        _check_stored(value, f"state entry {key!r}", path)
+
+
+def _check_stored(tensor: torch.Tensor, what: str, path: str) -> None:
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise QDebugError(f"{path}: {what} is a {tensor.layout} {tensor.dtype} tensor; checkpoints hold dense tensors",
+                          DAMAGED)
+    stored = tensor.untyped_storage().nbytes()
+    if tensor.numel() * tensor.element_size() > stored:
+        raise QDebugError(
+            f"{path}: {what} is an expanded view: {list(tensor.shape)} ({tensor.numel()} values) over "
+            f"{stored // max(tensor.element_size(), 1)} stored",
+            "save real tensors (x.contiguous().clone()), not expanded views",
+        )
+
+
+def _checked_table(value: Any, key: str, path: str) -> dict:
+    """An optional table of the file (``meta``): a dict with string keys, or absent."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise QDebugError(f"{path}: {key!r} is a {type(value).__name__}, not a table", DAMAGED)
+    bad = next((k for k in value if not isinstance(k, str)), None)
+    if bad is not None:
+        raise QDebugError(f"{path}: {key!r} has a key {bad!r} that is not a string", DAMAGED)
+    return dict(value)
+
+
+def _checked_points(value: Any, path: str) -> dict[str, dict]:
+    """``points``: {name: {mode, frozen, observe_in_fake, alpha}}, every value checked."""
+    points = _checked_table(value, "points", path)
+    for name, attrs in points.items():
+        what = f"{path}: points entry {name!r}"
+        if not isinstance(attrs, dict):
+            raise QDebugError(f"{what} is a {type(attrs).__name__}, not a table", DAMAGED)
+        if "mode" in attrs and attrs["mode"] not in POINT_MODES:
+            raise QDebugError(f"{what} has an unknown mode {attrs['mode']!r}",
+                              f"modes: {', '.join(POINT_MODES)}; {DAMAGED}")
+        for flag in ("frozen", "observe_in_fake"):
+            if flag in attrs and not isinstance(attrs[flag], bool):
+                raise QDebugError(f"{what}: {flag} is {attrs[flag]!r}, not true or false", DAMAGED)
+        alpha = attrs.get("alpha", 1.0)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise QDebugError(f"{what}: alpha is {alpha!r}, not a number in [0, 1]", DAMAGED)
+    return points
+
+
+def _checked_paths(value: Any, key: str, path: str) -> list[str]:
+    """``absorbed`` / ``frozen_bn``: a list of module paths, or absent."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise QDebugError(f"{path}: {key!r} is not a list of module paths", DAMAGED)
+    return value
+
+
+def _checked_samples(value: Any, path: str) -> Any:
+    """``sample_inputs`` with at most SAMPLE_LIMIT samples: a batch (a tensor, or a tuple or dict
+    of them) keeps the first rows of each tensor, a list of batches (``data.batches_from_inputs``)
+    its first batches; every tensor kept may hold no more memory than the file stores for it
+    (``_check_stored``).  Slicing makes views: nothing is copied."""
+    if not isinstance(value, list):
+        return _capped(value, SAMPLE_LIMIT, path)
+    kept, left = [], SAMPLE_LIMIT
+    for batch in value:
+        if left <= 0:
+            break
+        batch = _capped(batch, left, path)
+        kept.append(batch)
+        left -= _rows(batch)
+    return kept
+
+
+def _capped(item: Any, rows: int, path: str, depth: int = 0) -> Any:
+    if isinstance(item, torch.Tensor):
+        kept = item[:rows] if item.dim() else item
+        _check_stored(kept, "'sample_inputs'", path)
+        return kept
+    if not isinstance(item, (tuple, list, dict)):
+        return item
+    if depth >= 4 or len(item) > SAMPLE_LIMIT:
+        raise QDebugError(f"{path}: 'sample_inputs' nests more than 4 levels or {SAMPLE_LIMIT} parts in a batch",
+                          DAMAGED)
+    if isinstance(item, dict):
+        return {k: _capped(v, rows, path, depth + 1) for k, v in item.items()}
+    return type(item)(_capped(v, rows, path, depth + 1) for v in item)
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor with a batch dimension (else 1)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((n for n in (_rows(p) for p in parts if isinstance(p, (torch.Tensor, tuple, list, dict)))), 1)
+
+
+def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
+    """``plan``: the fields of ``Plan.to_dict`` with their types; a call is fused into a call
+    of the plan, with a known activation; every module path (a module call, an owner, a
+    Conv-BN pair) names a module of ``net`` (the float model of ``spec``, on meta or not),
+    and each pair joins a conv and a BatchNorm of as many channels."""
+    from dataclasses import MISSING, fields
+
+    from qdebug.engine.ops import FUSED_ACTIVATIONS
+    from qdebug.engine.plan import CallRecord
+
+    def bad(what: str) -> QDebugError:
+        return QDebugError(f"{path}: the saved plan {what}", DAMAGED)
+
+    calls, pairs, counts = plan.get("calls"), plan.get("pairs"), plan.get("call_counts")
+    if not isinstance(calls, list) or not isinstance(pairs, list) or not isinstance(counts, dict):
+        raise bad("lacks its calls, pairs or call_counts")
+    types = {"name": str, "category": str, "op": str, "owner": str, "is_module": bool, "inputs": list,
+             "consumers": list, "point": (str, type(None)), "output_point": (str, type(None)),
+             "fused_into": (str, type(None)), "fused_activation": (str, type(None))}
+    required = {f.name for f in fields(CallRecord) if f.default is MISSING and f.default_factory is MISSING}
+    modules = dict(net.named_modules())
+    for call in calls:
+        if not isinstance(call, dict) or set(call) - set(types) or required - set(call):
+            raise bad(f"has a malformed call {str(call)[:80]}")
+        wrong = next((k for k, v in call.items() if not isinstance(v, types[k])), None)
+        if wrong is not None:
+            raise bad(f"call {call['name']!r} has a {type(call[wrong]).__name__} {wrong}")
+    names = {call["name"] for call in calls}
+    for call in calls:
+        name = call["name"]
+        if not all(isinstance(n, str) for n in [*call.get("inputs", []), *call.get("consumers", [])]):
+            raise bad(f"call {name!r} has inputs or consumers that are not names")
+        if call.get("fused_into") not in (None, *names):
+            raise bad(f"call {name!r} is fused into {call['fused_into']!r}, a call the plan does not have")
+        if call.get("fused_activation") not in (None, *FUSED_ACTIVATIONS):
+            raise bad(f"call {name!r} has an unknown fused activation {call['fused_activation']!r}")
+        called = name.partition("#")[0]  # "path#2": the second call of a shared module
+        for module in ((called,) if call["is_module"] else ()) + ((call["owner"],) if call["owner"] else ()):
+            if module not in modules:
+                raise QDebugError(f"{path}: the saved plan does not fit model {spec.target}: call {name!r} names "
+                                  f"module {module!r}, which it does not have", ARCHITECTURE)
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
+            raise bad(f"has a malformed Conv-BN pair {str(pair)[:80]}")
+        conv, bn = (modules.get(n) for n in pair)
+        if not isinstance(conv, (nn.Conv1d, nn.Conv2d)) or not isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            raise QDebugError(f"{path}: the saved plan does not fit model {spec.target}: it pairs {pair[0]!r} with "
+                              f"{pair[1]!r}, which are no conv and BatchNorm of it", ARCHITECTURE)
+        if conv.out_channels != bn.num_features:
+            raise bad(f"pairs {pair[0]!r} ({conv.out_channels} channels) with {pair[1]!r} ({bn.num_features})")
+    if any(not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0 for k, v in counts.items()):
+        raise bad("has call_counts that are not whole numbers >= 0 per module path")
+
+
+def _build_fitting(spec: ModelSpec, state: dict[str, torch.Tensor], path: str, *, from_user: bool,
+                   trusted: tuple[str, ...], plan: dict | None = None, sized_by_file: bool = True) -> nn.Module:
+    """Build ``spec`` only once it is known to fit ``state`` (and the ``plan`` of a prepared
+    checkpoint): when the file says how large it is (``sized_by_file``: its kwargs come from
+    the file), first on the meta device (no memory), where its tensors must have the state's
+    shapes and dtypes and may not add up to more than the state stores -- so a file naming a
+    huge model over a small state is refused before anything is allocated.  A prepared
+    checkpoint also holds quant points and may lack its BatchNorms (folded into their convs);
+    the full check follows the load.  A model the user sized (``--model`` with its kwargs),
+    or that cannot be built on meta (its constructor reads tensor values), is checked after
+    its real build."""
+    budget = MODULES_PER_ENTRY * len(state) + MODULES_BASE
+    sizes = None
+    if sized_by_file:
+        sizes = build_meta(spec, from_user=from_user, trusted_modules=trusted, max_modules=budget)
+    if sizes is not None:
+        folded = set()
+        if plan is not None:
+            _check_plan(plan, sizes, spec, path)
+            for name, module in sizes.named_modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    folded.update(f"{name}.{k}" if name else k for k in module.state_dict())
+        _check_fit(sizes.state_dict(), state, path, extra_ok=plan is not None, missing_ok=folded)
+        need, stored = _model_bytes(sizes), _stored_bytes(state)
+        if need > stored + SIZE_SLACK:
+            raise QDebugError(
+                f"{path}: model {spec.target} with the kwargs it names holds {_mib(need)} of tensors, but the file's "
+                f"state stores only {_mib(stored)}",
+                "the file is damaged or crafted: its model kwargs do not fit its weights",
+            )
+    net = build(spec, from_user=from_user, trusted_modules=trusted)
+    if sizes is None and plan is not None:
+        _check_plan(plan, net, spec, path)
+    return net
+
+
+def _model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's saved tensors, each shared tensor once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict(keep_vars=True).values():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _stored_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes a state's tensors really hold: each storage once."""
+    storages = {}
+    for tensor in state.values():
+        storage = tensor.untyped_storage()
+        storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _kind(t: torch.Tensor) -> str:
+    if t.is_complex():
+        return "complex"
+    if t.dtype == torch.bool:
+        return "bool"
+    return "floating-point" if t.is_floating_point() else "integer"
+
+
+def _check_fit(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], path: str, *,
+               extra_ok: bool = False, missing_ok: set[str] | frozenset[str] = frozenset()) -> None:
+    """The state fits the model's own tensors ``own``: the same keys (or, before preparing,
+    extra keys when ``extra_ok`` and absent ``missing_ok`` ones), each of the same kind of dtype
+    (a float weight is not filled from integers, bools or complex numbers) and the same shape
+    (quant points' tensors take their saved shapes; ``QuantPoint`` and its observer check them)."""
+    missing = [k for k in own if k not in state and k not in missing_ok]
+    unexpected = [] if extra_ok else [k for k in state if k not in own]
     if missing or unexpected:
         parts = []
         if missing:
@@ -295,12 +551,103 @@ def _load_state(net: nn.Module, state: dict[str, torch.Tensor], path: str) -> No
             f"{path} does not match the model architecture: {'; '.join(parts)}",
             "is the checkpoint from this model (and these model kwargs)?",
         )
-    for key, value in state.items():
-        if key.startswith(POINTS_ATTR + "."):
-            continue  # per-channel qparams and observer buffers take the saved shape
-        if own[key].shape != value.shape:
+    for key, mine in own.items():
+        value = state.get(key)
+        if value is None:
+            continue
+        if _kind(value) != _kind(mine):
             raise QDebugError(
-                f"{path}: shape mismatch for tensor {key!r}: checkpoint {list(value.shape)}, model {list(own[key].shape)}",
+                f"{path}: tensor {key!r} has dtype {value.dtype}, but the model keeps {_kind(mine)} values there "
+                f"({mine.dtype})",
+                "the file is damaged or not saved from this model: re-save it",
+            )
+        if not key.startswith(POINTS_ATTR + ".") and mine.shape != value.shape:
+            raise QDebugError(
+                f"{path}: shape mismatch for tensor {key!r}: checkpoint {list(value.shape)}, model {list(mine.shape)}",
                 "the checkpoint was trained with other model kwargs (widths, classes)",
             )
-    net.load_state_dict(state, strict=True)
+
+
+def _apply_points(net: nn.Module, points: dict[str, dict], path: str) -> None:
+    """Set each quant point's mode and flags from the file's (checked) ``points`` table."""
+    own = engine_state(net).points
+    for name, attrs in points.items():
+        point = own.get(name)
+        if point is None:
+            raise QDebugError(f"{path}: 'points' names {name!r}, which is no quant point of the model",
+                              ARCHITECTURE)
+        point.mode = attrs.get("mode", point.mode)
+        point.frozen = attrs.get("frozen", point.frozen)
+        point.observe_in_fake = attrs.get("observe_in_fake", False)
+        point.alpha = float(attrs.get("alpha", 1.0))
+        point.forget_cached()
+
+
+def _check_quantization(net: nn.Module, path: str) -> None:
+    """The loaded quantization is one qdebug could have saved: no scale is negative (zero, NaN
+    and Inf are data a diverged run leaves, which inspect and nan-trace report); a per-channel
+    weight scale has one value per channel of its weight; integer weight codes (``weight_int``,
+    quantized stage) have the weight's shape, an integer dtype and values within what q - z
+    can be for the point's spec.  (Each point checks its own saved shapes and zero points as
+    it loads: ``QuantPoint``.)"""
+    for point in engine_state(net).points.values():
+        scale = point.scale.detach()
+        if bool((scale < 0).any()):
+            raise QDebugError(f"{path}: quant point {point.name!r} has a negative scale ({float(scale.min()):g}); "
+                              "scales are > 0", DAMAGED)
+    for name, layer in net.named_modules():
+        if not isinstance(layer, _QWeighted) or layer.weight_point is None:
+            continue
+        point, weight = layer.weight_point, layer.weight
+        if point.spec.per_channel and point.initialized:
+            axis = point.spec.ch_axis
+            channels = weight.shape[axis] if -weight.dim() <= axis < weight.dim() else None
+            if point.scale.dim() != 1 or point.scale.shape[0] != channels:
+                raise QDebugError(
+                    f"{path}: quant point {point.name!r} has {point.scale.numel()} per-channel scale(s), but its weight "
+                    f"has {channels} channel(s) along axis {axis}",
+                    DAMAGED,
+                )
+        codes = layer._buffers.get("weight_int")
+        if codes is None:
+            continue
+        what = f"{path}: tensor '{name}.weight_int'"
+        if codes.shape != weight.shape:
+            raise QDebugError(f"{what} has shape {list(codes.shape)}, but its weight {list(weight.shape)}", DAMAGED)
+        if _kind(codes) != "integer":
+            raise QDebugError(f"{what} has dtype {codes.dtype}; integer weight codes are integers", DAMAGED)
+        zero = point.zero_point.to(torch.int64)
+        low, high = point.spec.qmin - int(zero.max()), point.spec.qmax - int(zero.min())
+        if codes.numel() and (int(codes.min()) < low or int(codes.max()) > high):
+            bad = int(codes.min()) if int(codes.min()) < low else int(codes.max())
+            raise QDebugError(f"{what} holds {bad}, outside [{low}, {high}] of its {point.spec.describe()} weight spec",
+                              DAMAGED)
+
+
+def _refreeze_bn(net: nn.Module, paths: list[str]) -> None:
+    """Freeze again the BatchNorm statistics that were frozen when the model was saved
+    (paths that name no BatchNorm of this model -- one folded since -- are ignored)."""
+    modules = dict(net.named_modules())
+    for path in paths:
+        if isinstance(modules.get(path), nn.modules.batchnorm._BatchNorm):
+            freeze_bn_stats(net, path)
+
+
+def _make_integer_buffers(net: nn.Module, state: dict) -> None:
+    for name, module in net.named_modules():
+        if isinstance(module, _QWeighted) and f"{name}.weight_int" in state:
+            module.register_buffer("weight_int", torch.empty_like(state[f"{name}.weight_int"]))
+
+
+def _load_state(net: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    """load_state_dict once ``_check_fit`` passed (missing/unexpected keys, dtypes and shapes
+    named); a quant point or observer refusing its saved tensors is named with the file."""
+    _check_fit(net.state_dict(), state, path)
+    try:
+        net.load_state_dict(state, strict=True)
+    except QDebugError as exc:
+        raise QDebugError(f"{path}: {exc.message}", exc.hint) from None
+    except RuntimeError as exc:  # a custom module's own refusal ("Error(s) in loading state_dict ...")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise QDebugError(f"{path} does not load into the model: {lines[-1] if lines else exc}"[:400],
+                          "is the checkpoint from this model (and these model kwargs)?") from None

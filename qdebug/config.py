@@ -19,11 +19,17 @@ CLI flags override it.  Keys (docs/config.md):
 The directory of the file read is also where modules the user names (``model``,
 ``metric``, ``data``, ``trust``) are looked for after the current directory
 (``config_root``; see qdebug.modelspec).
+
+Only ``[tool.qdebug]`` of a ``pyproject.toml`` matters: one met on the way up that
+cannot be read or parsed (another tool's file, a bad ``[tool.black]``) is skipped
+with a warning on stderr, unless it declares ``[tool.qdebug]``; a file named with
+``--config`` that cannot be parsed is an error.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +60,10 @@ VALID_KEYS = {
 }
 TASK_KEYS = {"direction": str, "ratio": (int, float)}
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+MAX_FILE_BYTES = 16 << 20  # a config or qconfig file larger than this is not one (a dump, a device)
+RATIO_RANGE = (0.0, 1.5)  # baseline's ratio, exclusive of 0: quantized >= ratio x float
+# A pyproject.toml that declares qdebug's table: broken, it is the user's config, not another tool's.
+DECLARES_QDEBUG = re.compile(rb"^[ \t]*\[[ \t]*tool[ \t]*\.[ \t]*qdebug[ \t]*[\].]", re.MULTILINE)
 
 _config_root: Path | None = None  # the directory of the config file read last
 
@@ -83,20 +93,80 @@ def find_config(start: Path | None = None) -> Path | None:
         if toml.is_file():
             return toml
         pyproject = folder / "pyproject.toml"
-        if pyproject.is_file() and "tool" in _read(pyproject) and "qdebug" in _read(pyproject)["tool"]:
+        if pyproject.is_file() and _pyproject_table(pyproject) is not None:
             return pyproject
     return None
 
 
-def _read(path: Path) -> dict[str, Any]:
+_warned: set[Path] = set()
+
+
+def _pyproject_table(path: Path) -> dict[str, Any] | None:
+    """``[tool.qdebug]`` of a pyproject.toml met while searching upward, or None.  Only that
+    table matters: a file that cannot be read or parsed is another tool's problem, skipped
+    with a warning -- unless it declares ``[tool.qdebug]``, whose settings would otherwise
+    be silently dropped (a baseline run with another ratio than the one written)."""
+    try:
+        document = _read(path)
+    except QDebugError as exc:
+        if _declares_qdebug(path):
+            raise
+        if path not in _warned:
+            _warned.add(path)
+            sys.stderr.write(f"warning: {exc.message}: skipped (only a [tool.qdebug] table in it matters to qdebug)\n")
+        return None
+    return qdebug_table(document, path)
+
+
+def _declares_qdebug(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            return DECLARES_QDEBUG.search(fh.read(MAX_FILE_BYTES)) is not None
+    except OSError:
+        return False
+
+
+def qdebug_table(document: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """The ``[tool.qdebug]`` table of a parsed pyproject.toml, None when it has none.  A
+    ``tool`` that is not a table is no concern of qdebug's; a ``qdebug`` in it that is not a
+    table (``[tool] qdebug = 5``) is a config error."""
+    tool = document.get("tool")
+    if not isinstance(tool, dict) or "qdebug" not in tool:
+        return None
+    table = tool["qdebug"]
+    if not isinstance(table, dict):
+        raise QDebugError(f"{path}: tool.qdebug must be a table, got {type(table).__name__}",
+                          "write the settings under a [tool.qdebug] header, one key = value per line")
+    return table
+
+
+def read_text(path: Path, what: str = "config file") -> str:
+    """A config or qconfig file's text: at most ``MAX_FILE_BYTES`` read, UTF-8 (as TOML and JSON
+    are), each failure one error naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise QDebugError(f"cannot read {path}: {exc.strerror or exc}",
+                          f"check the {what}'s path and permissions") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise QDebugError(f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB: not a {what}",
+                          f"check the {what}'s path")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise QDebugError(f"{path} is not UTF-8 text (byte {exc.start})",
+                          f"save the {what} as UTF-8 (TOML and JSON files are UTF-8)") from None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = read_text(path)
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise QDebugError(f"{path} is not valid TOML: {exc}", "fix the syntax error at the position given") from None
-    except OSError as exc:
-        raise QDebugError(f"cannot read {path}: {exc.strerror}",
-                          "check the config file's path and permissions") from None
+    except RecursionError:
+        raise QDebugError(f"{path} is not valid TOML: nested too deeply", "fix the file") from None
 
 
 def load_config(path: str | Path | None = None, *, start: Path | None = None) -> Config:
@@ -113,7 +183,7 @@ def load_config(path: str | Path | None = None, *, start: Path | None = None) ->
             return Config()
     data = _read(cfg_path)
     if cfg_path.name == "pyproject.toml":
-        data = data.get("tool", {}).get("qdebug", {})
+        data = qdebug_table(data, cfg_path) or {}
     config = Config(validate(data, cfg_path), cfg_path.resolve())
     _config_root = config.path.parent
     return config
@@ -138,6 +208,14 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
             raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, got {type(value).__name__}",
                               "fix the value in the config (docs/config.md lists every key and its type)")
         values[key] = value
+    if "ratio" in values:
+        check_ratio_range(values["ratio"], f"{source}: ratio", "e.g. ratio = 0.99")
+    if "mode" in values:
+        from qdebug.vocab import QAT_MODES
+
+        if values["mode"] not in QAT_MODES:
+            raise QDebugError(f"{source}: mode {values['mode']!r} is not a QAT mode",
+                              f"choose one of {', '.join(QAT_MODES)}")
     if "trust" in values:
         values["trust"] = _validate_trust(values["trust"], source)
     base = source.parent.resolve()
@@ -154,10 +232,26 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
         bad = sorted(set(entry) - set(TASK_KEYS))
         if bad:
             raise QDebugError(f"{source}: tasks.{task} has unknown key(s) {', '.join(bad)}", "valid: direction, ratio")
+        for key, expected in TASK_KEYS.items():
+            if key in entry and (isinstance(entry[key], bool) or not isinstance(entry[key], expected)):
+                raise QDebugError(f"{source}: tasks.{task}.{key} must be {_type_name(expected)}, got "
+                                  f"{type(entry[key]).__name__}", 'e.g. [tasks.top1] with direction = "higher" '
+                                  "and ratio = 0.99")
         if entry.get("direction", "higher") not in ("higher", "lower"):
             raise QDebugError(f"{source}: tasks.{task}.direction must be 'higher' or 'lower'",
                               'direction = "higher" (an accuracy) or "lower" (an error)')
+        if "ratio" in entry:
+            check_ratio_range(entry["ratio"], f"{source}: tasks.{task}.ratio", "e.g. ratio = 0.99")
     return values
+
+
+def check_ratio_range(ratio: float, name: str, hint: str) -> None:
+    """The one range of baseline's ratio, (0, 1.5], for --ratio and the config alike: a ratio
+    of 0 or less passes any quantized model (and divides by zero for lower-is-better tasks),
+    one above 1.5 asks it to beat float by half.  NaN is refused too."""
+    low, high = RATIO_RANGE
+    if not low < ratio <= high:
+        raise QDebugError(f"{name} {ratio:g} is out of range ({low:g}, {high:g}]", hint)
 
 
 def _validate_trust(entries: list, source: Path) -> list[str]:

@@ -10,31 +10,49 @@ Accepted specs (docs/cli.md):
   ``(inputs, target)`` pair, or a dict of model kwargs).
 - ``package.module:function``: the user's function, called with no arguments,
   returning an iterable of batches (``(inputs, target)`` pairs recognised); the
-  module is found from the current directory as ``python -m`` finds it.
+  module is found from the current directory as ``python -m`` finds it.  The
+  iterable is consumed lazily: never past ``batches``, so an endless generator
+  works with ``--batches N``.
 - ``random:8x3x224x224``: seeded standard-normal batches of that shape
-  (``random:8x3x224x224:seed=1``); no target.
+  (``random:8x3x224x224:seed=1``); no target.  ``batches`` of them (default 4).
 
-``batches`` limits how many batches are used.
+``batches`` limits how many batches are used.  Data qdebug makes or pulls from the
+user's function is bounded (``MAX_BATCHES``, ``memory_limit()``): an absurd
+``random:`` spec or an endless generator without ``--batches`` is one clear error,
+not minutes of swapping and a killed process.
 
 Every batch is a ``Batch``: a named tuple ``(inputs, target)``, so a metric written
 the usual PyTorch way (``for x, y in loader``) works on it unchanged, and
 ``batch.inputs`` / ``batch.target`` name the same two fields.  ``data_kind`` tells
 what a loaded object is as data; the checkpoint loader uses it to call a data file
 passed as a checkpoint by its name.
+
+torch loads on first use, not on import: ``check_spec`` and ``check_seed`` let the
+command line refuse a bad spec before torch's seconds of import.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 from qdebug.errors import QDebugError
 
+if TYPE_CHECKING:
+    import torch
+
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_RANDOM_BATCHES = 4
+MAX_BATCHES = 100_000  # the most batches a random: spec makes or a data function may yield
+SEED_RANGE = (-(2**63), 2**64 - 1)  # the seeds torch.manual_seed and Generator.manual_seed take
+RANDOM_SPEC = re.compile(r"random:(\d+(?:x\d+)*)(?::seed=(\d+))?")
+RANDOM_HINT = "write it like random:8x3x224x224 or random:8x3x32x32:seed=1"
+FUNCTION_HINT = ("it is called with no arguments and returns an iterable of batches (tensors or "
+                 "(inputs, target) pairs); --debug shows the traceback")
 
 
 class Batch(NamedTuple):
@@ -44,6 +62,8 @@ class Batch(NamedTuple):
     target: Any = None  # None when the data has no targets
 
     def size(self) -> int:
+        import torch
+
         first = self.inputs
         if isinstance(first, (tuple, list)):
             first = first[0]
@@ -64,7 +84,7 @@ def load_batches(spec: str, *, batch_size: int | None = None, batches: int | Non
     elif spec.endswith((".pt", ".pth")) or Path(spec).is_file():
         result = _from_file(Path(spec), size)
     elif ":" in spec:
-        result = _from_function(spec)
+        result = _from_function(spec, batches)
     else:
         raise QDebugError(
             f"cannot read data spec {spec!r}", "use a .pt file, package.module:function or random:8x3x224x224"
@@ -76,6 +96,76 @@ def load_batches(spec: str, *, batch_size: int | None = None, batches: int | Non
     return result
 
 
+def check_spec(spec: str, batches: int | None = None) -> None:
+    """What can be checked of a data spec without torch, at once: a ``random:`` spec
+    whole (shape, count, seed, size), a function's module name.  Files and functions
+    are read later, when the batches are needed."""
+    if spec.startswith("random:"):
+        parse_random(spec, batches)
+    elif not spec.endswith((".pt", ".pth")) and ":" in spec and not Path(spec).is_file():
+        from qdebug.usercode import check_module_name
+
+        check_module_name(spec.partition(":")[0], what=f"data function {spec}")
+
+
+def check_seed(seed: int, name: str, hint: str) -> None:
+    """A seed torch's generators accept, -2**63 to 2**64 - 1: others fail deep inside torch
+    with an overflow that names neither the option nor the limit."""
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise QDebugError(f"{name} must be from -2**63 to 2**64 - 1 ({high})", hint)
+
+
+def memory_limit() -> int:
+    """Bytes of data qdebug holds from a ``random:`` spec or a data function: half the
+    memory of this machine (or of its container, when that is less).  Past it the system
+    would swap or kill the process long before an error could name the cause."""
+    total = 8 << 30  # when the machine does not say
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for cgroup in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(ValueError, OSError):
+            total = min(total, int(Path(cgroup).read_text().strip()))
+    return total // 2
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.3g} GiB"
+
+
+def parse_random(spec: str, batches: int | None) -> tuple[list[int], int, int]:
+    """(shape, seed, count) of a ``random:`` spec, refused when it is malformed or absurd:
+    a dimension of 0, a seed torch cannot take, more than ``MAX_BATCHES`` batches, or more
+    data than ``memory_limit()`` (the limit is named, so the fix is plain)."""
+    match = RANDOM_SPEC.fullmatch(spec)
+    if not match:
+        raise QDebugError(f"bad random data spec {spec!r}", RANDOM_HINT)
+    # Digits past 19 are refused before int(): Python will not even convert 4301 of them.
+    if any(len(d) > 19 for d in match.group(1).split("x")):
+        raise QDebugError(f"random data spec {spec!r} has a dimension of 10**19 or more",
+                          "use a smaller shape, e.g. random:8x3x224x224")
+    shape = [int(d) for d in match.group(1).split("x")]
+    if 0 in shape:
+        raise QDebugError(f"random data spec {spec!r} has a dimension of 0: it holds no samples",
+                          "every dimension must be >= 1, e.g. random:8x3x32x32")
+    seed_text = match.group(2) or "0"
+    seed = int(seed_text) if len(seed_text) <= 21 else SEED_RANGE[1] + 1  # 21 digits are past the range already
+    check_seed(seed, f"the seed of {spec!r}", "e.g. random:8x3x32x32:seed=1")
+    count = batches or DEFAULT_RANDOM_BATCHES
+    if count > MAX_BATCHES:
+        raise QDebugError(f"random: data makes at most {MAX_BATCHES} batches, got --batches {count}",
+                          "use fewer --batches (random data is for smoke tests; evaluate on a .pt file or "
+                          "package.module:function)")
+    size = 4 * count  # bytes of float32 per element, over every batch
+    for dim in shape:
+        size *= dim
+    if size > memory_limit():
+        raise QDebugError(f"random data {spec!r} x {count} batch(es) is {_gib(size)}, over the {_gib(memory_limit())} "
+                          "qdebug may hold (half this machine's memory)",
+                          "use a smaller shape or fewer --batches")
+    return shape, seed, count
+
+
 def batches_from_inputs(sample_inputs: Any) -> list[Batch]:
     """A checkpoint's ``sample_inputs`` as batches."""
     if isinstance(sample_inputs, list):
@@ -84,13 +174,10 @@ def batches_from_inputs(sample_inputs: Any) -> list[Batch]:
 
 
 def _random(spec: str, batches: int | None) -> list[Batch]:
-    match = re.fullmatch(r"random:(\d+(?:x\d+)*)(?::seed=(\d+))?", spec)
-    if not match:
-        raise QDebugError(f"bad random data spec {spec!r}",
-                          "write it like random:8x3x224x224 or random:8x3x32x32:seed=1")
-    shape = [int(d) for d in match.group(1).split("x")]
-    generator = torch.Generator().manual_seed(int(match.group(2) or 0))
-    count = batches or DEFAULT_RANDOM_BATCHES
+    import torch
+
+    shape, seed, count = parse_random(spec, batches)
+    generator = torch.Generator().manual_seed(seed)
     return [Batch(torch.randn(*shape, generator=generator)) for _ in range(count)]
 
 
@@ -103,7 +190,7 @@ def _from_file(path: Path, batch_size: int) -> list[Batch]:
             f"{path} holds {type(obj).__name__}, not data qdebug understands",
             "save a tensor, a tuple (inputs, targets), a dict {'inputs', 'targets'} or a list of batches",
         )
-    return as_batches(obj, batch_size)
+    return as_batches(obj, batch_size, source=str(path))
 
 
 INPUT_KEYS = ("inputs", "x", "images", "data")
@@ -116,6 +203,8 @@ def data_kind(obj: Any) -> str | None:
     The one recognition rule of data files: ``as_batches`` reads exactly the objects
     this names, and ``checkpoint.load`` uses it to call a data file by its name.
     """
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return f"a tensor of {_count(obj)} input(s), no targets"
     if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(t, torch.Tensor) for t in obj):
@@ -136,28 +225,39 @@ def data_kind(obj: Any) -> str | None:
     return None
 
 
-def as_batches(obj: Any, batch_size: int) -> list[Batch]:
-    """The batches of an object ``data_kind`` recognises (a list of ready batches is not re-cut)."""
+def as_batches(obj: Any, batch_size: int, source: str = "data") -> list[Batch]:
+    """The batches of an object ``data_kind`` recognises (a list of ready batches is not re-cut);
+    ``source`` names it in errors."""
+    import torch
+
     if isinstance(obj, list):
         return [to_batch(b) for b in obj]
     if isinstance(obj, torch.Tensor):
-        return _split(obj, None, batch_size)
+        return _split(obj, None, batch_size, source)
     if isinstance(obj, tuple):
-        return _split(obj[0], obj[1], batch_size)
+        return _split(obj[0], obj[1], batch_size, source)
     inputs, target = _first(obj, INPUT_KEYS), _first(obj, TARGET_KEYS)
-    return _split(_decode(inputs, obj), target, batch_size)
+    return _split(_decode(inputs, obj, source), target, batch_size, source)
 
 
 def _count(tensor: torch.Tensor) -> int:
     return int(tensor.shape[0]) if tensor.dim() else 1
 
 
-def _decode(inputs: torch.Tensor, obj: dict) -> torch.Tensor:
+def _decode(inputs: torch.Tensor, obj: dict, source: str) -> torch.Tensor:
     """Compactly stored inputs: integer data with input_scale/input_offset, or half precision."""
+    import torch
+
     if "input_scale" in obj or "input_offset" in obj:
-        scale = torch.as_tensor(obj.get("input_scale", 1.0), dtype=torch.float32)
-        offset = torch.as_tensor(obj.get("input_offset", 0.0), dtype=torch.float32)
-        return inputs.to(torch.float32) * scale + offset
+        try:
+            scale = torch.as_tensor(obj.get("input_scale", 1.0), dtype=torch.float32)
+            offset = torch.as_tensor(obj.get("input_offset", 0.0), dtype=torch.float32)
+            return inputs.to(torch.float32) * scale + offset
+        except (TypeError, ValueError, RuntimeError) as exc:
+            from qdebug.usercode import first_line
+
+            raise QDebugError(f"{source}: input_scale/input_offset cannot decode the inputs: {first_line(exc)}",
+                              "store them as numbers, or tensors that broadcast to the inputs' shape") from None
     if inputs.dtype in (torch.float16, torch.bfloat16):
         return inputs.to(torch.float32)
     return inputs
@@ -170,12 +270,33 @@ def _first(obj: dict, keys: tuple[str, ...]) -> Any:
     return None
 
 
-def _split(inputs: torch.Tensor, target: Any, batch_size: int) -> list[Batch]:
-    n = inputs.shape[0] if inputs.dim() else 1
-    if target is not None and not isinstance(target, dict) and getattr(target, "shape", [n])[0] != n:
-        raise QDebugError(f"data has {n} inputs but {target.shape[0]} targets", "inputs and targets must align")
+def _check_dataset(inputs: torch.Tensor, target: Any, source: str) -> None:
+    """A dataset is cut along its first dimension: the inputs and every target tensor need one,
+    of the same length.  A 0-d tensor (one number) or a list of labels has none to cut."""
+    import torch
+
+    if inputs.dim() == 0:
+        raise QDebugError(f"{source}: the inputs are a 0-d tensor (one number), not samples",
+                          "save the samples stacked along a first dimension, e.g. x.reshape(1, *x.shape)")
+    n = inputs.shape[0]
+    targets = target.items() if isinstance(target, dict) else [("", target)] if target is not None else []
+    for task, value in targets:
+        what = f"the targets of {task!r}" if task else "the targets"
+        if not isinstance(value, torch.Tensor):
+            raise QDebugError(f"{source}: {what} are a {type(value).__name__}, not a tensor",
+                              "save targets as a tensor with one entry per sample, e.g. torch.tensor(labels)")
+        if value.dim() == 0:
+            raise QDebugError(f"{source}: {what} are a 0-d tensor (one number) for {n} input(s)",
+                              "save one target per sample: a tensor whose first dimension matches the inputs'")
+        if value.shape[0] != n:
+            raise QDebugError(f"{source}: data has {n} inputs but {value.shape[0]} targets"
+                              + (f" for {task!r}" if task else ""), "inputs and targets must align")
+
+
+def _split(inputs: torch.Tensor, target: Any, batch_size: int, source: str = "data") -> list[Batch]:
+    _check_dataset(inputs, target, source)
     out = []
-    for start in range(0, n, batch_size):
+    for start in range(0, inputs.shape[0], batch_size):
         sl = slice(start, start + batch_size)
         tgt = None
         if isinstance(target, dict):
@@ -188,8 +309,13 @@ def _split(inputs: torch.Tensor, target: Any, batch_size: int) -> list[Batch]:
 
 def to_batch(item: Any) -> Batch:
     """Recognise one batch: a Batch, a tensor, an (inputs, target) pair, or a dict of kwargs."""
+    import torch
+
     if isinstance(item, Batch):
         return item
+    if isinstance(item, torch.Tensor) and item.dim() == 0:
+        raise QDebugError("a batch is a 0-d tensor (one number): a batch needs a first (sample) dimension",
+                          "yield tensors of shape (batch, ...), e.g. x.unsqueeze(0) for one sample")
     if isinstance(item, torch.Tensor) or isinstance(item, dict):
         return Batch(item)
     if isinstance(item, (tuple, list)) and len(item) == 2:
@@ -199,19 +325,69 @@ def to_batch(item: Any) -> Batch:
     raise QDebugError(f"cannot use a {type(item).__name__} as a batch", "yield tensors or (inputs, target) pairs")
 
 
-def _from_function(spec: str) -> list[Batch]:
+def _from_function(spec: str, batches: int | None) -> list[Batch]:
+    """The user's function's batches, taken lazily: at most ``batches`` items are asked
+    for; without ``batches`` at most ``MAX_BATCHES`` and ``memory_limit()`` bytes, so an
+    endless generator ends in an error that asks for ``--batches``."""
     from qdebug.modelspec import resolve
-    from qdebug.usercode import first_line, where_raised
 
-    fn = resolve(spec, from_user=True)
-    try:
+    fn = resolve(spec, from_user=True, what="data function (package.module:function)")
+    with _user_data_errors(spec):
         produced: Iterable = fn() if callable(fn) else fn
-        return [to_batch(b) for b in produced]
+        try:
+            items = iter(produced)
+        except TypeError:
+            what = f"data function {spec} returned" if callable(fn) else f"data {spec} is"
+            raise QDebugError(f"{what} {type(produced).__name__}, not an iterable of batches", FUNCTION_HINT) from None
+        return _take(items, spec, batches)
+
+
+def _take(items: Iterator, spec: str, batches: int | None) -> list[Batch]:
+    """Batches from the user's iterator: ``batches`` of them (never asking for one more), or
+    all of them within ``MAX_BATCHES`` and ``memory_limit()``."""
+    bounded = batches is not None and batches <= MAX_BATCHES
+    budget, held, out = memory_limit(), 0, []
+    for item in itertools.islice(items, batches if bounded else MAX_BATCHES + 1):
+        if len(out) == MAX_BATCHES:
+            raise QDebugError(f"data function {spec} yields more than {MAX_BATCHES} batches",
+                              f"pass --batches N (N <= {MAX_BATCHES}) to take the first N: an endless generator "
+                              "needs it")
+        batch = to_batch(item)
+        held += _nbytes(batch)
+        if held > budget:
+            raise QDebugError(f"data function {spec} yields more than {_gib(budget)} of batches (half this "
+                              f"machine's memory) in its first {len(out) + 1}",
+                              f"pass --batches N to take fewer (here at most {len(out)}), or yield smaller batches")
+        out.append(batch)
+    return out
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a batch (inputs and target, nested in tuples, lists and dicts)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(x) for x in obj.values())
+    return 0
+
+
+@contextlib.contextmanager
+def _user_data_errors(spec: str) -> Iterator[None]:
+    """The data function raising (or calling ``sys.exit``), while called or iterated, as one
+    error naming it and the user's line."""
+    from qdebug.usercode import exit_error, first_line, where_raised
+
+    try:
+        yield
     except QDebugError:
         raise
+    except SystemExit as exc:
+        raise exit_error(exc, f"data function {spec}") from exc
     except Exception as exc:
         where = where_raised(exc)
         raise QDebugError(f"data function {spec} raised {type(exc).__name__}: {first_line(exc)}"
-                          + (f", at {where}" if where else ""),
-                          "it is called with no arguments and returns an iterable of batches (tensors or "
-                          "(inputs, target) pairs); --debug shows the traceback") from exc
+                          + (f", at {where}" if where else ""), FUNCTION_HINT) from exc

@@ -6,7 +6,11 @@ has ``.inputs`` / ``.target`` -- and returns one number or a dict task -> number
 (multi-task models, seed 001).  When it raises, the error names the line of the
 user's code that raised and the hint states this protocol.  A metric that declares
 a ``reference`` keyword also receives the float model (for agreement-style metrics).  ``direction`` ("higher" or "lower") on the
-function says which way is better; the default is higher.
+function says which way is better; the default is higher.  Every value a metric returns
+must be >= 0 (``check_nonnegative``): baseline's ratio rule compares a quantized to a
+float value, and for a value of 0 or less the ratio means nothing (0.99 x -1 asks the
+quantized model to be *better*).  A metric that ends the process (``sys.exit``) is an
+error, like one that raises.
 
 Ready-made (name them by short name or ``qdebug.metrics:NAME``):
 
@@ -49,7 +53,20 @@ def _need_target(batch) -> None:
                           "checkpoint's sample inputs have no targets")
 
 
+def _check_class_targets(logits: torch.Tensor, target: Any) -> None:
+    """One class index per row of logits: a 0-d target or one of another length would
+    broadcast against the predictions and count more right answers than there are samples."""
+    if not isinstance(target, torch.Tensor):
+        raise QDebugError(f"the targets are a {type(target).__name__}, not a tensor of class indices",
+                          "give targets as a tensor, e.g. torch.tensor(labels)")
+    rows = logits.numel() // logits.shape[-1] if logits.dim() and logits.shape[-1] else logits.numel()
+    if target.numel() != rows:
+        raise QDebugError(f"the targets hold {target.numel()} class index(es) for {rows} prediction(s)",
+                          "give one class index per sample (targets of shape (batch,))")
+
+
 def _topk_correct(logits: torch.Tensor, target: torch.Tensor, k: int) -> tuple[int, int]:
+    _check_class_targets(logits, target)
     top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
     return int((top == target.reshape(-1, 1)).any(dim=-1).sum()), int(target.numel())
 
@@ -86,6 +103,7 @@ def top1_per_sample(model, batches) -> torch.Tensor | dict[str, torch.Tensor]:
         pairs = [(t, out[t], batch.target[t]) for t in batch.target] if isinstance(out, dict) else [("metric", out, batch.target)]
         for task, logits, target in pairs:
             # The same tie rule as top1 (torch.topk): quantized logits tie often.
+            _check_class_targets(logits, target)
             top = logits.topk(1, dim=-1).indices.reshape(-1)
             scores.setdefault(task, []).append((top == target.reshape(-1)).double())
     result = {t: torch.cat(v) for t, v in scores.items()}
@@ -118,7 +136,13 @@ def mse(model, batches) -> float:
     total, count = 0.0, 0
     for batch, out in _outputs(model, batches):
         _need_target(batch)
-        diff = (out.double() - batch.target.double()) ** 2
+        target = batch.target
+        if not isinstance(target, torch.Tensor) or target.numel() != out.numel():
+            shape = list(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+            raise QDebugError(f"mse: the targets ({shape}) do not match the model's output ({list(out.shape)})",
+                              "give targets of the output's shape: one value per output value")
+        # Same values, not broadcast: an output (N, 1) against targets (N,) would give N x N.
+        diff = (out.double() - target.double().reshape(out.shape)) ** 2
         total += float(diff.sum())
         count += diff.numel()
     return total / max(count, 1)
@@ -144,11 +168,18 @@ def resolve_metric(spec: str | Metric) -> Metric:
     if not callable(fn):
         raise QDebugError(f"metric {spec!r} is not callable",
                           "name a function metric(model, batches) as package.module:function")
+    metric_direction(fn)  # checked now, not after the evaluation
     return fn
 
 
 def metric_direction(metric: Metric) -> str:
-    return getattr(metric, "direction", "higher")
+    """The metric function's ``direction`` attribute, "higher" by default."""
+    direction = getattr(metric, "direction", "higher")
+    if direction not in ("higher", "lower"):
+        raise QDebugError(f"metric {getattr(metric, '__name__', metric)}: direction {direction!r} is not "
+                          "'higher' or 'lower'", 'set direction = "higher" (an accuracy) or "lower" (an error) '
+                          "on the function")
+    return direction
 
 
 def run_metric_with_samples(metric: Metric, model, batches, *, reference=None, name: str = "metric"):
@@ -177,13 +208,41 @@ def call_metric(metric: Metric, model, batches, reference, name: str):
     was_training = model.training
     model.eval()
     try:
-        return metric(model, batches, **kwargs)
+        value = metric(model, batches, **kwargs)
     except QDebugError:
         raise
+    except SystemExit as exc:
+        from qdebug.usercode import exit_error
+
+        raise exit_error(exc, f"metric {getattr(metric, '__name__', name)}") from exc
     except Exception as exc:
         raise metric_error(metric, exc, name) from exc
     finally:
         model.train(was_training)
+    check_nonnegative(value, f"metric {getattr(metric, '__name__', name)}")
+    return value
+
+
+NONNEGATIVE_HINT = ('for a score that can be negative, return a non-negative one: an error or loss with '
+                    'direction = "lower" (a log-likelihood: its negation), or the score plus an offset')
+
+
+def check_nonnegative(value: Any, source: str) -> None:
+    """The rule for metric values <= 0 (docs/baseline.md): a negative value is refused, for
+    every ratio of baseline, step and suggest divides by or scales the float value, and a
+    ratio of signed values inverts the verdict (required = 0.99 x -1 = -0.99 > -1).  ``value``
+    is what a metric returned (a number, a tensor of per-sample scores, or a dict of either);
+    other types and NaN are left to the checks that follow."""
+    items = value.items() if isinstance(value, dict) else [("metric", value)]
+    for task, v in items:
+        if isinstance(v, torch.Tensor):
+            if v.is_complex() or v.numel() == 0 or v.dtype == torch.bool:
+                continue
+            v = float(v.detach().min())
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            label = "" if task == "metric" else f" for task {task!r}"
+            raise QDebugError(f"{source} is negative ({v:g}{label}): the ratio rule needs metric values >= 0",
+                              NONNEGATIVE_HINT)
 
 
 PROTOCOL = (

@@ -21,13 +21,14 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
-from qdebug.engine.context import Event, ForwardContext, active_context
+from qdebug.engine.context import Event, ForwardContext, active_context, open_contexts, release_aborted
 from qdebug.engine.ops import map_tensors, tensors_in
 
 
 @contextlib.contextmanager
 def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
     """While active, ``listener`` sees every value call of ``model``'s forward passes."""
+    depth = open_contexts()
     if is_prepared(model):
         state = engine_state(model)
         state.listeners.append(listener)
@@ -35,6 +36,7 @@ def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
             yield
         finally:
             state.listeners.remove(listener)
+            release_aborted(depth)  # a forward aborted inside the block left its context open
         return
     # A plain model: wrap its forward in a naming context for the duration.
     handles = []
@@ -43,6 +45,7 @@ def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
         if active_context() is not None and active_context().root is module:
             return None
         ctx = ForwardContext(module, listeners=[listener])
+        contexts[:] = [c for c in contexts if not c.closed]  # aborted forwards' (release_aborted)
         ctx.__enter__()
         contexts.append(ctx)
         return ctx.process_inputs(args, kwargs)
@@ -64,6 +67,7 @@ def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+        release_aborted(depth)  # a forward aborted inside the block left its context open
 
 
 @dataclass

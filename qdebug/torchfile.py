@@ -6,11 +6,20 @@ the refusal reads the pickle's opcodes (never running them) to say what it holds
 whole model saved with ``torch.save(model)`` and its class -- and how to re-save it.
 With ``--unsafe-load`` the classes it names are found from the current directory too
 (``qdebug.usercode``), and one that cannot be found is named, not called "damaged".
+
+Before torch opens anything (``check_readable``): only a regular file is read (a named pipe
+would block forever, a link to /dev/zero never ends); a zip archive whose records expand to
+more bytes than the file holds (torch.save never compresses; a crafted "zip bomb" does), or
+whose pickle fails its CRC-32, is refused.  A file torch cannot read is called damaged: only
+an intact pickle that names a Python class is said to hold pickled objects, with the
+``--unsafe-load`` hint.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -21,34 +30,126 @@ from qdebug.errors import QDebugError
 from qdebug.usercode import first_line
 
 
+DAMAGED_HINT = "the file is damaged (cut short or overwritten): save it again, or copy it again"
+
+
 def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
     """``torch.load`` with every failure turned into one clear QDebugError."""
     p = Path(path)
-    if not p.exists():
-        raise QDebugError(f"no such file: {p}", "check the path")
-    if p.is_dir():
-        raise QDebugError(f"{p} is a directory, not a checkpoint file", "pass the checkpoint file, not its directory")
+    check_readable(p)
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        # Only a well-formed file that names Python objects is "pickled objects"; random
-        # or corrupt bytes fail the weights-only unpickler too, and are reported as such.
-        if not (zipfile.is_zipfile(p) or "Unsupported global" in str(exc)):
-            raise QDebugError(
-                f"{p} is not a readable torch file (not a torch.save archive, nor valid pickle data)",
-                "the file may be truncated or corrupt; re-save it",
-            ) from None
+        # Only an intact file whose pickle names Python objects is "pickled objects": cut or
+        # overwritten bytes fail the weights-only unpickler too, and are called damaged.
+        named = _unsupported_global(str(exc))
+        if named is None or not _whole_pickle(p):
+            raise _damaged(p, _unpickler_says(exc)) from None
         whole = pickled_class(p)  # "mypkg.net.Net" for a torch.save(model) file
-        named = whole or _unsupported_global(str(exc))
+        named = whole or named
         if not unsafe:
             raise _pickle_refusal(p, whole, named) from None
         del exc
-    except Exception as exc:  # random bytes reach many unpickler error paths (IndexError, KeyError, ...)
-        raise QDebugError(
-            f"{p} is not a readable torch file ({type(exc).__name__}: {_first_line(exc)})",
-            "the file may be truncated or corrupt; re-save it",
-        ) from None
+    except Exception as exc:  # damaged bytes reach many reader error paths (RuntimeError, EOFError, KeyError, ...)
+        raise _damaged(p, f"{type(exc).__name__}: {_first_line(exc)}") from None
     return _unsafe_load(p, whole, named)
+
+
+def _damaged(p: Path, detail: str) -> QDebugError:
+    """The error for a file torch could not read, saying what is wrong where it can: a record
+    failing its checksum, a pickle cut short, else what the reader said."""
+    bad = _damaged_record(p)
+    if bad is not None:
+        detail = f"its record {bad} fails its CRC-32 check"
+    elif not _whole_pickle(p):
+        detail = "its pickle is cut short or malformed"
+    return QDebugError(f"{p} is not a readable torch file: it is damaged ({detail})", DAMAGED_HINT)
+
+
+def check_readable(p: Path) -> None:
+    """Refuse, before torch opens it: what is no regular file (a directory, a named pipe, a
+    device, a socket; symlinks resolved) -- a pipe would block forever, /dev/zero never end;
+    a zip archive whose records claim more bytes than the file holds (torch.save never
+    compresses: a "zip bomb"); an archive whose pickle fails its CRC-32 (damaged)."""
+    try:
+        info = os.stat(p)  # follows symlinks: a link to /dev/zero is the device
+    except FileNotFoundError:
+        raise QDebugError(f"no such file: {p}", "check the path") from None
+    except OSError as exc:
+        raise QDebugError(f"cannot read {p}: {exc.strerror or exc}", "check the path and its permissions") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise QDebugError(f"{p} is a directory, not a checkpoint file", "pass the checkpoint file, not its directory")
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(info.st_mode) else "a character device"
+                if stat.S_ISCHR(info.st_mode) else "a block device" if stat.S_ISBLK(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a regular file")
+        shown = f"{p} (-> {p.resolve()})" if p.is_symlink() else str(p)
+        raise QDebugError(f"{shown} is {kind}, not a regular file: qdebug reads only regular files",
+                          "save the checkpoint or data to a file and pass that file")
+    try:
+        with zipfile.ZipFile(p) as archive:
+            claimed = sum(item.file_size for item in archive.infolist())
+    except Exception as exc:  # no zip archive (a legacy torch file), or a damaged one: torch's reader says what
+        del exc
+        return
+    if claimed > info.st_size:
+        raise QDebugError(
+            f"{p} is a compressed archive: its records expand to {claimed} bytes from {info.st_size} on disk, "
+            "and torch.save never compresses",
+            "the file is damaged or crafted: re-save it with torch.save or qdebug.save",
+        )
+    bad = _damaged_record(p, only="data.pkl")
+    if bad is not None:
+        raise _damaged(p, f"its record {bad} fails its CRC-32 check")
+
+
+def _damaged_record(p: Path, only: str = "") -> str | None:
+    """The first record of a zip archive (ending in ``only``) whose bytes fail their CRC-32, or
+    None (also for no archive).  Reads are bounded: records were checked to fit the file."""
+    try:
+        with zipfile.ZipFile(p) as archive:
+            for item in archive.infolist():
+                if not item.filename.endswith(only):
+                    continue
+                try:
+                    with archive.open(item) as record:
+                        while record.read(1 << 22):
+                            pass
+                except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError):
+                    return item.filename
+    except Exception as exc:  # no archive Python can read: nothing to say
+        del exc
+    return None
+
+
+def _archive_pickle(path: Path) -> bytes | None:
+    """The pickle (``data.pkl``) of a torch.save zip archive, or None."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            return archive.read(name) if name is not None else None
+    except Exception as exc:  # not an archive we can read
+        del exc
+        return None
+
+
+def _whole_pickle(path: Path) -> bool:
+    """The archive's pickle is well formed (its opcodes parse, read without running any, and
+    end with STOP at its last byte): a pickle cut short or overwritten is not.  True when
+    there is no archive pickle to read (a legacy torch file)."""
+    import pickletools
+
+    data = _archive_pickle(path)
+    if data is None:
+        return True
+    try:
+        last = None
+        for op, _, pos in pickletools.genops(data):
+            last = (op.name, pos)
+    except Exception as exc:  # an unknown opcode, a cut argument, ...
+        del exc
+        return False
+    return last is not None and last[0] == "STOP" and last[1] == len(data) - 1
 
 
 def pickled_class(path: Path) -> str | None:
@@ -57,12 +158,10 @@ def pickled_class(path: Path) -> str | None:
     top object is a plain container (a dict, a list, a tensor) or the file is no such archive."""
     import pickletools
 
+    data = _archive_pickle(path)
+    if data is None:
+        return None
     try:
-        with zipfile.ZipFile(path) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
-            if name is None:
-                return None
-            data = archive.read(name)
         strings: list[str] = []
         for op, arg, _ in pickletools.genops(data):
             if op.name in ("PROTO", "FRAME", "MEMOIZE", "BINPUT", "LONG_BINPUT", "PUT"):
@@ -76,7 +175,7 @@ def pickled_class(path: Path) -> str | None:
             if op.name == "STACK_GLOBAL" and len(strings) == 2:
                 return f"{strings[0]}.{strings[1]}"
             return None
-    except Exception:  # not an archive we can read: the caller's message stays generic
+    except Exception:  # opcodes we cannot parse: the caller's message stays generic
         return None
     return None
 
@@ -172,6 +271,14 @@ def _unsafe_load(p: Path, whole: str | None, named: str | None) -> Any:
             f"{p} could not be unpickled ({type(exc).__name__}: {_first_line(exc)})",
             f"the file may be damaged, or its classes changed since it was saved; {resave}",
         ) from None
+
+
+def _unpickler_says(exc: BaseException) -> str:
+    """What the weights-only unpickler found, without torch's advice to load unsafely."""
+    import re
+
+    found = re.search(r"WeightsUnpickler error:\s*(\S.*)", str(exc))
+    return found.group(1).strip()[:200] if found else _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,6 +26,7 @@ from qdebug.errors import QDebugError
 def import_user_module(module_name: str) -> Any:
     """Import a module qdebug may import (named or trusted by the user), found from the
     current directory or the config's when ``sys.path`` lacks it; failures as QDebugErrors."""
+    check_module_name(module_name)
     make_findable(module_name)
     try:
         return importlib.import_module(module_name)
@@ -47,6 +48,9 @@ def import_user_module(module_name: str) -> Any:
         ) from exc
     except QDebugError:
         raise
+    except SystemExit as exc:  # sys.exit() at the module's top level
+        raise exit_error(exc, f"importing {module_name!r}",
+                         "guard the module's script code with if __name__ == '__main__': (qdebug imports it)") from exc
     except Exception as exc:  # a syntax error or an exception while the user's module runs
         where = where_raised(exc)
         raise QDebugError(
@@ -55,6 +59,29 @@ def import_user_module(module_name: str) -> Any:
             "fix the error in that module (python -c 'import " + module_name + "' shows it too); "
             "--debug shows the traceback",
         ) from exc
+
+
+def check_module_name(module_name: str, what: str | None = None) -> None:
+    """``module_name`` as an absolute, importable name (``pkg.mod``): a relative one (``.mod``)
+    or one with spaces or slashes would reach importlib and fail there with a message about
+    its own arguments.  ``what`` names the spec in the message."""
+    from qdebug.config import MODULE_NAME
+
+    if not MODULE_NAME.fullmatch(module_name):
+        raise QDebugError(f"{module_name!r} is not an importable module name" + (f" (in {what})" if what else ""),
+                          "write package.module:Name with an absolute module path (Python names joined by "
+                          "dots: no leading dot, no file path)")
+
+
+EXIT_HINT = "return the result (or raise an exception) instead: sys.exit ends qdebug with no verdict"
+
+
+def exit_error(exc: SystemExit, what: str, hint: str = EXIT_HINT) -> QDebugError:
+    """``sys.exit()`` inside the user's code (a data function, a metric, a module being
+    imported) as an error naming it: let through, it would end qdebug silently with the
+    exit code the user's code chose -- often 0, a pass with no verdict."""
+    where = where_raised(exc)
+    return QDebugError(f"{what} called sys.exit({exc.code!r})" + (f", at {where}" if where else ""), hint)
 
 
 def import_roots() -> list[Path]:
@@ -112,15 +139,15 @@ def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(d + os.sep for d in core), tuple(d + os.sep for d in every)
 
 
-def where_raised(exc: BaseException) -> str | None:
+def where_raised(exc: BaseException, *, user_only: bool = False) -> str | None:
     """``file:line (code)`` of the innermost frame of ``exc`` in the user's own code -- not
     in qdebug or torch, and preferably not in the standard library or installed packages
-    either -- or None."""
+    either (``user_only``: never) -- or None."""
     if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
         return f"{shown_path(exc.filename)}:{exc.lineno}"
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
     core, every = _library_dirs()
-    for skipped in (every, core):
+    for skipped in (every,) if user_only else (every, core):
         for frame in reversed(frames):
             if str(Path(frame.filename).resolve()).startswith(skipped):
                 continue

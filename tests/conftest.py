@@ -28,6 +28,13 @@ from qdebug.modelspec import ModelSpec, build
 from small_models import RESNET, SMALL_RESNET as SMALL
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("qdebug")
+    group.addoption("--fuzz-minutes", type=float, default=0.0,
+                    help="tests/test_fuzz.py: fuzz for this long with new seeds (default: the fixed CI cases)")
+    group.addoption("--fuzz-seed", type=int, default=0, help="tests/test_fuzz.py: the first seed")
+
+
 def _randomize_bn(model: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():

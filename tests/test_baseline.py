@@ -542,3 +542,11 @@ def test_a_float_metric_of_zero_is_an_error_not_a_pass(cli):
     # 0 >= 0.99 x 0 would pass whatever the quantized model does.
     cli("baseline", "--float-metric", "0", "--quant-metric", "0").assert_error(
         "the float model scores 0 on task", "targets match")
+
+
+def test_the_python_gate_refuses_negative_metric_values_as_the_cli_does():
+    from qdebug.errors import QDebugError
+    from qdebug.tools.baseline import gate
+
+    with pytest.raises(QDebugError, match="negative"):
+        gate({"score": -1.0}, {"score": -1.0})  # 0.99 x -1 would pass -1.0 and fail -0.99

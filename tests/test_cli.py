@@ -200,7 +200,7 @@ def test_inspect_plain_state_dict_with_model(cli, tmp_path, stages):
     _torch.save({"model_state_dict": stages.models["float"].state_dict()}, tmp_path / "sd.pt")
     # --model without kwargs builds the default (ResNet-18 sized) ResNet: a clear mismatch
     cli("inspect", "sd.pt", "--model", stages.spec).assert_error("does not match the model architecture")
-    (tmp_path / "qdebug.toml").write_text(f'model_kwargs = {{num_classes = 10, in_channels = 1, stem = "small", '
+    (tmp_path / "qdebug.toml").write_text('model_kwargs = {num_classes = 10, in_channels = 1, stem = "small", '
                                           'layers = [1, 1], widths = [8, 16]}\n')
     result = cli("inspect", "sd.pt", "--model", stages.spec, "--json")
     assert result.code == 0, result.err
@@ -365,3 +365,9 @@ def test_init_help_has_an_example(cli):
     result = cli("init", "--help")
     assert result.code == 0, result.err
     assert "Example: qdebug init --trust mypkg" in result.out
+
+
+def test_error_lines_print_names_as_written_never_as_emoji(cli):
+    """rich turns :name: into an emoji unless told not to: a file or function name must stay."""
+    result = cli("inspect", "missing:cross_mark:model.pt")
+    assert result.code == 2 and "missing:cross_mark:model.pt" in result.err and "\u274c" not in result.err

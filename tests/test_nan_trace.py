@@ -8,7 +8,6 @@ manager are tested on the same kinds of models.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import math
@@ -546,6 +545,15 @@ def test_cli_finding_exit_1_bundle_and_repro(cli, stages, tmp_path):
     replay = json.loads(again.out)["first"]
     assert (replay["phase"], replay["step"], replay["layer"], replay["cause"], replay["samples"]) == \
         ("forward", 0, "input", "input", [2])
+
+
+@pytest.mark.parametrize("key, value", [("lr", "fast"), ("seed", 2**70), ("rng_state", torch.zeros(3)),
+                                        ("optimizer_state", [1, 2])])
+def test_a_damaged_repro_bundle_is_refused_naming_the_setting(cli, stages, tmp_path, key, value):
+    net, info = qdebug.load(stages.qat)
+    qdebug.save(net, tmp_path / "before.pt", stage="qat", meta={"nan_trace": {"lr": 0.1, key: value}})
+    result = cli("nan-trace", "before.pt", "--data", stages.data, "--steps", 1)
+    result.assert_error(f"the repro bundle's {key} is damaged")
 
 
 def test_cli_repro_bundle_replays_a_training_step_exactly(cli, tmp_path):

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qdebug.engine import QConfig, calibrate, engine_state, prepare, quant_points, set_mode
+from qdebug.engine import QConfig, calibrate, engine_state, prepare, quant_points
 from qdebug.engine.point import grid_of
 from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
 

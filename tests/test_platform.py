@@ -311,3 +311,36 @@ def test_a_closed_pipe_is_not_a_failed_check(stages):
                           timeout=120)
     assert "rc=141" in proc.stdout or "rc=0" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_forward_aborted_by_sys_exit_or_ctrl_c_leaves_no_naming_mode_behind(stages):
+    """torch runs always_call forward hooks on Exception only: a SystemExit or KeyboardInterrupt
+    inside a prepared model's forward skipped the hook that leaves its naming context, and every
+    later torch call of the process went through qdebug's mode (an in-process run, a notebook)."""
+    from torch.overrides import _get_current_function_mode
+
+    import qdebug
+    from qdebug.engine.context import open_contexts, run_model
+    from qdebug.tap import tap
+
+    prepared, _ = qdebug.load(stages.qat)
+    plain, _ = qdebug.load(stages.float)
+
+    def under_tap(model):
+        with tap(model, lambda event: None):
+            model(stages.x)
+
+    for abort in (SystemExit, KeyboardInterrupt):
+        def aborts(module, args):
+            raise abort()
+
+        for model in (prepared, plain):
+            handle = model.layer1.register_forward_pre_hook(aborts)
+            for run in (lambda: run_model(model, stages.x), lambda: under_tap(model)):
+                with pytest.raises(abort):
+                    run()
+                assert open_contexts() == 0 and _get_current_function_mode() is None
+            handle.remove()
+    run_model(prepared, stages.x)  # and the models still run, named as before
+    under_tap(plain)
+    assert open_contexts() == 0 and _get_current_function_mode() is None

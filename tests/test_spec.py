@@ -433,3 +433,12 @@ def test_accepts_python_numbers():
     s, z = qparams_from_range(-1.0, 3.0, QuantSpec(symmetric=False))
     assert torch.equal(s, f32(4.0) / 255)
     assert z.item() == -64
+
+
+@pytest.mark.parametrize("bins", [15, 65537, 10**9, True, 2048.0])
+def test_histogram_bins_outside_16_to_65536_are_refused(bins):
+    """A histogram holds channels x bins int64 counts: a file naming 10^9 bins would allocate
+    8 GB per channel on the first batch."""
+    with pytest.raises(QDebugError, match=r"bins=.* must be an integer in \[16, 65536\]"):
+        QuantSpec(observer="kl", bins=bins)
+    assert QuantSpec(observer="kl", bins=65536).bins == 65536

@@ -80,12 +80,29 @@ def _click_exceptions(name: str) -> tuple[type, ...]:
 
 
 def _say(line: str) -> None:
-    err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    # emoji=False: a name like "mypkg.x:cross_mark:" in a message is text, not an emoji code.
+    err_console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line; every outcome ends in ``sys.exit`` with the house's exit codes."""
     args = sys.argv[1:] if argv is None else argv
+    try:
+        _run(args)
+    finally:
+        _release_aborted_forwards()
+
+
+def _release_aborted_forwards() -> None:
+    """A command is over: a forward that Ctrl-C or a user's sys.exit aborted must not leave
+    its naming mode on torch's stack (it would outlive an in-process run; see
+    ``qdebug.engine.context.release_aborted``).  Nothing to do where torch never loaded."""
+    context = sys.modules.get("qdebug.engine.context")
+    if context is not None:
+        context.release_aborted(0)
+
+
+def _run(args: list[str]) -> None:
     debug = "--debug" in args
     try:
         _register()

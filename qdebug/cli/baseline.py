@@ -12,8 +12,8 @@ import typer
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, ratio_in_force, task_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, err_console,
-    load_checkpoint, resolve_batches, writable_file,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, check_data,
+    err_console, load_checkpoint, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -27,11 +27,13 @@ _STYLE = {"pass": "green", "fail": "bold red", "inconclusive": "yellow"}
 
 
 def _read_json_metrics(path: Path) -> dict[str, float]:
+    from qdebug.config import read_text
+
     if not path.is_file():
         raise QDebugError(f"no such file: {path}", "check the path")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        data = json.loads(read_text(path, "metrics file"))
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise QDebugError(f"{path} is not valid JSON: {exc}", 'write {"task": value, ...} or a single number') from None
     if isinstance(data, (int, float)) and not isinstance(data, bool):
         return {"metric": float(data)}
@@ -43,6 +45,26 @@ def _read_json_metrics(path: Path) -> dict[str, float]:
             raise QDebugError(f"{path}: task {task!r} is not a number ({value!r})", "every value must be a number")
         out[str(task)] = float(value)
     return out
+
+
+def _precomputed(checkpoints: Optional[list[str]], numbers: tuple, files: tuple) -> bool:
+    """Whether precomputed results are gated (no evaluation), checked before anything runs:
+    both of a pair, one kind of pair, and no checkpoints beside them (they would be ignored)."""
+    given_numbers = any(v is not None for v in numbers)
+    given_files = any(v is not None for v in files)
+    if given_numbers and given_files:
+        raise QDebugError("give --float-metric/--quant-metric or --float-json/--quant-json, not both",
+                          "e.g. --float-metric 0.91 --quant-metric 0.905")
+    if (given_numbers or given_files) and checkpoints:
+        raise QDebugError("baseline gates checkpoints or precomputed metrics, not both: the checkpoints would "
+                          "be ignored", "drop FLOAT QUANT to gate the precomputed values, or drop those to evaluate")
+    if given_numbers and None in numbers:
+        raise QDebugError("give both --float-metric and --quant-metric",
+                          "e.g. --float-metric 0.91 --quant-metric 0.905")
+    if given_files and None in files:
+        raise QDebugError("give both --float-json and --quant-json",
+                          "e.g. --float-json float.json --quant-json quant.json")
+    return given_numbers or given_files
 
 
 def _rename(values: dict, task: str) -> dict:
@@ -98,29 +120,34 @@ def baseline(
 ) -> None:
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
-    check_counts(batches, batch_size)
     check_ratio(ratio)
     if confidence is not None and not 0.5 <= confidence < 1:
         raise QDebugError(f"--confidence {confidence:g} must be in [0.5, 1)", "e.g. --confidence 0.95")
+    if direction not in (None, "higher", "lower"):
+        raise QDebugError(f"--direction {direction!r} must be higher or lower", "e.g. --direction lower for an error metric")
+    precomputed = _precomputed(checkpoints, (float_metric, quant_metric), (float_json, quant_json))
+    if precomputed:
+        check_counts(batches, batch_size)
+    else:
+        check_data(data, batches, batch_size)
     if junit is not None:
         writable_file(junit)
     cfg = STATE.config()
     default_ratio = ratio_in_force(ratio)
-    if direction not in (None, "higher", "lower"):
-        raise QDebugError(f"--direction {direction!r} must be higher or lower", "e.g. --direction lower for an error metric")
-    precomputed = [v is not None for v in (float_metric, quant_metric)] + [v is not None for v in (float_json, quant_json)]
     float_samples = quant_samples = None
     paths: list[str] = []
     metric_fn = None
-    if any(precomputed):
-        if float_metric is not None or quant_metric is not None:
-            if float_metric is None or quant_metric is None:
-                raise QDebugError("give both --float-metric and --quant-metric", "e.g. --float-metric 0.91 --quant-metric 0.905")
+    if precomputed:
+        from qdebug.metrics import check_nonnegative
+
+        if float_metric is not None:
             float_values, quant_values = {"metric": float_metric}, {"metric": quant_metric}
+            sources = ("--float-metric", "--quant-metric")
         else:
-            if float_json is None or quant_json is None:
-                raise QDebugError("give both --float-json and --quant-json", "e.g. --float-json float.json --quant-json quant.json")
             float_values, quant_values = _read_json_metrics(float_json), _read_json_metrics(quant_json)
+            sources = (str(float_json), str(quant_json))
+        for values, source in zip((float_values, quant_values), sources):
+            check_nonnegative(values, source)
     else:
         paths = list(checkpoints or [])
         if not paths:

@@ -11,7 +11,7 @@ from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, check_counts, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
+    STATE, check_data, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
 )
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
@@ -93,7 +93,7 @@ def calibrate(
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
 ) -> None:
     fmt = output_format(fmt, as_json)
-    check_counts(batches, batch_size)
+    check_data(data, batches, batch_size)
     if observer is not None and observer not in vocab.OBSERVERS:  # before torch loads
         raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(vocab.OBSERVERS)}")
     if bits is not None and not 2 <= bits <= 16:
@@ -103,9 +103,9 @@ def calibrate(
     writable_file(output)
     out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")
+    qcfg = build_qconfig(qconfig, observer, per_channel, bits)  # a bad --qconfig or config qconfig: before loading
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="calibrate")
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
-    qcfg = build_qconfig(qconfig, observer, per_channel, bits)
     qat_mode = mode or STATE.config().get("mode") or "fuse_bn"
 
     from qdebug.checkpoint import save

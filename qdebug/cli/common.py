@@ -80,6 +80,7 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
     from qdebug.checkpoint import load
 
     cfg = STATE.config()
+    device = run_device()
     default = cfg.get("model")
     trusted = tuple(s.split(":")[0] for s in (model, default) if s) + tuple(cfg.get("trust") or ())
     net, info = load(
@@ -95,10 +96,55 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
             f"{command} expects a {' or '.join(expect)} checkpoint, but {path} is {info.stage}",
             f"pass the {expect[0]} checkpoint",
         )
-    device = cfg.get("device")
-    if device and device != "cpu":
+    if device is not None:
         net = net.to(device)
     return net, info
+
+
+def run_device() -> Optional[str]:
+    """The config's ``device`` when it is not the CPU, checked before any checkpoint loads:
+    one torch can place a tensor on here.  An unknown name, or ``cuda`` without CUDA, fails
+    deep in ``.to()`` otherwise, with torch's words and after the loading."""
+    import torch
+
+    cfg = STATE.config()
+    name = cfg.get("device")
+    if not name or name == "cpu":
+        return None
+    try:
+        torch.empty(0, device=torch.device(name))
+    except Exception as exc:  # RuntimeError (unknown name), AssertionError (torch built without CUDA), ...
+        from qdebug.usercode import first_line
+
+        raise QDebugError(f"{cfg.path}: device {name!r} cannot be used here: {first_line(exc)}",
+                          'set device = "cpu" (or remove the key), or the name of a device this machine has, '
+                          'e.g. "cuda:0"') from None
+    return name
+
+
+def check_data(data: Optional[str], batches: Optional[int], batch_size: Optional[int]) -> None:
+    """--data (else the config's), --batches and --batch-size, checked before any checkpoint
+    loads and before torch does: a malformed or absurd random: spec, or a function name that
+    cannot be imported, answers at once.  Files and functions are read when the batches are."""
+    from qdebug.data import check_spec
+
+    limit, _ = check_counts(batches, batch_size)
+    spec = data or STATE.config().get("data")
+    if spec:
+        with _config_data(data, spec):
+            check_spec(spec, limit)
+
+
+@contextlib.contextmanager
+def _config_data(data: Optional[str], spec: str) -> Iterator[None]:
+    """An error about the config's data spec says where that spec is written."""
+    cfg = STATE.config()
+    try:
+        yield
+    except QDebugError as exc:
+        if data or cfg.path is None:
+            raise
+        raise QDebugError(f"{exc.message} (data = {spec!r} in {cfg.path})", exc.hint) from None
 
 
 def check_counts(batches: Optional[int], batch_size: Optional[int]) -> tuple[Optional[int], Optional[int]]:
@@ -124,12 +170,8 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
     spec = data or cfg.get("data")
     limit, size = check_counts(batches, batch_size)
     if spec:
-        try:
+        with _config_data(data, spec):
             return load_batches(spec, batch_size=size, batches=limit)
-        except QDebugError as exc:
-            if data or cfg.path is None:
-                raise
-            raise QDebugError(f"{exc.message} (data = {spec!r} in {cfg.path})", exc.hint) from None
     if info is not None and info.sample_inputs is not None:
         found = batches_from_inputs(info.sample_inputs)
         found = found[:limit] if limit else found
@@ -161,71 +203,103 @@ def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
-    """Turn the model failing on the data into one clear error."""
+    """Turn the model failing on the data into one clear error: torch's errors on a wrong
+    input (RuntimeError, ValueError, TypeError, IndexError), and anything the user's own
+    model code raises or calls (an ``assert`` on the input's shape, a KeyError, ``sys.exit``),
+    named at their line.  Other exceptions raised inside qdebug stay internal errors."""
     import torch
+
+    from qdebug.usercode import exit_error, first_line, where_raised
 
     try:
         yield
     except QDebugError:
         raise
-    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+    except SystemExit as exc:
+        raise exit_error(exc, f"the model, while {what},") from exc
+    except Exception as exc:
+        where = where_raised(exc, user_only=True)
+        if where is None and not isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError)):
+            raise
         shape = ""
         if batch is not None:
             first = batch.inputs[0] if isinstance(batch.inputs, (tuple, list)) else batch.inputs
             if isinstance(first, torch.Tensor):
                 shape = f" (input shape {list(first.shape)})"
-        raise QDebugError(
-            f"the model failed while {what}{shape}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-            "check that --data matches the model's expected input",
-        ) from exc
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if where is not None:
+            detail = f"{type(exc).__name__}: {first_line(exc)}, at {where}"
+        raise QDebugError(f"the model failed while {what}{shape}: {detail}",
+                          "check that --data matches the model's expected input") from exc
 
 
 def writable_dir(path: Path) -> Path:
-    """``path`` as a directory output can be written to, created if needed: checked before
-    the work starts, so a bad --out fails at once, not after minutes of computing."""
+    """``path`` checked as a directory output can be written to -- it exists as a writable
+    directory, or can be created -- before the work starts, so a bad --out fails at once, not
+    after minutes of computing. Nothing is created here: the writer makes the folder with the
+    files (``qdebug.atomic``), so a run that fails leaves no empty folder behind."""
+    from qdebug.atomic import refuse_dangling_link
+
+    refuse_dangling_link(path)
     if path.exists() and not path.is_dir():
         raise QDebugError(f"cannot create output directory {path}: a file has that name",
                           "give a directory path (one that is not an existing file)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise QDebugError(f"cannot create output directory {path}: {exc.strerror or exc}",
-                          "choose a directory you can write to") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise QDebugError(f"cannot write to output directory {path}: permission denied",
-                          "choose a directory you can write to")
+    problem = _folder_problem(path)
+    if problem:
+        verb = "write to" if path.is_dir() else "create"
+        raise QDebugError(f"cannot {verb} output directory {path}: {problem}", "choose a directory you can write to")
     return path
 
 
-def writable_file(path: Path, *, create: bool = True) -> Path:
-    """``path`` as an output file whose directory exists (created if needed) and is writable.
-    ``create=False``: only checked -- for a file that may not be written at all (a run that
-    finds nothing to write must leave no directory behind); the writer creates it."""
+def writable_file(path: Path) -> Path:
+    """``path`` checked as an output file (not a folder, not a dangling link; its folder exists
+    and is writable, or can be created) before the work starts. Nothing is created here: the
+    writer makes the folder with the file, so a run that fails leaves no folder behind."""
+    from qdebug.atomic import output_kind
+
     if path.is_dir():
         raise QDebugError(f"output {path} is a directory", "give a file name, e.g. -o model.pt")
     parent = path.parent if str(path.parent) else Path(".")
-    if create:
-        writable_dir(parent)
-        return path
-    existing = next(p for p in (parent, *parent.parents) if p.exists())
-    if not existing.is_dir():
-        raise QDebugError(f"cannot write {path}: {existing} is a file", "give a path inside a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise QDebugError(f"cannot write {path}: {existing} is not writable", "choose a directory you can write to")
+    problem = _folder_problem(parent)
+    if problem:
+        raise QDebugError(f"cannot create output directory {parent}: {problem}", "choose a directory you can write to")
+    output_kind(path)
     return path
 
 
+def _folder_problem(path: Path) -> Optional[str]:
+    """Why folder ``path`` cannot be written or created (None when it can): the nearest part of it
+    that exists is a file, or is not writable."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "permission denied" if existing == path else f"{existing} is not writable"
+    return None
+
+
 def load_qconfig_file(path: Optional[Path]) -> dict[str, Any]:
+    """The --qconfig file (TOML by its .toml suffix, else JSON) as a table; what it holds is
+    checked by ``QConfig.from_dict``.  Read bounded and as UTF-8, like the config."""
+    from qdebug.config import read_text
+
     if path is None:
         return {}
     if not path.is_file():
         raise QDebugError(f"qconfig file not found: {path}", "check the --qconfig path")
-    text = path.read_text()
+    text = read_text(path, "qconfig file")
     try:
         if path.suffix == ".toml":
             import tomllib
 
-            return tomllib.loads(text)
-        return json.loads(text)
-    except Exception as exc:
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # a syntax error, or nesting too deep (RecursionError)
         raise QDebugError(f"cannot parse qconfig file {path}: {exc}", "write it as JSON or TOML") from None
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+            type(data), "null")
+        raise QDebugError(f"qconfig file {path} holds {kind}, not an object",
+                          'write an object: {"weight": {...}, "activation": {...}, "overrides": {...}}')
+    return data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
@@ -11,7 +12,7 @@ from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, check_counts, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
+    STATE, check_data, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -21,6 +22,8 @@ from qdebug.errors import QDebugError
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from qdebug.atomic import StagedDir
 
 HISTOGRAM_LAYERS = 4
 METRICS = vocab.COMPARE_METRICS
@@ -50,6 +53,8 @@ def parse_thresholds(items: list[str]) -> dict[str, float]:
             out[name] = float(value)
         except ValueError:
             raise QDebugError(f"--threshold {item!r}: {value!r} is not a number", "e.g. --threshold sqnr_db=25") from None
+        if not math.isfinite(out[name]):  # nan flags nothing, inf everything: no threshold either way
+            raise QDebugError(f"--threshold {item!r}: the value must be a finite number", "e.g. --threshold sqnr_db=25")
     return out
 
 
@@ -194,7 +199,7 @@ def compare(
         raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(METRICS)}")
     shown = parse_metrics(metrics)
     limits = parse_thresholds(threshold or [])
-    check_counts(batches, batch_size)
+    check_data(data, batches, batch_size)
     if ref is not None and ref.isdigit() and int(ref) >= len(paths):
         raise QDebugError(f"--ref {ref} is not an index below {len(paths)}", "e.g. --ref 0 (or a stage label)")
     out = prepare_out(out)
@@ -248,11 +253,11 @@ def compare(
     emit(report, fmt, out, render)
 
 
-def _plots(result, out: Path, reference: str) -> list[Path]:
+def _plots(result, out: "StagedDir", reference: str) -> list[Path]:
     from qdebug.report.plots import plot_along_network, plot_histograms
 
     frame = result.frame
-    written = [plot_along_network(frame, out / "compare_along_network.png", reference=reference,
+    written = [plot_along_network(frame, out.file("compare_along_network.png"), reference=reference,
                                   thresholds=result.meta.get("thresholds"))]
     measured = frame[frame["note"] == ""]
     # The layers whose own error is worst (propagated error when isolated errors were not taken).
@@ -263,8 +268,10 @@ def _plots(result, out: Path, reference: str) -> list[Path]:
     worst = worst.head(HISTOGRAM_LAYERS)
     keys = [(r.layer, r.target) for r in worst.itertuples() if (r.layer, r.target) in result.samples]
     if keys:
-        written.append(plot_histograms(result.samples, keys, out / "compare_worst_histograms.png", reference=reference,
-                                       frame=frame))
+        written.append(plot_histograms(result.samples, keys, out.file("compare_worst_histograms.png"),
+                                       reference=reference, frame=frame))
+    else:  # an earlier run's histograms would show layers this run does not rank
+        out.drop_stale("compare_worst_histograms.png")
     return written
 
 

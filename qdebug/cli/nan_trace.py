@@ -10,7 +10,7 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, check_counts, load_checkpoint,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, check_data, load_checkpoint,
     model_errors, progress_bar, resolve_batches, stage_path,
 )
 from qdebug.cli.output import (
@@ -21,6 +21,8 @@ from qdebug.errors import QDebugError
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from qdebug.atomic import StagedDir
 
 SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV and JSON have them all
 BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt
@@ -142,9 +144,29 @@ def _float_model(net, info, float_path: Optional[str], model: Optional[str], uns
     return plain_float_model(net, spec, strict=bool(float_path))
 
 
-def _bundle(info) -> dict:
+def _bundle(info, path: str) -> dict:
+    """The repro settings a before.pt carries (empty for other checkpoints), checked: a file
+    is not trusted to hold the types the replay feeds to float(), int() and the optimizer."""
+    import math
+
+    import torch
+
     found = (info.meta or {}).get(BUNDLE_KEY)
-    return found if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    checks = {
+        "optimizer": lambda v: isinstance(v, str),
+        "loss": lambda v: isinstance(v, str),
+        "lr": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+        "seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**64,
+        "optimizer_state": lambda v: isinstance(v, dict) and set(v) <= {"state", "param_groups"},
+        "rng_state": lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1,
+    }
+    for key, ok in checks.items():
+        if key in found and found[key] is not None and not ok(found[key]):
+            raise QDebugError(f"{path}: the repro bundle's {key} is damaged ({type(found[key]).__name__})",
+                              "trace the original checkpoint again to write a new bundle")
+    return found
 
 
 @app.command(
@@ -207,7 +229,11 @@ def nan_trace(
         raise QDebugError("--train runs training steps: it does nothing with --steps 0", "give --steps N (N >= 1)")
     if float_path and not float_check:
         raise QDebugError("--float only names the architecture of --float-check", "add --float-check")
-    check_counts(batches, batch_size)
+    if seed is not None:
+        from qdebug.data import check_seed
+
+        check_seed(seed, "--seed", "e.g. --seed 1")
+    check_data(data, batches, batch_size)
     path = stage_path(checkpoint, "qat", "calibrated", "float", what="")
     out = prepare_out(out)
     trainer = _trainer(train)
@@ -218,7 +244,7 @@ def nan_trace(
     if info.stage == "quantized" and steps:
         raise QDebugError(f"{path} is a quantized checkpoint: integer kernels have no gradients to train",
                           "trace it with --steps 0, or train the qat (or calibrated) checkpoint")
-    bundle = _bundle(info)
+    bundle = _bundle(info, path)
     settings = {"optimizer": optimizer or bundle.get("optimizer") or "sgd",
                 "lr": lr if lr is not None else float(bundle.get("lr", 0.01)),
                 "loss": loss or bundle.get("loss") or "auto",
@@ -249,12 +275,10 @@ def nan_trace(
 
         if first is not None:
             files += _write_bundle(out, net, info, result, settings, train)
-            repro = _repro_command(out, steps, train, model)
+            repro = _repro_command(out.final, steps, train, model)
         else:  # a bundle of an earlier run in this folder would contradict this one
-            for stale in ("before.pt", "batch.pt"):
-                if (out / stale).is_file():
-                    (out / stale).unlink()
-        files.append(plot_nan_timeline(result.frame, out / "nan_trace.png", first=first))
+            out.drop_stale("before.pt", "batch.pt")
+        files.append(plot_nan_timeline(result.frame, out.file("nan_trace.png"), first=first))
     meta["repro"] = repro
     extra: dict[str, Any] = {"first": first, "float_check": result.float_check}
 
@@ -290,7 +314,7 @@ def nan_trace(
         raise typer.Exit(1)
 
 
-def _write_bundle(out: Path, net, info, result, settings: dict, train: Optional[str]) -> list[Path]:
+def _write_bundle(out: "StagedDir", net, info, result, settings: dict, train: Optional[str]) -> list[Path]:
     """``before.pt`` (the model, optimizer and RNG state before the failing step) and
     ``batch.pt`` (the failing batch): ``--steps 1`` on them reproduces the event."""
     import torch
@@ -306,15 +330,16 @@ def _write_bundle(out: Path, net, info, result, settings: dict, train: Optional[
     if snapshot.optimizer_state is not None and result.meta.get("steps"):
         bundle["optimizer_state"] = snapshot.optimizer_state
     stage = info.stage
-    before = save(net, out / "before.pt", stage=stage, model_spec=info.model, meta={BUNDLE_KEY: bundle})
+    before = save(net, out.file("before.pt"), stage=stage, model_spec=info.model, meta={BUNDLE_KEY: bundle})
     data = [(batch.inputs, batch.target)] if batch.target is not None else [batch.inputs]
-    with atomic_path(out / "batch.pt") as tmp:
+    with atomic_path(out.file("batch.pt")) as tmp:
         torch.save(data, tmp)
-    return [before, out / "batch.pt"]
+    return [before, out.file("batch.pt")]
 
 
 def _repro_command(out: Path, steps: int, train: Optional[str], model: Optional[str]) -> str:
-    """The command that replays the failing step alone (the bundle holds the optimizer, lr and loss)."""
+    """The command that replays the failing step alone (the bundle holds the optimizer, lr and loss);
+    ``out`` is the folder the bundle will be in (the user's, not the staging one)."""
     parts = ["qdebug nan-trace", shlex.quote(str(out / "before.pt")), "--data", shlex.quote(str(out / "batch.pt")),
              "--steps", "1" if steps else "0"]
     if train:

@@ -2,7 +2,8 @@
 
 - ``--format table|json|csv``: what goes to stdout (``--json`` = ``--format json``);
 - ``--out DIR``: also write the results as a folder of files: ``<command>.csv`` (one
-  per table), ``<command>.json`` and the command's plots;
+  per table), ``<command>.json`` and the command's plots, all appearing at once at the end
+  (``qdebug.atomic.StagedDir``): a failed run leaves the folder as it was;
 - ``--wide``: the table with every column at its natural width;
 - notes ("wrote ...", warnings) go to stderr, so stdout stays one table or one document.
 
@@ -24,6 +25,8 @@ from qdebug.errors import QDebugError
 if TYPE_CHECKING:
     import pandas as pd
     from rich.table import Table
+
+    from qdebug.atomic import StagedDir
 
 FORMATS = ("table", "json", "csv")
 
@@ -59,14 +62,36 @@ def output_format(fmt: Optional[str], as_json: bool) -> str:
     return "json" if as_json else (fmt or "table")
 
 
-def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional[Path]:
-    """``--out`` (else, with ``config``, the config's ``out``) checked -- created, writable --
-    before the work starts."""
+def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional["StagedDir"]:
+    """``--out`` (else, with ``config``, the config's ``out``) checked -- creatable, writable --
+    before the work starts, as the folder the run writes into: files go to ``out.file(name)``,
+    ``emit`` moves them into place together; a run that ends before that leaves nothing."""
+    from qdebug.atomic import StagedDir
     from qdebug.cli.common import STATE
 
     if out is None and config and STATE.config().get("out"):
         out = Path(STATE.config().get("out"))
-    return writable_dir(out) if out is not None else None
+    if out is None:
+        return None
+    staged = StagedDir(writable_dir(out))
+    _discard_when_the_command_ends(staged)
+    return staged
+
+
+def _discard_when_the_command_ends(staged: "StagedDir") -> None:
+    """Whatever way the command ends (an error, Ctrl-C, a failed check after ``emit``), what it
+    staged but did not commit is removed: registered on the running command's context (the click
+    typer vendors, or click itself). Outside a command, the folder's own finalizer does it."""
+    import importlib
+
+    for module in ("typer._click.globals", "click.globals"):
+        try:
+            ctx = importlib.import_module(module).get_current_context(silent=True)
+        except (ImportError, AttributeError):
+            continue
+        if ctx is not None:
+            ctx.call_on_close(staged.discard)
+            return
 
 
 def table_width(wide: bool) -> Optional[int]:
@@ -91,18 +116,21 @@ def print_table(table: "Table") -> None:
     console.print()
 
 
-def emit(report: Report, fmt: str, out: Optional[Path], render: Callable[[], None]) -> None:
-    """Write ``--out`` files, then stdout in ``fmt``; ``render`` prints the table view."""
+def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[[], None]) -> None:
+    """Write ``--out`` files and move them into place with the command's own (``report.files``),
+    then stdout in ``fmt``; ``render`` prints the table view."""
     from qdebug.report.output import records, to_json, write_csv, write_json
 
     written = list(report.files)
     if out is not None:
-        written.append(write_csv(out / f"{report.command}.csv", report.frame))
+        written.append(write_csv(out.file(f"{report.command}.csv"), report.frame))
         for name, frame in report.tables.items():
-            written.append(write_csv(out / f"{report.command}_{name}.csv", frame))
+            written.append(write_csv(out.file(f"{report.command}_{name}.csv"), frame))
         extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
-        written.append(write_json(out / f"{report.command}.json", report.frame, report.meta, rows_key=report.rows_key,
-                                  **extra))
+        written.append(write_json(out.file(f"{report.command}.json"), report.frame, report.meta,
+                                  rows_key=report.rows_key, **extra))
+        written = [out.shown(p) for p in written]
+        out.commit()  # every file of the run appears at once, before anything says it was written
     if fmt == "json":
         extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
         _stdout(to_json(report.frame, report.meta, rows_key=report.rows_key, **extra))

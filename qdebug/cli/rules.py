@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from qdebug.cli.common import STATE
-from qdebug.errors import QDebugError
+from qdebug.config import check_ratio_range
 
 METRIC_OPTION = typer.Option(None, "--metric", metavar="NAME",
                              help="Metric: top1, top5, mse, agreement or package.module:function.")
@@ -17,9 +17,10 @@ RATIO_OPTION = typer.Option(None, "--ratio", metavar="R",
 
 
 def check_ratio(ratio: Optional[float]) -> None:
-    """--ratio in (0, 1.5], checked before minutes of evaluation, not after."""
-    if ratio is not None and not 0 < ratio <= 1.5:
-        raise QDebugError(f"--ratio {ratio:g} is out of range (0, 1.5]", "e.g. --ratio 0.99")
+    """--ratio in baseline's range, checked before minutes of evaluation, not after (the
+    config's ratios are checked as it loads)."""
+    if ratio is not None:
+        check_ratio_range(ratio, "--ratio", "e.g. --ratio 0.99")
 
 
 def ratio_in_force(ratio: Optional[float]) -> float:

@@ -12,8 +12,8 @@ from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, model_errors,
-    progress_bar, resolve_batches,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_data, err_console,
+    model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -145,7 +145,7 @@ def step(
     if depth < 1:
         raise QDebugError(f"--depth must be >= 1, got {depth}", "--depth 1 is the model's top-level modules")
     check_ratio(ratio)
-    check_counts(batches, batch_size)
+    check_data(data, batches, batch_size)
     given = list(checkpoints or [])
     paths = checkpoint_paths(given, "step")
     cfg = STATE.config()
@@ -171,8 +171,10 @@ def step(
                           metric=metric_fn, metric_name=task, rules=rules,
                           progress=lambda done, total: advance(done, total))
     frame = result.frame
-    if sort is not None and sort not in frame:
-        raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(frame.columns)}")
+    if sort is not None and sort not in frame:  # a column of the model's outputs or tasks, named only as it ran
+        err_console.print(f"warning: cannot sort by {sort!r}: the rows stay in step order (columns: "
+                          f"{', '.join(frame.columns)})", markup=False, highlight=False, soft_wrap=True)
+        sort = None
     options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
         ("--metric", metric), ("--data", data), ("--batches", batches), ("--batch-size", batch_size),
         ("--ratio", ratio)) if value is not None)
@@ -182,7 +184,7 @@ def step(
     if out is not None:
         from qdebug.report.plots import plot_steps
 
-        files.append(plot_steps(frame, out / "step.png", tasks=meta["tasks"], cumulative=mode == "cumulative",
+        files.append(plot_steps(frame, out.file("step.png"), tasks=meta["tasks"], cumulative=mode == "cumulative",
                                 ratio=default_ratio, culprit=(meta.get("culprit") or {}).get("selection")))
 
     def render() -> None:

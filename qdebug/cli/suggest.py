@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
@@ -12,7 +13,7 @@ from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, model_errors,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_data, model_errors,
     progress_bar, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
@@ -147,7 +148,9 @@ def suggest(
     if apply != (output is not None):
         raise QDebugError("--apply writes a checkpoint: give both --apply and -o FILE",
                           "e.g. --apply -o fixed.pt (or neither)")
-    check_counts(batches, batch_size)
+    if min_sqnr is not None and not math.isfinite(min_sqnr):  # the tool says so too, after loading
+        raise QDebugError(f"--min-sqnr must be a number of dB, got {min_sqnr}", "e.g. --min-sqnr 30")
+    check_data(data, batches, batch_size)
     given = list(checkpoints or [])
     paths = checkpoint_paths(given, "suggest")
     cfg = STATE.config()
@@ -157,7 +160,7 @@ def suggest(
     # --min-sqnr asks for an SQNR target: the config's metric then stays out.
     spec = metric or (cfg.get("metric") if min_sqnr is None else None)
     if output is not None:
-        writable_file(output, create=False)  # created only when a plan is written to it
+        writable_file(output)  # its folder is created only when a plan is written to it
     out = prepare_out(out)
 
     from qdebug.metrics import resolve_metric
@@ -179,7 +182,7 @@ def suggest(
     options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
         ("--data", data), ("--batches", batches), ("--batch-size", batch_size)) if value is not None)
     float_path = paths[0] if len(paths) == 2 else "FLOAT.pt"
-    plan_path = str(out / "plan.toml") if out is not None else "plan.toml"
+    plan_path = str(out.final / "plan.toml") if out is not None else "plan.toml"
     apply_command = (f"qdebug calibrate {shlex.quote(float_path)} --data CALIBRATION_DATA --qconfig "
                      f"{shlex.quote(plan_path)} -o calibrated16.pt")
     # The same search again, written out: every option that shapes the plan, as typed.
@@ -197,14 +200,17 @@ def suggest(
 
         qconfig = found.info.qconfig.to_dict() if found.info.qconfig is not None else {}
         if plan_ok:
-            with atomic_path(out / "plan.toml") as tmp:
+            with atomic_path(out.file("plan.toml")) as tmp:
                 Path(tmp).write_text(_plan_toml(meta, qconfig, apply_command))
-            files.append(out / "plan.toml")
+            files.append(out.file("plan.toml"))
+        else:  # an earlier run's plan would read as this run's
+            out.drop_stale("plan.toml")
         if frame["rank"].notna().any():  # nothing ranked (the model meets the target): no picture to draw
-            files.append(plot_suggest(frame, meta, out / "suggest.png"))
+            files.append(plot_suggest(frame, meta, out.file("suggest.png")))
+        else:
+            out.drop_stale("suggest.png")
     applied = False
     if output is not None and plan_ok:
-        output.parent.mkdir(parents=True, exist_ok=True)
         _apply(found, result.plan.candidates, meta["plan"]["overrides"], bits, output)
         files.append(output)
         applied = True

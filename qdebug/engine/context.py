@@ -117,6 +117,28 @@ def active_context() -> "ForwardContext | None":
     return stack[-1] if stack else None
 
 
+def open_contexts() -> int:
+    """How many forwards are in progress in this thread (contexts entered, not yet left)."""
+    return len(getattr(_local, "stack", None) or [])
+
+
+def release_aborted(depth: int = 0) -> None:
+    """Leave the contexts entered after the first ``depth`` ones: forwards that a BaseException
+    (SystemExit, KeyboardInterrupt, a timeout) aborted.
+
+    torch runs ``always_call`` forward hooks on ``Exception`` only, so the root hook that
+    leaves a context never ran, and its naming mode would stay on torch's mode stack, seeing
+    every later torch call of the process.  A context is left only while it is torch's
+    current mode: one with another mode above it is not this code's to unwind.
+    """
+    stack = getattr(_local, "stack", None) or []
+    while len(stack) > depth:
+        ctx = stack[-1]
+        if _current_mode is not None and _current_mode() is not ctx:
+            break
+        ctx.__exit__(None, None, None)
+
+
 @dataclass
 class _Frame:
     kind: str  # "container" | "leaf" | "skip"
@@ -142,6 +164,7 @@ class ForwardContext(TorchFunctionMode):
         # no listener sees those, but a recording of the run for ``served`` needs them.
         self.on_passthrough_call: Callable[[Call, Any], None] | None = None
         self._handles: list[Any] = []
+        self.closed = False
 
     # -- entering / leaving --------------------------------------------------------
     def __enter__(self):
@@ -159,7 +182,8 @@ class ForwardContext(TorchFunctionMode):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        _local.stack.pop()
+        _local.stack.remove(self)
+        self.closed = True  # a root hook's list of contexts drops it (an aborted forward's)
         return super().__exit__(exc_type, exc, tb)
 
     # -- naming ---------------------------------------------------------------------
@@ -381,6 +405,12 @@ def split_inputs(inputs: Any) -> tuple[tuple, dict]:
 
 
 def run_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` on one batch of inputs: a tensor, a tuple/list of args, or a dict of kwargs."""
+    """Call ``model`` on one batch of inputs: a tensor, a tuple/list of args, or a dict of kwargs.
+    A forward aborted by a BaseException leaves no naming context behind (``release_aborted``)."""
     args, kwargs = split_inputs(inputs)
-    return model(*args, **kwargs)
+    depth = open_contexts()
+    try:
+        return model(*args, **kwargs)
+    except BaseException:
+        release_aborted(depth)
+        raise

@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 _INF = float("inf")
+_SAVED_HINT = "the file is damaged or was saved with another spec: re-save it"
 
 
 class Observer(torch.nn.Module):
@@ -215,6 +216,7 @@ class Observer(torch.nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
+        self._check_saved(state_dict, prefix)
         # Lazy buffers may still be empty here (fresh observer) or sized for another
         # channel count: adopt the saved shape so the copy below restores it exactly.
         for name in self._lazy_buffers:
@@ -222,19 +224,41 @@ class Observer(torch.nn.Module):
             current = self._buffers.get(name)
             if saved is None or current is None or saved.shape == current.shape:
                 continue
-            if saved.dim() != current.dim():
-                raise QDebugError(
-                    f"saved observer buffer {prefix + name} has shape {tuple(saved.shape)}, "
-                    f"which does not fit a {self.spec.describe()} observer",
-                    "load it with the spec it was saved with",
-                )
-            self._check_loaded_shape(name, saved)
             self._buffers[name] = torch.empty(saved.shape, dtype=current.dtype, device=current.device)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
-    def _check_loaded_shape(self, name: str, saved: torch.Tensor) -> None:
+    def _check_saved(self, state_dict, prefix: str) -> None:
+        """Refuse saved buffers this observer could not have written (one QDebugError naming the
+        buffer): a non-tensor, another shape (lazy buffers: another number of dims, or lengths
+        that disagree), NaN or an inverted infinity in a range, a negative count, histogram
+        count or width -- values the update rules could loop on or never recover from.  (A
+        file's keys and dtypes are checked before: ``qdebug.checkpoint``.)"""
+        saved = {name: state_dict[prefix + name] for name in self._buffers if prefix + name in state_dict}
+        hint = _SAVED_HINT
+        for name, value in saved.items():
+            what = f"saved observer buffer {prefix + name}"
+            current = self._buffers[name]
+            if not isinstance(value, torch.Tensor):
+                raise QDebugError(f"{what} is a {type(value).__name__}, not a tensor", hint)
+            lazy = name in self._lazy_buffers
+            if (value.dim() != current.dim()) if lazy else (value.shape != current.shape):
+                raise QDebugError(f"{what} has shape {tuple(value.shape)}, which does not fit a "
+                                  f"{self.spec.describe()} observer", "load it with the spec it was saved with")
+            self._check_loaded(name, value)
+        lengths = {name: saved[name].shape[0] for name in self._lazy_buffers if name in saved}
+        if len(set(lengths.values())) > 1 or (not self.spec.per_channel and any(n > 1 for n in lengths.values())):
+            shown = ", ".join(f"{name} {n}" for name, n in lengths.items())
+            raise QDebugError(f"saved observer buffers {prefix}* disagree on the channel count ({shown})", hint)
+        for name, wrong in (("min_val", -_INF), ("max_val", _INF)):
+            if name in saved and bool((torch.isnan(saved[name]) | (saved[name] == wrong)).any()):
+                raise QDebugError(f"saved observer buffer {prefix + name} holds NaN or {'-' if wrong < 0 else '+'}inf; "
+                                  "an observer's range holds finite values (min +inf, max -inf before any data)", hint)
+        if "nonfinite" in saved and int(saved["nonfinite"]) < 0:
+            raise QDebugError(f"saved observer buffer {prefix}nonfinite is negative", hint)
+
+    def _check_loaded(self, name: str, saved: torch.Tensor) -> None:
         """Hook for subclasses to reject a saved buffer that cannot match the spec."""
 
 
@@ -342,12 +366,19 @@ class HistogramObserver(Observer):
             self.width = torch.zeros(channels, dtype=torch.float64, device=device)
             self.anchor = torch.zeros(channels, dtype=torch.int64, device=device)
 
-    def _check_loaded_shape(self, name: str, saved: torch.Tensor) -> None:
-        if name == "hist" and saved.dim() == 2 and saved.shape[1] != self.bins:
+    def _check_loaded(self, name: str, saved: torch.Tensor) -> None:
+        hint = _SAVED_HINT
+        if name == "hist" and saved.shape[1] != self.bins:
             raise QDebugError(
                 f"saved observer histogram has {saved.shape[1]} bins but the spec says bins={self.bins}",
                 "load it with the spec it was saved with",
             )
+        if name == "hist" and bool((saved < 0).any()):
+            raise QDebugError("saved observer histogram holds negative counts", hint)
+        if name == "width" and not bool((torch.isfinite(saved) & (saved >= 0)).all()):
+            raise QDebugError("saved observer histogram width is negative or not finite", hint)
+        if name == "anchor" and bool(((saved > 2**62) | (saved < -(2**62))).any()):
+            raise QDebugError("saved observer histogram anchor is out of range", hint)
 
     # -- histogram maintenance ---------------------------------------------------------
     def _update(self, rows, bmin, bmax, mask) -> None:

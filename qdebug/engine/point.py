@@ -216,6 +216,7 @@ class QuantPoint(nn.Module):
         return f"{self.name!r}, {self.kind}, {self.spec.describe()}, mode={self.mode}"
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        self._check_saved(state_dict, prefix)
         # Per-channel qparams have a shape only known after observing: adopt the saved one.
         for key in ("scale", "zero_point"):
             saved = state_dict.get(prefix + key)
@@ -228,6 +229,50 @@ class QuantPoint(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+    def _check_saved(self, state_dict, prefix: str) -> None:
+        """Refuse saved qparams this point could not have written (one QDebugError naming the
+        point): ``qparams_set`` one value; the scale 0-dim per tensor (also per channel while
+        unset) or one value per channel; the zero point shaped like the scale, inside [qmin,
+        qmax] (0 when symmetric).  Scale values are not judged here: a training step may set
+        any (nan-trace restores such states).  A file's keys and dtypes are checked before, its
+        scales' signs and a per-channel scale's length against its weight after
+        (``qdebug.checkpoint``)."""
+        saved = {k: state_dict[prefix + k] for k in ("scale", "zero_point", "qparams_set") if prefix + k in state_dict}
+        hint = "the file is damaged or not from qdebug.save: re-save it"
+        for key, value in saved.items():
+            if not isinstance(value, torch.Tensor):
+                raise QDebugError(f"quant point {self.name!r}: saved {key} is a {type(value).__name__}, not a tensor",
+                                  hint)
+        flag = saved.get("qparams_set")
+        if flag is not None and flag.dim() != 0:
+            raise QDebugError(f"quant point {self.name!r}: saved qparams_set has shape {list(flag.shape)}, "
+                              "not one value", hint)
+        scale = saved.get("scale")
+        if scale is not None:
+            if scale.dim() > 1 or (scale.dim() == 1 and not self.spec.per_channel):
+                raise QDebugError(
+                    f"quant point {self.name!r}: saved scale has shape {list(scale.shape)}; a "
+                    f"{'per-channel' if self.spec.per_channel else 'per-tensor'} scale has shape "
+                    f"{'[channels]' if self.spec.per_channel else '[] (one value)'}", hint)
+        zero_point = saved.get("zero_point")
+        if zero_point is not None:
+            if scale is not None and zero_point.shape != scale.shape:
+                raise QDebugError(f"quant point {self.name!r}: saved zero_point has shape "
+                                  f"{list(zero_point.shape)} but its scale {list(scale.shape)}", hint)
+            if zero_point.dim() > 1:
+                raise QDebugError(f"quant point {self.name!r}: saved zero_point has shape "
+                                  f"{list(zero_point.shape)}", hint)
+            if zero_point.numel():
+                low, high = int(zero_point.min()), int(zero_point.max())
+                qmin, qmax = self.spec.qmin, self.spec.qmax
+                if low < qmin or high > qmax:
+                    bad = low if low < qmin else high
+                    raise QDebugError(f"quant point {self.name!r}: saved zero point {bad} is outside "
+                                      f"[{qmin}, {qmax}] of its {self.spec.describe()} spec", hint)
+                if self.spec.symmetric and (low, high) != (0, 0):
+                    raise QDebugError(f"quant point {self.name!r}: saved zero point {low or high} is not 0, "
+                                      f"as its symmetric spec ({self.spec.describe()}) requires", hint)
 
 
 def grid_of(x: torch.Tensor) -> QuantPoint | None:

@@ -115,6 +115,7 @@ def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     ctx = ForwardContext(module, QuantHandler(state), state.listeners)
     ctx.served = getattr(state, "served", None)
     ctx.on_passthrough_call = getattr(state, "passthrough_recorder", None)
+    state.contexts[:] = [c for c in state.contexts if not c.closed]  # aborted forwards' (release_aborted)
     ctx.__enter__()
     state.contexts.append(ctx)
     return ctx.process_inputs(args, kwargs)

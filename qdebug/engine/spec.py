@@ -27,6 +27,9 @@ MIN_BITS, MAX_BITS = 2, 16
 # The smallest scale we hand out: torch's observers use the same floor, so a
 # constant-zero tensor gets a tiny but valid scale instead of 0 (division by 0).
 SCALE_EPS = float(torch.finfo(torch.float32).eps)
+# Histogram observers keep channels x bins int64 counts: 2^16 bins is 32x the default and
+# a per-channel histogram of 1024 channels at 512 MB; more is a file asking for memory.
+MAX_BINS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,9 @@ class QuantSpec:
                               "e.g. averaging_constant = 0.01")
         if not 50.0 < float(self.percentile) <= 100.0:
             raise QDebugError(f"percentile={self.percentile} must be in (50, 100]", "e.g. percentile = 99.99")
-        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 16:
-            raise QDebugError(f"bins={self.bins!r} must be an integer >= 16", "e.g. bins = 2048")
+        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or not 16 <= self.bins <= MAX_BINS:
+            # The cap: a histogram holds channels x bins int64 counts, and a file names bins.
+            raise QDebugError(f"bins={self.bins!r} must be an integer in [16, {MAX_BINS}]", "e.g. bins = 2048")
 
     @property
     def qmin(self) -> int:

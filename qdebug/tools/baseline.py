@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from qdebug.errors import QDebugError
+from qdebug.metrics import check_nonnegative
 
 COLUMNS = ["task", "direction", "float", "quantized", "score", "ratio", "required", "margin",
            "ci_low", "ci_high", "mcnemar_p", "flipped", "verdict"]
@@ -57,6 +58,7 @@ def check_metric_values(name: str, values: dict[str, float]) -> None:
                               "the metric must return a number (or a dict of task -> number)")
         if not math.isfinite(value):
             raise QDebugError(f"{name} metric for task {task!r} is {value}", "the metric must be a finite number")
+    check_nonnegative(values, f"the {name} metric")  # the ratio rule's domain (docs/baseline.md)
 
 
 def evaluate_rule(f: float, q: float, rule: TaskRule) -> tuple[float, float, float, bool]:
