@@ -19,9 +19,8 @@ A write that fails (a full disk, a file-size limit, a device that refuses) raise
 error, and an ``OSError`` for callers that catch those. The target keeps its old content,
 and neither the temp file nor a folder created for it is left behind.
 
-Folders (``StagedDir``, the ``--out DIR`` of every command): the files are written into a
-staging folder and moved into place together at the end, under a lock, so that a failed run
-changes nothing and two runs on the same folder never mix their files.
+Folders (the ``--out DIR`` of every command) are ``qdebug.staged.StagedDir``'s, built on these
+rules.
 """
 
 from __future__ import annotations
@@ -29,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import stat
 import tempfile
-import weakref
 from pathlib import Path
 from typing import IO, Iterator, Literal
 
@@ -48,7 +45,7 @@ _WRITE_HINT = "check the path, its permissions and the free disk space"
 
 # staging folder -> the folder the user named: errors about a staged file name the file the
 # user will look for, not the temporary folder it is written in first.
-_SHOWN: dict[Path, Path] = {}
+SHOWN: dict[Path, Path] = {}
 
 
 class WriteError(QDebugError, OSError):
@@ -108,7 +105,7 @@ def refuse_dangling_link(path: str | os.PathLike) -> None:
 def shown(path: str | os.PathLike) -> Path:
     """``path`` as the user knows it: a file in a staging folder is named at its final place."""
     path = Path(path)
-    for staging, final in _SHOWN.items():
+    for staging, final in SHOWN.items():
         if path == staging or staging in path.parents:
             return final / path.relative_to(staging)
     return path
@@ -140,7 +137,7 @@ def write_errors(target: Path) -> Iterator[None]:
 
 
 # -- folders made on the way -----------------------------------------------------------------
-def _make_dirs(folder: Path) -> list[Path]:
+def make_dirs(folder: Path) -> list[Path]:
     """Create ``folder`` and its missing parents; return the ones created (outermost first), so a
     write that fails can remove them again instead of leaving empty folders behind."""
     missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
@@ -154,23 +151,23 @@ def _make_dirs(folder: Path) -> list[Path]:
     return made
 
 
-def _remove_dirs(made: list[Path]) -> None:
-    """Remove the folders ``_make_dirs`` created, innermost first, if they are still empty."""
+def remove_dirs(made: list[Path]) -> None:
+    """Remove the folders ``make_dirs`` created, innermost first, if they are still empty."""
     for p in reversed(made):
         with contextlib.suppress(OSError):
             p.rmdir()
 
 
-def _mode_for(real: Path) -> int:
+def mode_for(real: Path) -> int:
     """The permissions a written file gets: a replaced file keeps its own (a private 0600 config
     stays private); a new one gets what a plain open() would give (mkstemp creates 0600)."""
     try:
         return real.stat().st_mode & 0o777
     except OSError:
-        return 0o666 & ~_umask()
+        return 0o666 & ~umask_now()
 
 
-def _umask() -> int:
+def umask_now() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
@@ -189,22 +186,22 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     real = Path(os.path.realpath(target))
     made: list[Path] = []
     try:
-        made = _make_dirs(real.parent)
+        made = make_dirs(real.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
     except OSError as exc:
-        _remove_dirs(made)
+        remove_dirs(made)
         raise _write_error(target, exc) from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         with write_errors(target):
             yield tmp_path
-            os.chmod(tmp_path, _mode_for(real))
+            os.chmod(tmp_path, mode_for(real))
             os.replace(tmp_path, real)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
-        _remove_dirs(made)
+        remove_dirs(made)
         raise
 
 
@@ -214,141 +211,3 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[
     with atomic_path(path) as tmp:
         with open(tmp, mode, **kwargs) as fh:
             yield fh
-
-
-# -- folders ---------------------------------------------------------------------------------
-class StagedDir:
-    """An output folder whose files appear together or not at all.
-
-    ``file(name)`` is where to write ``name``: a hidden staging folder, made on first use (a run
-    that fails before writing anything creates nothing). ``commit()`` moves the files into the
-    folder under a lock on its parent, so two runs on one folder never mix their files: the
-    folder is renamed into place when it does not exist yet; an existing folder (shared by
-    several commands, or holding the user's own files) keeps everything else, and only the files
-    this run wrote -- and those it names with ``drop_stale`` -- are replaced. ``discard()`` (also
-    run when the object is collected) removes the staging folder and the parents made for it.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.final = Path(path)
-        self._staging: Path | None = None
-        self._made: list[Path] = []
-        self._stale: set[str] = set()
-        self._cleanup: weakref.finalize | None = None
-
-    def file(self, name: str) -> Path:
-        """Where to write the file ``name`` of this folder now."""
-        return self._staging_dir() / name
-
-    def shown(self, path: str | os.PathLike) -> Path:
-        """``path`` (a file this run staged) as the user will find it once committed."""
-        return shown(path)
-
-    def drop_stale(self, *names: str) -> None:
-        """Files this run does not write whose earlier version would contradict it (nan-trace's
-        repro bundle after a clean run): removed when this run's files move in, not before."""
-        self._stale.update(names)
-
-    def commit(self) -> None:
-        """Move the staged files into the folder, all at once (under the lock)."""
-        real = Path(os.path.realpath(self.final))
-        with _locked(real.parent), write_errors(self.final):
-            if self._staging is not None and not os.path.lexists(real):  # staged beside it: rename into place
-                os.chmod(self._staging, 0o777 & ~_umask())
-                os.rename(self._staging, real)
-            elif real.is_dir():
-                self._merge_into(self.final)
-            elif self._staging is not None:
-                raise QDebugError(f"cannot write into {self.final}: it is no longer a directory",
-                                  "give a directory path (one that is not an existing file)")
-        self._forget()
-
-    def discard(self) -> None:
-        """Remove whatever this run staged; the folder itself is left as it was. Safe to repeat."""
-        if self._cleanup is not None:
-            self._cleanup()
-        self._forget()
-
-    def _staging_dir(self) -> Path:
-        """The staging folder, made on first use: inside the folder when it exists (its parent may
-        not be writable: ``--out .``), else beside it, to be renamed into place."""
-        if self._staging is not None:
-            return self._staging
-        refuse_dangling_link(self.final)
-        real = Path(os.path.realpath(self.final))
-        inside = real.is_dir()
-        try:
-            self._made = [] if inside else _make_dirs(real.parent)
-            staging = Path(tempfile.mkdtemp(prefix=f".{real.name}.qdebug-", suffix=".partial",
-                                            dir=real if inside else real.parent))
-        except OSError as exc:
-            _remove_dirs(self._made)
-            raise WriteError(f"cannot create output directory {self.final}: {exc.strerror or exc}",
-                             "choose a directory you can write to", code=exc.errno) from None
-        self._staging = staging
-        _SHOWN[staging] = self.final
-        self._cleanup = weakref.finalize(self, _remove_staging, staging, list(self._made))
-        return staging
-
-    def _merge_into(self, folder: Path) -> None:
-        """Replace the folder's files of the same names with the staged ones (each target checked
-        before any moves), then drop the stale ones this run did not write."""
-        names = sorted(os.listdir(self._staging)) if self._staging is not None else []
-        for name in names:
-            output_kind(folder / name)
-        for name in names:
-            _place(self._staging / name, folder / name)
-        for name in sorted(self._stale - set(names)):
-            if (folder / name).is_symlink() or (folder / name).is_file():
-                (folder / name).unlink()
-        if self._staging is not None:
-            self._staging.rmdir()
-
-    def _forget(self) -> None:
-        if self._staging is not None:
-            _SHOWN.pop(self._staging, None)
-        if self._cleanup is not None:
-            self._cleanup.detach()
-        self._staging, self._cleanup, self._made, self._stale = None, None, [], set()
-
-
-def _place(src: Path, dst: Path) -> None:
-    """Move the staged file ``src`` onto ``dst`` by the module's rules (through a link; into a device)."""
-    if output_kind(dst) == "stream":
-        with write_errors(dst), open(src, "rb") as fin, open(dst, "wb") as fout:
-            shutil.copyfileobj(fin, fout)
-        src.unlink()
-        return
-    real = Path(os.path.realpath(dst))
-    with write_errors(dst):
-        os.chmod(src, _mode_for(real))
-        os.replace(src, real)
-
-
-def _remove_staging(staging: Path, made: list[Path]) -> None:
-    """The staging folder and the parents made for it, gone (a failed or abandoned run)."""
-    _SHOWN.pop(staging, None)
-    shutil.rmtree(staging, ignore_errors=True)
-    _remove_dirs(made)
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``folder`` (flock on the directory itself, so no lock file is
-    left anywhere) while runs commit into it. Without flock (Windows) or without read access to
-    the folder, the commit runs unlocked: the files still move in together, at once."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import qdebug
-from qdebug.atomic import StagedDir, WriteError, atomic_path
+from qdebug.atomic import WriteError, atomic_path
+from qdebug.staged import StagedDir
 from qdebug.errors import QDebugError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ from qdebug.errors import QDebugError
 if TYPE_CHECKING:
     import pandas as pd
 
-    from qdebug.atomic import StagedDir
+    from qdebug.staged import StagedDir
 
 HISTOGRAM_LAYERS = 4
 METRICS = vocab.COMPARE_METRICS

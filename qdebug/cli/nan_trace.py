@@ -22,7 +22,7 @@ from qdebug.errors import QDebugError
 if TYPE_CHECKING:
     import pandas as pd
 
-    from qdebug.atomic import StagedDir
+    from qdebug.staged import StagedDir
 
 SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV and JSON have them all
 BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from rich.table import Table
 
-    from qdebug.atomic import StagedDir
+    from qdebug.staged import StagedDir
 
 FORMATS = ("table", "json", "csv")
 
@@ -66,7 +66,7 @@ def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional["Staged
     """``--out`` (else, with ``config``, the config's ``out``) checked -- creatable, writable --
     before the work starts, as the folder the run writes into: files go to ``out.file(name)``,
     ``emit`` moves them into place together; a run that ends before that leaves nothing."""
-    from qdebug.atomic import StagedDir
+    from qdebug.staged import StagedDir
     from qdebug.cli.common import STATE
 
     if out is None and config and STATE.config().get("out"):
