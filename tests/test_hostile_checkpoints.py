@@ -447,3 +447,14 @@ def test_a_link_to_dev_zero_is_refused(cli, tmp_path):
 def test_a_directory_is_refused(cli, tmp_path):
     (tmp_path / "d.pt").mkdir()
     cli("inspect", tmp_path / "d.pt").assert_error("is a directory")
+
+
+def test_a_tensor_in_meta_is_summarised_in_json_never_an_internal_error(cli, stages, tmp_path):
+    """Found by a long fuzz run: meta may hold tensors (nan-trace's bundle does), and JSON
+    output called .item() on a 3-element one."""
+    d = torch.load(stages.float, weights_only=True)
+    d["meta"]["time"] = torch.ones(3, dtype=torch.bool)
+    torch.save(d, tmp_path / "odd_meta.pt")
+    result = cli("inspect", "odd_meta.pt", "--format", "json")
+    assert result.code == 0, result.err
+    assert "<Tensor shape=[3] dtype=torch.bool>" in result.out

@@ -27,8 +27,10 @@ def _clean(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):
         try:
             return _clean(value.item())
-        except (ValueError, TypeError):
-            return str(value)
+        except (ValueError, TypeError, RuntimeError):  # an array or tensor of several values
+            # Summarised, never dumped: a checkpoint's meta may hold any tensor (one file's say-so).
+            shape = list(getattr(value, "shape", []))
+            return f"<{type(value).__name__} shape={shape} dtype={getattr(value, 'dtype', '?')}>"
     return value
 
 
