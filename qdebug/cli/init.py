@@ -130,7 +130,7 @@ def init(
     import tomllib
 
     from qdebug.atomic import atomic_open
-    from qdebug.config import load_config, toml_value, validate
+    from qdebug.config import load_config, qdebug_table, toml_value, validate
     from qdebug.config_edit import TABLE, edit_text, new_text, plan
 
     pyproject = target.name == "pyproject.toml"
@@ -145,7 +145,7 @@ def init(
         except tomllib.TOMLDecodeError as exc:
             raise QDebugError(f"{target} is not valid TOML: {exc}",
                               "fix the syntax error at the position given, then run qdebug init again") from None
-        current = document.get("tool", {}).get("qdebug", {}) if pyproject else document
+        current = (qdebug_table(document, target) or {}) if pyproject else document
         changes = plan(current, wanted, force=force, source=target)
         content = edit_text(text, changes, pyproject=pyproject, source=target)
         final = {**current, **{c.key: c.value for c in changes}}

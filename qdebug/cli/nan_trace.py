@@ -151,6 +151,8 @@ def _bundle(info, path: str) -> dict:
 
     import torch
 
+    from qdebug.data import SEED_RANGE
+
     found = (info.meta or {}).get(BUNDLE_KEY)
     if not isinstance(found, dict):
         return {}
@@ -158,7 +160,7 @@ def _bundle(info, path: str) -> dict:
         "optimizer": lambda v: isinstance(v, str),
         "loss": lambda v: isinstance(v, str),
         "lr": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
-        "seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**64,
+        "seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and SEED_RANGE[0] <= v <= SEED_RANGE[1],
         "optimizer_state": lambda v: isinstance(v, dict) and set(v) <= {"state", "param_groups"},
         "rng_state": lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1,
     }
