@@ -7,15 +7,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
 import torch.nn as nn
 
 from qdebug.checkpoint import load
-from qdebug.data import Batch, batches_from_inputs, load_batches, to_batch
+from qdebug.data import BatchSource, batches_from_inputs, batches_from_iterable, load_batches
 from qdebug.errors import QDebugError
 
 
@@ -32,13 +33,14 @@ def _as_model(item: Any, index: int) -> tuple[str, nn.Module, Any]:
 
 def compare(*models: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
             ref: int | None = None, thresholds: dict[str, float] | None = None, isolated: bool = True,
-            kl_feature_maps: bool = False) -> pd.DataFrame:
+            kl_feature_maps: bool = False, device: Any = None) -> pd.DataFrame:
     """Per-layer comparison of checkpoints/models (see docs/compare.md); a DataFrame.
 
-    ``data``: a data spec string, a list of batches, or None for the reference
-    checkpoint's sample inputs.  ``ref``: the reference's index; by default the least
+    ``data``: a data spec string, a list of batches, another iterable of them (a DataLoader,
+    read lazily), or None for the reference checkpoint's sample inputs.  ``ref``: the reference's index; by default the least
     quantized model (a warning says so when that is not the first).  ``kl_feature_maps``:
     also compute ``kl`` for feature maps (it is always computed for [N, C] outputs).
+    ``device``: where to run (``"cpu"``, ``"cuda"``, ``"cuda:N"``; see ``_placed``).
     """
     from qdebug.checkpoint import infer_stage
     from qdebug.tools.compare import choose_reference, compare as run
@@ -56,8 +58,9 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
     if warning:
         warnings.warn(f"qdebug.compare: {warning}", stacklevel=2)
     batch_list = _batches(data, batches, batch_size, loaded[ref][2], "the reference")
-    result = run([(label, m) for label, (_, m, _) in zip(labels, loaded)], batch_list, ref=ref,
-                 thresholds=thresholds, isolated=isolated, kl_feature_maps=kl_feature_maps)
+    with _placed(device, [m for _, m, _ in loaded], models) as where:
+        result = run([(label, m) for label, (_, m, _) in zip(labels, loaded)], _moved(batch_list, where), ref=ref,
+                     thresholds=thresholds, isolated=isolated, kl_feature_maps=kl_feature_maps)
     frame = result.frame
     frame.attrs["summary"] = result.summary
     frame.attrs["meta"] = result.meta
@@ -66,21 +69,23 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
 
 def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
          module: str | list[str] = (), mode: str | None = None, depth: int = 1, kind: str = "both",
-         metric: Any = None, ratio: float = 0.99) -> pd.DataFrame:
+         metric: Any = None, ratio: float = 0.99, device: Any = None) -> pd.DataFrame:
     """Step-wise partial quantization (see docs/step.md); a DataFrame, one row per step.
 
     ``checkpoints``: ``[float,] model`` as paths or modules; without the float one, the model
     with every quant point off is the reference.  ``mode``: default "only" with ``module``, else "auto".  ``metric``: a name (``"top1"``) or a
     function ``metric(model, batches)``.  ``frame.attrs["summary"]`` and ``["meta"]``
-    (``drill_path``, ``culprit``) hold the rest.
+    (``drill_path``, ``culprit``) hold the rest.  ``device``: where to run (see ``_placed``).
     """
     from qdebug.tools.baseline import TaskRule
     from qdebug.tools.step import step as run
 
     reference, model, batch_list, metric_fn, name = _against_float("step", checkpoints, data, batches, batch_size, metric)
     modules = [module] if isinstance(module, str) else list(module)
-    result = run(model, batch_list, reference=reference, modules=modules, mode=mode or ("only" if modules else "auto"),
-                 depth=depth, kind=kind, metric=metric_fn, metric_name=name, rules={"metric": TaskRule(ratio=ratio)})
+    with _placed(device, [reference, model], checkpoints) as where:
+        result = run(model, _moved(batch_list, where), reference=reference, modules=modules,
+                     mode=mode or ("only" if modules else "auto"), depth=depth, kind=kind, metric=metric_fn,
+                     metric_name=name, rules={"metric": TaskRule(ratio=ratio)})
     frame = result.frame
     frame.attrs["summary"] = result.summary
     frame.attrs["meta"] = result.meta
@@ -88,21 +93,24 @@ def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_
 
 
 def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
-            metric: Any = None, ratio: float = 0.99, min_sqnr: float = 30.0, bits: int = 16) -> pd.DataFrame:
+            metric: Any = None, ratio: float = 0.99, min_sqnr: float = 30.0, bits: int = 16,
+            device: Any = None) -> pd.DataFrame:
     """The ranked int16 candidates and the minimal verified plan (see docs/suggest.md); a DataFrame.
 
     ``checkpoints``: ``[float,] model``.  ``frame.attrs["plan"]`` holds the plan (``points``,
     ``before``, ``after``, ``passed``, ``evaluations``, ``overrides``), ``["summary"]`` and
-    ``["meta"]`` the rest.
+    ``["meta"]`` the rest.  ``device``: where to run (see ``_placed``).
     """
     from qdebug.tools.baseline import TaskRule
     from qdebug.tools.suggest import diagnoses_of, suggest as run
 
     reference, model, batch_list, metric_fn, name = _against_float("suggest", checkpoints, data, batches, batch_size,
                                                                   metric)
-    result = run(model, batch_list, reference=reference, metric=metric_fn, metric_name=name,
-                 rules={"metric": TaskRule(ratio=ratio)}, min_sqnr=min_sqnr, bits=bits,
-                 diagnoses=lambda: diagnoses_of(reference, model, batch_list))
+    with _placed(device, [reference, model], checkpoints) as where:
+        batch_list = _moved(batch_list, where)
+        result = run(model, batch_list, reference=reference, metric=metric_fn, metric_name=name,
+                     rules={"metric": TaskRule(ratio=ratio)}, min_sqnr=min_sqnr, bits=bits,
+                     diagnoses=lambda: diagnoses_of(reference, model, batch_list))
     frame = result.frame
     frame.attrs.update(summary=result.summary, meta={k: v for k, v in result.meta.items() if k != "plan"},
                        plan=result.meta["plan"])
@@ -110,7 +118,7 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
 
 
 def _against_float(command: str, checkpoints: tuple, data: Any, batches: int | None, batch_size: int | None,
-                   metric: Any) -> tuple[nn.Module | None, nn.Module, list[Batch], Any, str]:
+                   metric: Any) -> tuple[nn.Module | None, nn.Module, BatchSource, Any, str]:
     """``[float,] model`` loaded, their batches, and the metric resolved with its task name
     (a single-number metric's task is named after it, as on the command line)."""
     from qdebug.metrics import resolve_metric
@@ -126,13 +134,55 @@ def _against_float(command: str, checkpoints: tuple, data: Any, batches: int | N
 
 
 def _batches(data: Any, batches: int | None, batch_size: int | None, info: Any,
-             whose: str = "the checkpoint") -> list[Batch]:
+             whose: str = "the checkpoint") -> BatchSource:
     """``data`` as batches: a data spec string, a list of batches, or None for the sample
     inputs stored in ``whose`` checkpoint (``info``)."""
     if isinstance(data, str):
         return load_batches(data, batch_size=batch_size, batches=batches)
     if data is not None:
-        return [to_batch(b) for b in data][:batches]
+        return batches_from_iterable(data, batches)
     if info is None or info.sample_inputs is None:
         raise QDebugError(f"no data given and {whose} has no sample inputs", "pass data=...")
     return batches_from_inputs(info.sample_inputs)
+
+
+@contextlib.contextmanager
+def _placed(device: Any, models: list[nn.Module | None], given: tuple) -> Iterator[Any]:
+    """The models of one call on its device for the call's duration; yields that device (None:
+    the CPU, where checkpoints load).
+
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``): every model goes
+    there, and a model the caller passed (in ``given``) goes back where it was afterwards, so
+    the call leaves no trace on it.  ``device=None``: the caller's models stay where they are,
+    and models loaded from paths join the first of them.  On CUDA, float32 convolutions and
+    matmuls run in IEEE float32 (``qdebug.device.ieee_float32``)."""
+    from qdebug.device import ieee_float32, model_device, resolve_device
+
+    unique = list({id(m): m for m in models if m is not None}.values())
+    theirs = {id(item[1] if isinstance(item, tuple) else item) for item in given}
+    if device is not None:
+        target = resolve_device(device, "device=", 'pass device="cpu"')
+    else:
+        target = next((model_device(m) for m in unique if id(m) in theirs and model_device(m) is not None), None)
+    with contextlib.ExitStack() as stack:
+        for model in unique:
+            if target is None or (device is None and id(model) in theirs):
+                continue
+            where = model_device(model)
+            model.to(target)
+            if id(model) in theirs and where is not None and where != target:
+                stack.callback(model.to, where)
+        if target is not None and target.type == "cuda":
+            stack.enter_context(ieee_float32())
+        yield target
+
+
+def _moved(batches: Any, device: Any) -> Any:
+    """``batches`` on ``device`` as they are made (None: as they are)."""
+    if device is None:
+        return batches
+    if hasattr(batches, "to"):
+        return batches.to(device)
+    from qdebug.device import to_device
+
+    return [to_device(b, device) for b in batches]

@@ -109,7 +109,7 @@ def save(
         "absorbed": [],
         "points": {},
         "frozen_bn": frozen_bn_paths(model),
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": _cpu_state(model),
         "sample_inputs": _own_copy(sample_inputs),
         "meta": {
             "qdebug": qdebug.__version__,
@@ -122,7 +122,7 @@ def save(
         state = engine_state(model)
         if state.stage != "quantized":
             refresh_weight_qparams(model)  # a weight changed by optimizer.step() gets its scale now
-            ckpt["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            ckpt["state"] = _cpu_state(model)
         ckpt["qconfig"] = state.qconfig.to_dict()
         ckpt["qat_mode"] = state.qat_mode
         ckpt["plan"] = state.plan.to_dict()
@@ -138,12 +138,18 @@ def save(
     return Path(path)
 
 
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's state on the CPU: a model that ran on a GPU saves a file that loads
+    anywhere, as one from the CPU does."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
 def _own_copy(value: Any) -> Any:
-    """Tensors of ``value`` (nested in tuples, lists, dicts) as compact copies: a view saves
-    only its own values (not its whole storage), an expanded view no stride-0 layout a
+    """Tensors of ``value`` (nested in tuples, lists, dicts) as compact copies on the CPU: a view
+    saves only its own values (not its whole storage), an expanded view no stride-0 layout a
     loader would refuse."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone(memory_format=torch.contiguous_format)
+        return value.detach().clone(memory_format=torch.contiguous_format).cpu()
     if isinstance(value, dict):
         return {k: _own_copy(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):

@@ -216,6 +216,10 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
         if values["mode"] not in QAT_MODES:
             raise QDebugError(f"{source}: mode {values['mode']!r} is not a QAT mode",
                               f"choose one of {', '.join(QAT_MODES)}")
+    if "device" in values:  # the name now; whether this machine has that device when a model loads
+        from qdebug.device import check_device_name
+
+        check_device_name(values["device"], f"{source}: device", device_hint(source))
     if "trust" in values:
         values["trust"] = _validate_trust(values["trust"], source)
     base = source.parent.resolve()
@@ -243,6 +247,11 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
         if "ratio" in entry:
             check_ratio_range(entry["ratio"], f"{source}: tasks.{task}.ratio", "e.g. ratio = 0.99")
     return values
+
+
+def device_hint(source: Path | None) -> str:
+    """How to run on the CPU when the config file ``source`` names a device that cannot be used."""
+    return f'pass --device cpu, or set device = "cpu" in {source}' if source else "pass --device cpu"
 
 
 def check_ratio_range(ratio: float, name: str, hint: str) -> None:

@@ -1,4 +1,4 @@
-"""``--data`` specs -> a list of batches, each a model input plus an optional target.
+"""``--data`` specs -> a ``BatchSource``: batches made lazily, each a model input plus an optional target.
 
 Accepted specs (docs/cli.md):
 
@@ -8,18 +8,22 @@ Accepted specs (docs/cli.md):
   with ``input_scale``/``input_offset`` (decoded as inputs * scale + offset), or
   half precision (upcast to float32); a list is a list of ready batches (each a tensor, an
   ``(inputs, target)`` pair, or a dict of model kwargs).
-- ``package.module:function``: the user's function, called with no arguments,
-  returning an iterable of batches (``(inputs, target)`` pairs recognised); the
-  module is found from the current directory as ``python -m`` finds it.  The
-  iterable is consumed lazily: never past ``batches``, so an endless generator
-  works with ``--batches N``.
+- ``package.module:function``: the user's function, called with no arguments (once),
+  returning an iterable of batches (``(inputs, target)`` pairs recognised): a list, a
+  ``torch.utils.data.DataLoader``, a generator; the module is found from the current
+  directory as ``python -m`` finds it.  The iterable is consumed lazily, batch by batch:
+  never past ``batches``, so an endless generator works with ``--batches N``.
 - ``random:8x3x224x224``: seeded standard-normal batches of that shape
   (``random:8x3x224x224:seed=1``); no target.  ``batches`` of them (default 4).
 
-``batches`` limits how many batches are used.  Data qdebug makes or pulls from the
-user's function is bounded (``MAX_BATCHES``, ``memory_limit()``): an absurd
-``random:`` spec or an endless generator without ``--batches`` is one clear error,
-not minutes of swapping and a killed process.
+Every spec gives a ``qdebug.batch_source.BatchSource``: re-iterable, each pass making the
+batches anew (a file is sliced from a memory map: ``qdebug.data_file``), so nothing of
+the data is held between batches and a tool may read it several times; the user's data
+is checked to be the same on every pass.  ``batches`` limits how many batches are used,
+over the whole data (before a ``shard``).  Data qdebug makes or pulls from the user's
+function is bounded: an absurd ``random:`` spec (``MAX_BATCHES``, ``memory_limit()``) or
+an endless generator without ``--batches`` (``MAX_BATCHES``) is one clear error, not
+minutes of swapping and a killed process.
 
 Every batch is a ``Batch``: a named tuple ``(inputs, target)``, so a metric written
 the usual PyTorch way (``for x, y in loader``) works on it unchanged, and
@@ -34,12 +38,12 @@ command line refuse a bad spec before torch's seconds of import.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
+from qdebug.batch_source import BatchSource, HeldOrigin, Origin, RandomOrigin, iterable_origin
 from qdebug.errors import QDebugError
 
 if TYPE_CHECKING:
@@ -72,28 +76,28 @@ class Batch(NamedTuple):
         return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
-def load_batches(spec: str, *, batch_size: int | None = None, batches: int | None = None) -> list[Batch]:
-    """Resolve a data spec (see module docstring) into at most ``batches`` batches."""
+def load_batches(spec: str, *, batch_size: int | None = None, batches: int | None = None) -> BatchSource:
+    """Resolve a data spec (see module docstring) into a source of at most ``batches`` batches."""
     if batches is not None and batches < 1:
         raise QDebugError(f"--batches must be >= 1, got {batches}", "e.g. --batches 8")
     size = batch_size or DEFAULT_BATCH_SIZE
     if size < 1:
         raise QDebugError(f"batch size must be >= 1, got {size}", "e.g. --batch-size 8")
     if spec.startswith("random:"):
-        result = _random(spec, batches)
+        origin = RandomOrigin(spec, *parse_random(spec, batches))
     elif spec.endswith((".pt", ".pth")) or Path(spec).is_file():
-        result = _from_file(Path(spec), size)
+        from qdebug.data_file import FileOrigin
+
+        origin = FileOrigin(Path(spec), size, batches)
     elif ":" in spec:
-        result = _from_function(spec, batches)
+        origin = _from_function(spec, batches)
     else:
         raise QDebugError(
             f"cannot read data spec {spec!r}", "use a .pt file, package.module:function or random:8x3x224x224"
         )
-    if batches is not None:
-        result = result[:batches]
-    if not result:
+    if origin.total == 0:  # a data function's emptiness shows at the end of its first pass
         raise QDebugError(f"data {spec!r} holds no batches", "check the data file or function: it yielded nothing")
-    return result
+    return BatchSource(origin)
 
 
 def check_spec(spec: str, batches: int | None = None) -> None:
@@ -117,9 +121,9 @@ def check_seed(seed: int, name: str, hint: str) -> None:
 
 
 def memory_limit() -> int:
-    """Bytes of data qdebug holds from a ``random:`` spec or a data function: half the
-    memory of this machine (or of its container, when that is less).  Past it the system
-    would swap or kill the process long before an error could name the cause."""
+    """Bytes of data a ``random:`` spec may make in all: half the memory of this machine (or
+    of its container, when that is less).  Batches are made one at a time, but a spec past
+    this is a mistake (a shape typed wrong), and its passes would take hours."""
     total = 8 << 30  # when the machine does not say
     with contextlib.suppress(ValueError, OSError, AttributeError):
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -166,31 +170,23 @@ def parse_random(spec: str, batches: int | None) -> tuple[list[int], int, int]:
     return shape, seed, count
 
 
-def batches_from_inputs(sample_inputs: Any) -> list[Batch]:
-    """A checkpoint's ``sample_inputs`` as batches."""
-    if isinstance(sample_inputs, list):
-        return [to_batch(b) for b in sample_inputs]
-    return [Batch(sample_inputs)]
+def batches_from_inputs(sample_inputs: Any, batches: int | None = None) -> BatchSource:
+    """A checkpoint's ``sample_inputs`` as batches (at most ``batches`` of them)."""
+    found = [to_batch(b) for b in sample_inputs] if isinstance(sample_inputs, list) else [Batch(sample_inputs)]
+    return BatchSource(HeldOrigin(found[:batches], "the sample inputs"))
 
 
-def _random(spec: str, batches: int | None) -> list[Batch]:
-    import torch
-
-    shape, seed, count = parse_random(spec, batches)
-    generator = torch.Generator().manual_seed(seed)
-    return [Batch(torch.randn(*shape, generator=generator)) for _ in range(count)]
-
-
-def _from_file(path: Path, batch_size: int) -> list[Batch]:
-    from qdebug.torchfile import read_file
-
-    obj = read_file(path)
-    if not isinstance(obj, list) and data_kind(obj) is None:  # a list's odd item is named by to_batch
-        raise QDebugError(
-            f"{path} holds {type(obj).__name__}, not data qdebug understands",
-            "save a tensor, a tuple (inputs, targets), a dict {'inputs', 'targets'} or a list of batches",
-        )
-    return as_batches(obj, batch_size, source=str(path))
+def batches_from_iterable(data: Iterable, batches: int | None = None, name: str = "data") -> BatchSource:
+    """Batches handed to the API: a list, a DataLoader or another iterable of batches, read as a data
+    function's result is (lazily, each item recognised by ``to_batch``; at most ``batches``).  A
+    one-shot iterator (a generator) serves one pass only: a tool that reads the data again says so."""
+    if isinstance(data, BatchSource):
+        return data
+    if isinstance(data, (list, tuple)):
+        found = [to_batch(b) for b in data]
+        return BatchSource(HeldOrigin(found[:batches], name))
+    return BatchSource(iterable_origin(data, name=name, limit=batches,
+                                       errors=lambda: _user_data_errors(name, what=name)))
 
 
 INPUT_KEYS = ("inputs", "x", "images", "data")
@@ -200,7 +196,7 @@ TARGET_KEYS = ("targets", "target", "y", "labels")
 def data_kind(obj: Any) -> str | None:
     """What ``obj`` (a loaded file) holds as data, in words, or None when it is not data.
 
-    The one recognition rule of data files: ``as_batches`` reads exactly the objects
+    The one recognition rule of data files: ``qdebug.data_file`` reads exactly the objects
     this names, and ``checkpoint.load`` uses it to call a data file by its name.
     """
     import torch
@@ -223,21 +219,6 @@ def data_kind(obj: Any) -> str | None:
             return None
         return f"a list of {len(obj)} batch(es)"
     return None
-
-
-def as_batches(obj: Any, batch_size: int, source: str = "data") -> list[Batch]:
-    """The batches of an object ``data_kind`` recognises (a list of ready batches is not re-cut);
-    ``source`` names it in errors."""
-    import torch
-
-    if isinstance(obj, list):
-        return [to_batch(b) for b in obj]
-    if isinstance(obj, torch.Tensor):
-        return _split(obj, None, batch_size, source)
-    if isinstance(obj, tuple):
-        return _split(obj[0], obj[1], batch_size, source)
-    inputs, target = _first(obj, INPUT_KEYS), _first(obj, TARGET_KEYS)
-    return _split(_decode(inputs, obj, source), target, batch_size, source)
 
 
 def _count(tensor: torch.Tensor) -> int:
@@ -293,20 +274,6 @@ def _check_dataset(inputs: torch.Tensor, target: Any, source: str) -> None:
                               + (f" for {task!r}" if task else ""), "inputs and targets must align")
 
 
-def _split(inputs: torch.Tensor, target: Any, batch_size: int, source: str = "data") -> list[Batch]:
-    _check_dataset(inputs, target, source)
-    out = []
-    for start in range(0, inputs.shape[0], batch_size):
-        sl = slice(start, start + batch_size)
-        tgt = None
-        if isinstance(target, dict):
-            tgt = {k: v[sl] for k, v in target.items()}
-        elif target is not None:
-            tgt = target[sl]
-        out.append(Batch(inputs[sl], tgt))
-    return out
-
-
 def to_batch(item: Any) -> Batch:
     """Recognise one batch: a Batch, a tensor, an (inputs, target) pair, or a dict of kwargs."""
     import torch
@@ -325,69 +292,35 @@ def to_batch(item: Any) -> Batch:
     raise QDebugError(f"cannot use a {type(item).__name__} as a batch", "yield tensors or (inputs, target) pairs")
 
 
-def _from_function(spec: str, batches: int | None) -> list[Batch]:
-    """The user's function's batches, taken lazily: at most ``batches`` items are asked
-    for; without ``batches`` at most ``MAX_BATCHES`` and ``memory_limit()`` bytes, so an
-    endless generator ends in an error that asks for ``--batches``."""
+def _from_function(spec: str, batches: int | None) -> Origin:
+    """The origin of the user's function's batches: the function is called once, here; its
+    iterable is read lazily, pass by pass (``qdebug.batch_source.iterable_origin``): at most
+    ``batches`` items are asked for, without ``batches`` at most ``MAX_BATCHES``, so an endless
+    generator ends in an error that asks for ``--batches``."""
     from qdebug.modelspec import resolve
 
     fn = resolve(spec, from_user=True, what="data function (package.module:function)")
+    name = f"data function {spec}" if callable(fn) else f"data {spec}"
     with _user_data_errors(spec):
         produced: Iterable = fn() if callable(fn) else fn
-        try:
-            items = iter(produced)
-        except TypeError:
-            what = f"data function {spec} returned" if callable(fn) else f"data {spec} is"
-            raise QDebugError(f"{what} {type(produced).__name__}, not an iterable of batches", FUNCTION_HINT) from None
-        return _take(items, spec, batches)
-
-
-def _take(items: Iterator, spec: str, batches: int | None) -> list[Batch]:
-    """Batches from the user's iterator: ``batches`` of them (never asking for one more), or
-    all of them within ``MAX_BATCHES`` and ``memory_limit()``."""
-    bounded = batches is not None and batches <= MAX_BATCHES
-    budget, held, out = memory_limit(), 0, []
-    for item in itertools.islice(items, batches if bounded else MAX_BATCHES + 1):
-        if len(out) == MAX_BATCHES:
-            raise QDebugError(f"data function {spec} yields more than {MAX_BATCHES} batches",
-                              f"pass --batches N (N <= {MAX_BATCHES}) to take the first N: an endless generator "
-                              "needs it")
-        batch = to_batch(item)
-        held += _nbytes(batch)
-        if held > budget:
-            raise QDebugError(f"data function {spec} yields more than {_gib(budget)} of batches (half this "
-                              f"machine's memory) in its first {len(out) + 1}",
-                              f"pass --batches N to take fewer (here at most {len(out)}), or yield smaller batches")
-        out.append(batch)
-    return out
-
-
-def _nbytes(obj: Any) -> int:
-    """Bytes of the tensors in a batch (inputs and target, nested in tuples, lists and dicts)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_nbytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(_nbytes(x) for x in obj.values())
-    return 0
+        return iterable_origin(produced, name=name, remake=fn if callable(fn) else None, limit=batches,
+                               errors=lambda: _user_data_errors(spec))
 
 
 @contextlib.contextmanager
-def _user_data_errors(spec: str) -> Iterator[None]:
+def _user_data_errors(spec: str, what: str | None = None) -> Iterator[None]:
     """The data function raising (or calling ``sys.exit``), while called or iterated, as one
-    error naming it and the user's line."""
+    error naming it (``what``: how, by default ``data function SPEC``) and the user's line."""
     from qdebug.usercode import exit_error, first_line, where_raised
 
+    what = what or f"data function {spec}"
     try:
         yield
     except QDebugError:
         raise
     except SystemExit as exc:
-        raise exit_error(exc, f"data function {spec}") from exc
+        raise exit_error(exc, what) from exc
     except Exception as exc:
         where = where_raised(exc)
-        raise QDebugError(f"data function {spec} raised {type(exc).__name__}: {first_line(exc)}"
+        raise QDebugError(f"{what} raised {type(exc).__name__}: {first_line(exc)}"
                           + (f", at {where}" if where else ""), FUNCTION_HINT) from exc

@@ -83,7 +83,7 @@ _SCRATCH = threading.local()
 
 
 def _scratch(slot: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This thread's scratch tensor number ``slot``, shaped like ``like``.
+    """This thread's scratch tensor number ``slot``, shaped like ``like`` and on its device.
 
     Reused from block to block: a fresh 1 MB tensor per op would be a fresh
     mapping whose pages fault in on first touch, which costs more than the op.
@@ -93,9 +93,10 @@ def _scratch(slot: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
     if buffers is None:
         buffers = _SCRATCH.buffers = {}
     n = like.numel()
-    buf = buffers.get((slot, dtype))
+    key = (slot, dtype, like.device)  # a block on the GPU works in GPU scratch, one on the CPU in CPU scratch
+    buf = buffers.get(key)
     if buf is None or buf.numel() < n:
-        buf = buffers[(slot, dtype)] = torch.empty(max(n, BLOCK), dtype=dtype)
+        buf = buffers[key] = torch.empty(max(n, BLOCK), dtype=dtype, device=like.device)
     return buf[:n].view(like.shape)
 
 
@@ -336,6 +337,43 @@ class ErrorStats:
         if channels:
             self._add_channels(per_channel, torch.zeros_like(per_channel), None, None)
         return True
+
+    # -- combining runs over shards of the batches (qdebug.distributed) -------------------
+    _SUMMED = ("n", "sxx", "syy", "sxy", "see", "sae", "nonfinite", "saturated", "saturation_n", "kl_sum", "kl_n")
+
+    def state(self) -> dict:
+        """Everything ``merge`` needs, as plain values and CPU tensors (for the exchange)."""
+        out = {name: getattr(self, name) for name in (*self._SUMMED, "max_abs", "out_scale", "shape_mismatch",
+                                                      "want_channels", "want_ranges", "want_kl")}
+        for name in ("ch_xx", "ch_ee", "ch_min", "ch_max"):
+            value = getattr(self, name)
+            out[name] = value.cpu() if value is not None else None
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict) -> "ErrorStats":
+        return cls(**state)
+
+    def merge(self, other: "ErrorStats") -> "ErrorStats":
+        """Fold in the sums of ``other`` (the same layer over other batches): afterwards this
+        holds what one run over both sets of batches holds, up to float64 summation order
+        (min, max and counts exactly).  Returns self."""
+        for name in self._SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if math.isnan(self.max_abs) or math.isnan(other.max_abs):  # a NaN error is never hidden
+            self.max_abs = math.nan
+        else:
+            self.max_abs = max(self.max_abs, other.max_abs)
+        self.out_scale = self.out_scale if self.out_scale is not None else other.out_scale
+        self.shape_mismatch = self.shape_mismatch or other.shape_mismatch
+        if other.ch_xx is not None:
+            device = self.ch_xx.device if self.ch_xx is not None else other.ch_xx.device
+            moved = [t.to(device) if t is not None else None for t in (other.ch_xx, other.ch_ee, other.ch_min, other.ch_max)]
+            if self.ch_xx is None:
+                self.ch_xx, self.ch_ee, self.ch_min, self.ch_max = (t.clone() if t is not None else None for t in moved)
+            else:
+                self._add_channels(*moved)
+        return self
 
     def result(self, prefix: str = "") -> dict[str, float]:
         if self.n == 0:

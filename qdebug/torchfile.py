@@ -13,6 +13,9 @@ more bytes than the file holds (torch.save never compresses; a crafted "zip bomb
 whose pickle fails its CRC-32, is refused.  A file torch cannot read is called damaged: only
 an intact pickle that names a Python class is said to hold pickled objects, with the
 ``--unsafe-load`` hint.
+
+``read_file(path, mmap=True)`` maps a zip archive's tensors rather than reading them, after the
+same checks: a data file is then sliced batch by batch (``qdebug.data_file``).
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ from qdebug.usercode import first_line
 DAMAGED_HINT = "the file is damaged (cut short or overwritten): save it again, or copy it again"
 
 
-def read_file(path: str | Path, *, unsafe: bool = False) -> Any:
-    """``torch.load`` with every failure turned into one clear QDebugError."""
+def read_file(path: str | Path, *, unsafe: bool = False, mmap: bool = False) -> Any:
+    """``torch.load`` with every failure turned into one clear QDebugError.
+
+    ``mmap``: map the file's tensors instead of reading them (a zip archive only; a legacy
+    file is read whole): a tensor's pages are read when touched, and they leave the
+    process's memory when the last tensor of the file is dropped."""
     p = Path(path)
     check_readable(p)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(p))
     except pickle.UnpicklingError as exc:
         # Only an intact file whose pickle names Python objects is "pickled objects": cut or
         # overwritten bytes fail the weights-only unpickler too, and are called damaged.

@@ -98,7 +98,7 @@ def test_function_spec(tmp_path, monkeypatch):
     batches = load_batches(f"{name}:batches")
     assert [float(b.inputs[0, 0, 0, 0]) for b in batches] == [0.0, 1.0, 2.0]
     assert batches[2].target.tolist() == [2, 2]
-    assert len(load_batches(f"{name}:batches", batches=1)) == 1
+    assert len(list(load_batches(f"{name}:batches", batches=1))) == 1  # a generator's count is known after a pass
     with pytest.raises(QDebugError, match="ValueError: no dataset here"):
         load_batches(f"{name}:broken")
     with pytest.raises(QDebugError):

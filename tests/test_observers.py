@@ -546,7 +546,7 @@ def test_kl_matches_literal_algorithm():
 
 def test_kl_relu6_output_with_a_zero_spike_keeps_a_useful_range():
     """A ReLU6 output: ~70% exact zeros, a body near 0 and a spike of saturated values at 6.
-    Without the zero-bin rule entropy calibration keeps a quarter of the range or less, because
+    Without the zero-bin rule entropy calibration keeps a third of the range or less, because
     merging the zero spike with its neighbours costs more than clipping 9% of the values -- on
     EfficientNet-Lite0 that made 0.75 the range of every ReLU6 and the output SQNR 0 dB."""
     spec = QuantSpec(observer="kl", bins=1024, bits=7, signed=False, symmetric=False)  # L = 128: a quick loop
@@ -559,7 +559,7 @@ def test_kl_relu6_output_with_a_zero_spike_keeps_a_useful_range():
     w = float(obs.width)
     assert int(obs.anchor) == 0
     h = torch.bincount(torch.floor(x.double() / w).long()).numpy()
-    assert _naive_kl_threshold_bin(h, 128, zero_bin_rule=False) * w <= 1.5  # the pathology, on this data
+    assert _naive_kl_threshold_bin(h, 128, zero_bin_rule=False) * w <= 2.0  # the pathology, on this data
     i_best = _naive_kl_threshold_bin(h, 128)
     lo, hi = obs.clip_range()
     assert float(hi) == pytest.approx(min(i_best * w, 6.0), rel=1e-6) and float(lo) == 0.0
@@ -661,3 +661,72 @@ def test_state_dict_wrong_bins_rejected():
     other = PercentileObserver(QuantSpec(observer="percentile", bins=128))
     with pytest.raises(QDebugError, match="bins"):
         other.load_state_dict(obs.state_dict())
+
+
+# -- merging observers of several processes (qdebug.distributed) --------------------------
+def _shards(per_channel: bool) -> list[torch.Tensor]:
+    """Batches of growing and shifting ranges, a NaN, an all-zero batch, and (per channel)
+    a channel that only some batches reach."""
+    g = _gen(31)
+    batches = []
+    for i in range(7):
+        x = torch.randn(3, 40, generator=g) * (1 + 3 * i) + i
+        if i == 2:
+            x[0, 0] = float("nan")
+        if i == 4:
+            x.zero_()
+        if per_channel and i % 2:
+            x[1] = float("nan")  # channel 1 sees data in the even batches only
+        batches.append(x if per_channel else x.reshape(-1))
+    return batches
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("name", ["minmax", "percentile", "mse", "kl"])
+def test_observers_of_two_shards_merge_into_the_one_of_all_batches(name, per_channel):
+    spec = QuantSpec(observer=name, bins=256, per_channel=per_channel, ch_axis=0)
+    batches = _shards(per_channel)
+    whole = make_observer(spec)
+    for b in batches:
+        whole(b)
+    parts = [make_observer(spec), make_observer(spec)]
+    for i, b in enumerate(batches):
+        parts[i % 2](b)  # the strided split of two ranks
+    parts[0].merge(parts[1])
+    for key, value in whole.state_dict().items():
+        assert torch.equal(parts[0].state_dict()[key], value), key
+    assert all(torch.equal(a, b) for a, b in zip(parts[0].clip_range(), whole.clip_range()))
+
+
+def test_a_histogram_does_not_depend_on_the_order_of_its_batches():
+    spec = QuantSpec(observer="percentile", bins=128)
+    batches = _shards(False)
+    forward, backward = make_observer(spec), make_observer(spec)
+    for b in batches:
+        forward(b)
+    for b in reversed(batches):
+        backward(b)
+    assert float(forward.width) == float(backward.width)
+    assert float(forward.width) == 2.0 ** round(math.log2(float(forward.width)))  # a power of two
+    assert torch.equal(forward.hist, backward.hist) and torch.equal(forward.anchor, backward.anchor)
+
+
+def test_merging_into_an_observer_that_saw_nothing_takes_the_other_whole():
+    spec = QuantSpec(observer="kl", bins=64, per_channel=True, ch_axis=0)
+    empty, fed = make_observer(spec), make_observer(spec)
+    fed(torch.randn(2, 50, generator=_gen(3)))
+    empty.merge(fed)
+    assert all(torch.equal(a, b) for a, b in zip(empty.state_dict().values(), fed.state_dict().values()))
+
+
+def test_the_ema_observer_refuses_to_merge_it_depends_on_batch_order():
+    spec = QuantSpec(observer="ema")
+    a, b = make_observer(spec), make_observer(spec)
+    a(torch.randn(10)), b(torch.randn(10))
+    with pytest.raises(QDebugError, match="order of the batches"):
+        a.merge(b)
+
+
+def test_observers_of_different_specs_do_not_merge():
+    with pytest.raises(QDebugError, match="cannot merge"):
+        make_observer(QuantSpec(observer="minmax")).merge(make_observer(QuantSpec(observer="kl")))

@@ -28,6 +28,8 @@ app = typer.Typer(
         "Precision debugging for quantized PyTorch models: where accuracy is lost, which layer "
         "is to blame and why.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt\n\n"
+        "Data-parallel (compare, step, suggest, baseline, calibrate): torchrun --nproc-per-node 2 -m qdebug "
+        "compare fixtures/demo/float.pt fixtures/demo/qat.pt --data fixtures/demo/eval.pt; see docs/scale.md.\n\n"
         "Every command takes --format table|json|csv and --out DIR; see docs/cli.md."
     ),
     no_args_is_help=True,
@@ -80,8 +82,35 @@ def _click_exceptions(name: str) -> tuple[type, ...]:
 
 
 def _say(line: str) -> None:
+    if err_console.quiet:  # a rank other than 0 under torchrun: its errors are still said
+        sys.stderr.write(line + "\n")
+        return
     # emoji=False: a name like "mypkg.x:cross_mark:" in a message is text, not an emoji code.
     err_console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+
+def _say_error(error: QDebugError) -> None:
+    _say(f"error: {error.message}")
+    if error.hint:
+        _say(f"hint: {error.hint}")
+
+
+def _quiet_other_ranks() -> None:
+    """Under torchrun only rank 0 prints and writes (``qdebug.distributed``); the others
+    still say their errors.  Read from the environment: no torch needed."""
+    from qdebug.cli.common import console
+    from qdebug.distributed import environment
+
+    if environment()[0] != 0:
+        console.quiet = err_console.quiet = True
+
+
+def _across_ranks(error: QDebugError | None) -> QDebugError | None:
+    """The command is over on this rank: under torchrun, one last round with the others, so
+    every rank ends with the same error (or none).  Outside torchrun: ``error`` as it is."""
+    from qdebug.distributed import finish
+
+    return finish(error)
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -91,6 +120,7 @@ def run(argv: list[str] | None = None) -> None:
         _run(args)
     finally:
         _release_aborted_forwards()
+        _release_device_settings()
 
 
 def _release_aborted_forwards() -> None:
@@ -102,20 +132,34 @@ def _release_aborted_forwards() -> None:
         context.release_aborted(0)
 
 
+def _release_device_settings() -> None:
+    """A command is over: settings a CUDA run held (IEEE float32 convolutions: ``qdebug.device``)
+    go back to what they were (they would outlive an in-process run)."""
+    device = sys.modules.get("qdebug.device")
+    if device is not None:
+        device.release_held()
+
+
 def _run(args: list[str]) -> None:
     debug = "--debug" in args
     try:
+        _quiet_other_ranks()
         _register()
-        code = app(args=args, prog_name="qdebug", standalone_mode=False)
+        try:
+            code = app(args=args, prog_name="qdebug", standalone_mode=False)
+        except typer.Exit as exc:
+            code = exc.exit_code
+        failure = _across_ranks(None) if code != INTERRUPTED else None
+        if failure is not None:
+            raise failure
     except QDebugError as exc:
         if debug:
             traceback.print_exc()
+        exc = _across_ranks(exc)
         _say(f"error: {exc.message}")
         if exc.hint:
             _say(f"hint: {exc.hint}")
         sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         _say("error: interrupted")
         sys.exit(INTERRUPTED)
@@ -123,8 +167,8 @@ def _run(args: list[str]) -> None:
         if debug:
             traceback.print_exc()
         where = f"{exc.filename}: " if exc.filename else ""
-        _say(f"error: {where}{exc.strerror or exc}")
-        _say("hint: check the path, its permissions and the free disk space")
+        _say_error(_across_ranks(QDebugError(f"{where}{exc.strerror or exc}",
+                                             "check the path, its permissions and the free disk space")))
         sys.exit(2)
     except Exception as exc:  # click usage errors and genuine bugs
         if isinstance(exc, _click_exceptions("NoArgsIsHelpError")):  # bare `qdebug`: the help, not an error
@@ -141,8 +185,8 @@ def _run(args: list[str]) -> None:
         if debug:
             traceback.print_exc()
         first = str(exc).splitlines()[0] if str(exc) else ""
-        _say(f"error: internal error: {type(exc).__name__}: {first}")
-        _say("hint: run again with --debug and report the traceback")
+        _say_error(_across_ranks(QDebugError(f"internal error: {type(exc).__name__}: {first}",
+                                             "run again with --debug and report the traceback")))
         sys.exit(2)
     if code == INTERRUPTED:  # typer turns Ctrl-C inside a command into a silent return of 130
         _say("error: interrupted")

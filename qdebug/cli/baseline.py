@@ -12,13 +12,14 @@ import typer
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, ratio_in_force, task_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_counts, check_data,
-    err_console, load_checkpoint, resolve_batches, writable_file,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
+    check_counts, check_data, err_console, load_checkpoint, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
     table_width,
 )
+from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 
 FLIPPED_SHOWN = 8  # sample indices on the terminal; JSON's meta.flipped_samples has them all
@@ -92,7 +93,9 @@ def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: 
         "lower-is-better tasks: quantized <= float / ratio). Exit 0 pass, 1 fail, 2 error. With "
         "--confidence, a paired bootstrap decides pass / fail / inconclusive (inconclusive does not fail).\n\n"
         "Example: qdebug baseline fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
-        "--metric top1 --confidence 0.95 --junit baseline.xml"
+        "--metric top1 --confidence 0.95 --junit baseline.xml\n\n"
+        "Example: qdebug baseline fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
+        "--metric top1 --device cuda"
     )
 )
 def baseline(
@@ -117,6 +120,7 @@ def baseline(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
@@ -159,16 +163,18 @@ def baseline(
         spec = metric or cfg.get("metric")
         if not spec:
             raise QDebugError("no metric given", "pass --metric (e.g. top1) or set metric in qdebug.toml")
-        from qdebug.metrics import resolve_metric, run_metric_with_samples
+        from qdebug.metrics import resolve_metric
+        from qdebug.tools.evaluate import evaluate
 
         metric_fn = resolve_metric(spec)
         float_model, info = load_checkpoint(paths[0], model=model, unsafe=unsafe_load, command="baseline")
         quant_model, _ = load_checkpoint(paths[1], model=model, unsafe=unsafe_load, command="baseline")
         batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
-        with err_console.status(f"evaluating {paths[0]} on {len(batch_list)} batch(es)"):
-            float_values, float_samples = run_metric_with_samples(metric_fn, float_model, batch_list, reference=float_model)
-        with err_console.status(f"evaluating {paths[1]} on {len(batch_list)} batch(es)"):
-            quant_values, quant_samples = run_metric_with_samples(metric_fn, quant_model, batch_list, reference=float_model)
+        on = f" on {batch_list.count} batch(es)" if batch_list.count is not None else ""  # a generator's: after a pass
+        with err_console.status(f"evaluating {paths[0]}{on}"):
+            float_values, float_samples = evaluate(metric_fn, float_model, batch_list, reference=float_model)
+        with err_console.status(f"evaluating {paths[1]} on {batch_list.count} batch(es)"):
+            quant_values, quant_samples = evaluate(metric_fn, quant_model, batch_list, reference=float_model)
         # A single-number metric is the task named after the metric, so [tasks.top1] applies to it.
         task_name = spec.rsplit(":", 1)[-1]
         float_values, quant_values = (_rename(v, task_name) for v in (float_values, quant_values))
@@ -196,9 +202,10 @@ def baseline(
     if junit is not None:
         from qdebug.report.junit import write_junit
 
-        write_junit(junit, frame)
+        if is_rank_zero():
+            write_junit(junit, frame)
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary_path:
+    if summary_path and is_rank_zero():
         from qdebug.report.markdown import markdown_table
 
         verdict = "passed" if result.passed else "FAILED"

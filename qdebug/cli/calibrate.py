@@ -10,7 +10,7 @@ import typer
 from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, check_data, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
 )
 from qdebug.cli.inspect import render_layers
@@ -18,6 +18,7 @@ from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
     prepare_out, print_table, say, table_width,
 )
+from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 
 SAMPLE_INPUTS = 8  # samples of the first batch stored in the checkpoint for later tools
@@ -49,6 +50,20 @@ def build_qconfig(qconfig_file: Optional[Path], observer: Optional[str], per_cha
     return qcfg
 
 
+def _check_mergeable(qcfg) -> None:
+    """Under torchrun every rank observes its own batches and the observers merge: the ema
+    observer's range depends on the order of all batches, so it cannot be split."""
+    from qdebug.distributed import environment
+
+    if environment()[1] == 1:
+        return
+    asked = [qcfg.activation.observer] + [(entry.get("activation") or {}).get("observer")
+                                          for entry in qcfg.overrides.values()]
+    if "ema" in asked:
+        raise QDebugError("the ema observer cannot be calibrated over several ranks: its range depends on the "
+                          "order of all batches", "use --observer minmax, percentile, mse or kl, or run one process")
+
+
 def _first_samples(inputs):
     import torch
 
@@ -68,7 +83,9 @@ def _first_samples(inputs):
         "data through every "
         "observer, freeze the scales and write a calibrated checkpoint.\n\n"
         "Example: qdebug calibrate fixtures/demo/float.pt --data fixtures/demo/eval.pt --batches 8 "
-        "--observer percentile -o calibrated.pt"
+        "--observer percentile -o calibrated.pt\n\n"
+        "Example: qdebug calibrate fixtures/demo/float.pt --data fixtures/demo/eval.pt --device cuda -o "
+        "calibrated.pt (the file holds CPU tensors, whatever the device)"
     )
 )
 def calibrate(
@@ -91,6 +108,7 @@ def calibrate(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     check_data(data, batches, batch_size)
@@ -104,6 +122,7 @@ def calibrate(
     out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")
     qcfg = build_qconfig(qconfig, observer, per_channel, bits)  # a bad --qconfig or config qconfig: before loading
+    _check_mergeable(qcfg)
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="calibrate")
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
     qat_mode = mode or STATE.config().get("mode") or "fuse_bn"
@@ -113,15 +132,17 @@ def calibrate(
     from qdebug.tools.calibration_check import CLIPPING, LOW_SQNR_DB, check_calibration
     from qdebug.tools.inspect import inspect_model
 
-    with model_errors("tracing the model", batch_list[0]):
-        qm = prepare(net, qcfg, mode=qat_mode, example_inputs=batch_list[0].inputs)
-    with progress_bar("calibrating", len(batch_list)) as advance, model_errors("calibrating", batch_list[0]):
-        run_calibration(qm, [b.inputs for b in batch_list], progress=advance)
-    save(qm, output, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(batch_list[0].inputs),
-         meta={"calibration_batches": len(batch_list), "source": str(path)})
+    first = batch_list[0]  # the one batch kept: the example to trace and the samples stored
+    with model_errors("tracing the model", first):
+        qm = prepare(net, qcfg, mode=qat_mode, example_inputs=first.inputs)
+    with progress_bar("calibrating", batch_list.count) as advance, model_errors("calibrating", batch_list):
+        run_calibration(qm, (b.inputs for b in batch_list), progress=advance)  # lazily: one batch at a time
+    if is_rank_zero():  # under torchrun rank 0 alone writes (every rank froze the same scales)
+        save(qm, output, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(first.inputs),
+             meta={"calibration_batches": len(batch_list), "source": str(path)})
     result = inspect_model(qm, stage="calibrated")
-    with progress_bar("checking", None), model_errors("checking the calibrated model", batch_list[0]):
-        check = check_calibration(qm, [b.inputs for b in batch_list])
+    with progress_bar("checking", None), model_errors("checking the calibrated model", batch_list):
+        check = check_calibration(qm, (b.inputs for b in batch_list))
     meta = {**result.meta, "output": str(output), "batches": len(batch_list), "qconfig": qcfg.to_dict(),
             "output_sqnr_db": check.sqnr_db, "clipping": check.clipping}
     summary = _check_lines(check, len(batch_list))

@@ -1,10 +1,11 @@
-"""What every command shares: global state, consoles, config, loading, data, progress."""
+"""What every command shares: global state, consoles, config, device, loading, data, progress."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -18,6 +19,7 @@ from qdebug.errors import QDebugError
 if TYPE_CHECKING:  # the heavy modules load inside the commands that need them (a fast --help)
     import torch.nn as nn
 
+    from qdebug.batch_source import BatchSource
     from qdebug.checkpoint import CheckpointInfo
     from qdebug.data import Batch
 
@@ -35,11 +37,30 @@ UNSAFE_LOAD_OPTION = typer.Option(
 DATA_HELP = "Data: a .pt file, package.module:function or random:8x3x224x224."
 
 
+def _record_device(value: Optional[str]) -> Optional[str]:
+    # A bad name is a usage error at once, before torch imports; the name is kept in STATE, where
+    # load_checkpoint and resolve_batches -- which every command running a model calls -- read it.
+    if value is not None:
+        from qdebug.device import check_device_name
+
+        check_device_name(value)
+    STATE.device_option = value
+    return value
+
+
+DEVICE_OPTION = typer.Option(None, "--device", metavar="cpu|cuda|cuda:N", callback=_record_device,
+                             help="Run on this device: models and batches go there (default: the config's "
+                             "device, else cpu).")
+
+
 @dataclass
 class _State:
     config_path: Optional[Path] = None
     debug: bool = False
     _config: Optional[Config] = None
+    device_option: Optional[str] = None  # --device as given (``DEVICE_OPTION``)
+    _device: Any = None  # the device resolved from it (or the config), once: ``run_device``
+    _device_resolved: bool = False
 
     def config(self) -> Config:
         if self._config is None:
@@ -55,6 +76,9 @@ def reset_state() -> None:
     STATE.config_path = None
     STATE.debug = False
     STATE._config = None
+    STATE.device_option, STATE._device, STATE._device_resolved = None, None, False
+    if "qdebug.device" in sys.modules:  # settings a CUDA run held (``run_device``)
+        sys.modules["qdebug.device"].release_held()
 
 
 def stage_path(given: Optional[str], *keys: str, what: str) -> str:
@@ -97,29 +121,52 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
             f"pass the {expect[0]} checkpoint",
         )
     if device is not None:
-        net = net.to(device)
+        from qdebug.device import out_of_memory
+
+        with out_of_memory(f"moving {path} to {device}"):
+            net = net.to(device)
     return net, info
 
 
-def run_device() -> Optional[str]:
-    """The config's ``device`` when it is not the CPU, checked before any checkpoint loads:
-    one torch can place a tensor on here.  An unknown name, or ``cuda`` without CUDA, fails
-    deep in ``.to()`` otherwise, with torch's words and after the loading."""
-    import torch
+def run_device() -> Any:
+    """The device this command runs on -- ``--device``, else the config's ``device`` -- as a
+    ``torch.device``, or None for the CPU (where checkpoints load: nothing to move).  Checked
+    against this machine once, before any checkpoint loads (``qdebug.device.resolve_device``):
+    CUDA asked for where there is none is one error, not torch's words deep in ``.to()``.  On
+    CUDA, float32 convolutions and matmuls run in IEEE float32 until the command ends
+    (``qdebug.device.ieee_float32``)."""
+    if STATE._device_resolved:
+        return STATE._device
+    from qdebug.config import device_hint
+    from qdebug.device import hold, ieee_float32, resolve_device
 
     cfg = STATE.config()
-    name = cfg.get("device")
-    if not name or name == "cpu":
-        return None
-    try:
-        torch.empty(0, device=torch.device(name))
-    except Exception as exc:  # RuntimeError (unknown name), AssertionError (torch built without CUDA), ...
-        from qdebug.usercode import first_line
+    if STATE.device_option is not None:
+        device = resolve_device(STATE.device_option)
+    elif cfg.get("device"):
+        device = resolve_device(cfg.get("device"), f"{cfg.path}: device", device_hint(cfg.path))
+    else:
+        device = None
+    if device is not None and device.type == "cpu":
+        device = None
+    if device is not None:
+        hold(ieee_float32())
+    STATE._device, STATE._device_resolved = device, True
+    return device
 
-        raise QDebugError(f"{cfg.path}: device {name!r} cannot be used here: {first_line(exc)}",
-                          'set device = "cpu" (or remove the key), or the name of a device this machine has, '
-                          'e.g. "cuda:0"') from None
-    return name
+
+def on_run_device(batches: Any) -> Any:
+    """``batches`` (a BatchSource, moved as each batch is made; or a list, moved now) on the
+    command's device (``run_device``)."""
+    device = run_device()
+    if device is None or batches is None:
+        return batches
+    if hasattr(batches, "to"):
+        return batches.to(device)
+    from qdebug.device import out_of_memory, to_device
+
+    with out_of_memory(f"moving the batches to {device}"):
+        return [to_device(batch, device) for batch in batches]
 
 
 def check_data(data: Optional[str], batches: Optional[int], batch_size: Optional[int]) -> None:
@@ -161,9 +208,10 @@ def check_counts(batches: Optional[int], batch_size: Optional[int]) -> tuple[Opt
 
 def resolve_batches(data: Optional[str], batches: Optional[int], info: CheckpointInfo | None = None,
                     *, batch_size: Optional[int] = None, required: bool = True,
-                    announce: bool = True) -> list[Batch] | None:
+                    announce: bool = True) -> BatchSource | None:
     """The batches of --data (or the config's data), else the checkpoint's sample inputs --
-    said on stderr when ``announce``: results on a handful of stored samples are no evaluation."""
+    said on stderr when ``announce``: results on a handful of stored samples are no evaluation.
+    A BatchSource: lazy, each pass over it reads the data anew (``qdebug.batch_source``)."""
     from qdebug.data import batches_from_inputs, load_batches
 
     cfg = STATE.config()
@@ -171,15 +219,14 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
     limit, size = check_counts(batches, batch_size)
     if spec:
         with _config_data(data, spec):
-            return load_batches(spec, batch_size=size, batches=limit)
+            return on_run_device(load_batches(spec, batch_size=size, batches=limit))
     if info is not None and info.sample_inputs is not None:
-        found = batches_from_inputs(info.sample_inputs)
-        found = found[:limit] if limit else found
+        found = batches_from_inputs(info.sample_inputs, limit)
         samples = sum(b.size() for b in found)
         if announce:
             err_console.print(f"note: no --data given: using the {samples} sample input(s) stored in {info.path} "
                               "(pass --data for a real evaluation)", markup=False, highlight=False, soft_wrap=True)
-        return found
+        return on_run_device(found)
     if required:
         raise QDebugError("no data given and the checkpoint has no sample inputs",
                           "pass --data (a .pt file, package.module:function or random:8x3x224x224)")
@@ -202,17 +249,19 @@ def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
+def model_errors(what: str, batch: Batch | BatchSource | None = None) -> Iterator[None]:
     """Turn the model failing on the data into one clear error: torch's errors on a wrong
     input (RuntimeError, ValueError, TypeError, IndexError), and anything the user's own
     model code raises or calls (an ``assert`` on the input's shape, a KeyError, ``sys.exit``),
-    named at their line.  Other exceptions raised inside qdebug stay internal errors."""
-    import torch
-
+    named at their line.  Other exceptions raised inside qdebug stay internal errors.
+    ``batch``: the data (its first batch's input shape is named), a BatchSource or one batch."""
+    from qdebug.batch_source import BatchSource, first_input_shape
+    from qdebug.device import out_of_memory
     from qdebug.usercode import exit_error, first_line, where_raised
 
     try:
-        yield
+        with out_of_memory(what):  # the GPU's memory ran out, not the data that is wrong
+            yield
     except QDebugError:
         raise
     except SystemExit as exc:
@@ -221,11 +270,8 @@ def model_errors(what: str, batch: Batch | None = None) -> Iterator[None]:
         where = where_raised(exc, user_only=True)
         if where is None and not isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError)):
             raise
-        shape = ""
-        if batch is not None:
-            first = batch.inputs[0] if isinstance(batch.inputs, (tuple, list)) else batch.inputs
-            if isinstance(first, torch.Tensor):
-                shape = f" (input shape {list(first.shape)})"
+        found = batch.input_shape if isinstance(batch, BatchSource) else first_input_shape(batch) if batch else None
+        shape = f" (input shape {found})" if found is not None else ""
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if where is not None:
             detail = f"{type(exc).__name__}: {first_line(exc)}, at {where}"

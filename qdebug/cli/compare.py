@@ -11,7 +11,7 @@ import typer
 from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, check_data, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
@@ -159,7 +159,9 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
         "layers.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/calibrated.pt fixtures/demo/quantized.pt "
         "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
-        "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl"
+        "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl\n\n"
+        "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
+        "--device cuda (on the GPU; the same results as on the CPU, within float32 rounding)"
     )
 )
 def compare(
@@ -185,6 +187,7 @@ def compare(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     cfg = STATE.config()
     paths = list(checkpoints or [])
@@ -225,7 +228,7 @@ def compare(
         err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     batch_list = resolve_batches(data, batches, infos[ref_index], batch_size=batch_size)
     pairs = [(label, net) for label, (net, _) in zip(labels, loaded)]
-    with progress_bar("comparing", len(batch_list)) as advance, model_errors("comparing", batch_list[0]):
+    with progress_bar("comparing", batch_list.count) as advance, model_errors("comparing", batch_list):
         result = run_compare(pairs, batch_list, ref=ref_index, thresholds=limits, isolated=isolated,
                              kl_feature_maps="kl" in shown, progress=advance)
     _check_architecture(result.frame, labels[ref_index])

@@ -8,7 +8,9 @@ from typing import Optional
 import typer
 
 from qdebug.cli.app import app
-from qdebug.cli.common import MODEL_OPTION, UNSAFE_LOAD_OPTION, load_checkpoint, stage_path, writable_file
+from qdebug.cli.common import (
+    DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, load_checkpoint, stage_path, writable_file,
+)
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
@@ -34,6 +36,7 @@ def convert(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     writable_file(output)

@@ -9,7 +9,8 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, console, load_checkpoint, model_errors, resolve_batches, stage_path,
+    DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, console,
+    load_checkpoint, model_errors, resolve_batches, stage_path,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -74,17 +75,19 @@ def inspect(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
     path = stage_path(checkpoint, "qat", "calibrated", "quantized", "float", what="")
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, command="inspect")
     batches = resolve_batches(data, 1, info, required=False, announce=False) if info.stage == "float" else None
-    example = batches[0].inputs if batches else None
+    first = batches[0] if batches else None  # one batch: a pass that stops there
+    example = first.inputs if first is not None else None
 
     from qdebug.tools.inspect import inspect_model
 
-    with model_errors("tracing the model", batches[0] if batches else None):
+    with model_errors("tracing the model", first):
         result = inspect_model(net, stage=info.stage, example_inputs=example)
     meta = {**result.meta, "path": path, "model": info.model.to_dict(), "checkpoint_meta": info.meta,
             "qconfig": info.qconfig.to_dict() if info.qconfig else None}

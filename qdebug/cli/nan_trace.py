@@ -10,8 +10,8 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, check_data, load_checkpoint,
-    model_errors, progress_bar, resolve_batches, stage_path,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    check_data, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
@@ -184,7 +184,8 @@ def _bundle(info, path: str) -> dict:
         "Example: qdebug nan-trace fixtures/demo/qat.pt --data fixtures/demo/eval.pt --steps 20 --batch-size 16 "
         "--lr 0.01\n\n"
         "Example: qdebug nan-trace fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt --steps 0\n\n"
-        "Example: qdebug nan-trace qat.pt --data train.pt --train mypkg.train:step --float-check --out nan-out"
+        "Example: qdebug nan-trace qat.pt --data train.pt --train mypkg.train:step --float-check --out nan-out\n\n"
+        "Example: qdebug nan-trace fixtures/demo/qat.pt --data fixtures/demo/eval.pt --steps 20 --device cuda"
     ),
 )
 def nan_trace(
@@ -215,6 +216,7 @@ def nan_trace(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     if steps < 0:
@@ -257,12 +259,12 @@ def nan_trace(
         settings["loss"] = "auto"
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
     if float_check and steps and trainer is None and settings["loss"] in ("auto", "distill") \
-            and (settings["loss"] == "distill" or any(b.target is None for b in batch_list)):
+            and (settings["loss"] == "distill" or batch_list[0].target is None):  # the first batch: no pass
         raise QDebugError("--float-check needs targets (or --train): distilling a float model to its own "
                           "output trains nothing", "give (inputs, target) data, or --train package.module:function")
     float_net, float_kind = _float_model(net, info, float_path, model, unsafe_load) if float_check else (None, "")
-    total = steps or len(batch_list)
-    with progress_bar("tracing", total) as advance, model_errors("tracing", batch_list[0]):
+    total = steps or batch_list.count
+    with progress_bar("tracing", total) as advance, model_errors("tracing", batch_list):
         result = trace_steps(net, batch_list, steps=steps, loss=settings["loss"], optimizer=settings["optimizer"],
                              lr=settings["lr"], seed=settings["seed"], train=trainer,
                              optimizer_state=bundle.get("optimizer_state"), rng_state=bundle.get("rng_state"),
@@ -277,7 +279,7 @@ def nan_trace(
 
         if first is not None:
             files += _write_bundle(out, net, info, result, settings, train)
-            repro = _repro_command(out.final, steps, train, model)
+            repro = _repro_command(out.final, steps, train, model, device)
         else:  # a bundle of an earlier run in this folder would contradict this one
             out.drop_stale("before.pt", "batch.pt")
         files.append(plot_nan_timeline(result.frame, out.file("nan_trace.png"), first=first))
@@ -323,6 +325,7 @@ def _write_bundle(out: "StagedDir", net, info, result, settings: dict, train: Op
 
     from qdebug.atomic import atomic_path
     from qdebug.checkpoint import save
+    from qdebug.device import to_device
 
     snapshot, batch = result.snapshot, result.failing_batch
     net.load_state_dict(snapshot.model_state)
@@ -330,22 +333,26 @@ def _write_bundle(out: "StagedDir", net, info, result, settings: dict, train: Op
               "loss": "train" if train else settings["loss"], "seed": settings["seed"],
               "step": snapshot.step, "batch": snapshot.batch, "rng_state": snapshot.rng_state}
     if snapshot.optimizer_state is not None and result.meta.get("steps"):
-        bundle["optimizer_state"] = snapshot.optimizer_state
+        bundle["optimizer_state"] = to_device(snapshot.optimizer_state, "cpu")  # a file that loads anywhere
     stage = info.stage
     before = save(net, out.file("before.pt"), stage=stage, model_spec=info.model, meta={BUNDLE_KEY: bundle})
-    data = [(batch.inputs, batch.target)] if batch.target is not None else [batch.inputs]
+    data = to_device([(batch.inputs, batch.target)] if batch.target is not None else [batch.inputs], "cpu")
     with atomic_path(out.file("batch.pt")) as tmp:
         torch.save(data, tmp)
     return [before, out.file("batch.pt")]
 
 
-def _repro_command(out: Path, steps: int, train: Optional[str], model: Optional[str]) -> str:
+def _repro_command(out: Path, steps: int, train: Optional[str], model: Optional[str],
+                   device: Optional[str] = None) -> str:
     """The command that replays the failing step alone (the bundle holds the optimizer, lr and loss);
-    ``out`` is the folder the bundle will be in (the user's, not the staging one)."""
+    ``out`` is the folder the bundle will be in (the user's, not the staging one); ``device``: the
+    --device the run was given (a GPU's kernels may round otherwise than the CPU's)."""
     parts = ["qdebug nan-trace", shlex.quote(str(out / "before.pt")), "--data", shlex.quote(str(out / "batch.pt")),
              "--steps", "1" if steps else "0"]
     if train:
         parts += ["--train", shlex.quote(train)]
     if model:
         parts += ["--model", shlex.quote(model)]
+    if device:
+        parts += ["--device", shlex.quote(device)]
     return " ".join(parts)

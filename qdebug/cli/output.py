@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import typer
 
 from qdebug.cli.common import console, err_console, writable_dir
+from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional["Staged
 
     if out is None and config and STATE.config().get("out"):
         out = Path(STATE.config().get("out"))
-    if out is None:
+    if out is None or not is_rank_zero():  # under torchrun rank 0 alone writes
         return None
     staged = StagedDir(writable_dir(out))
     _discard_when_the_command_ends(staged)
@@ -121,6 +122,8 @@ def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[
     then stdout in ``fmt``; ``render`` prints the table view."""
     from qdebug.report.output import records, to_json, write_csv, write_json
 
+    if not is_rank_zero():  # under torchrun rank 0 alone prints and writes (qdebug.distributed)
+        return
     written = list(report.files)
     if out is not None:
         written.append(write_csv(out.file(f"{report.command}.csv"), report.frame))

@@ -12,8 +12,8 @@ from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_data, err_console,
-    model_errors, progress_bar, resolve_batches,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
+    check_data, err_console, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -104,7 +104,9 @@ def _suggest_options(options: str) -> str:
         "Calls before a step's first quantized layer reuse the float run's outputs.\n\n"
         "Example: qdebug step fixtures/demo/float.pt fixtures/demo/calibrated.pt --drill --metric top1 "
         "--data fixtures/demo/eval.pt --batches 4\n\n"
-        "Example: qdebug step fixtures/demo/calibrated.pt --cumulative --depth 2 --out step-out"
+        "Example: qdebug step fixtures/demo/calibrated.pt --cumulative --depth 2 --out step-out\n\n"
+        "Example: qdebug step fixtures/demo/float.pt fixtures/demo/calibrated.pt --auto --data fixtures/demo/eval.pt "
+        "--device cuda:0"
     ),
 )
 def step(
@@ -132,6 +134,7 @@ def step(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     modules = list(module or [])
@@ -166,7 +169,7 @@ def step(
     check_selection(net, modules)
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
     task, default_ratio, rules = metric_rules(spec, metric_fn, ratio)
-    with progress_bar("stepping", None) as advance, model_errors("stepping", batch_list[0]):
+    with progress_bar("stepping", None) as advance, model_errors("stepping", batch_list):
         result = run_step(net, batch_list, reference=reference, modules=modules, mode=mode, depth=depth, kind=kind,
                           metric=metric_fn, metric_name=task, rules=rules,
                           progress=lambda done, total: advance(done, total))

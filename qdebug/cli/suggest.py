@@ -13,8 +13,8 @@ from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, check_data, model_errors,
-    progress_bar, resolve_batches, writable_file,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
+    check_data, model_errors, progress_bar, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -110,7 +110,9 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data "
         "fixtures/demo/eval.pt --metric top1 --out suggest-out\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
-        "--batches 2 --min-sqnr 38 --apply -o fixed.pt"
+        "--batches 2 --min-sqnr 38 --apply -o fixed.pt\n\n"
+        "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
+        "--metric top1 --device cuda"
     ),
 )
 def suggest(
@@ -136,6 +138,7 @@ def suggest(
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
+    device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
     fmt = output_format(fmt, as_json)
     if not 2 <= bits <= 16:
@@ -173,7 +176,7 @@ def suggest(
     def diagnoses() -> dict[str, str]:  # compare's, asked for only when the model needs a plan
         return diagnoses_of(found.reference, found.model, batch_list)
 
-    with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list[0]):
+    with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
                              rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
                              diagnoses=diagnoses, confidence=confidence, rank=rank,

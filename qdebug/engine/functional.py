@@ -25,6 +25,12 @@ from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.point import QuantPoint, grid_of, on_grid, pending_of, tag, tag_pending
 
 
+# A rounded mean within this many float64 ulp below a half-integer is the tie (``_rescale_average``):
+# the devices' computations of a mean differ by a few ulp (one to four roundings of the exact sum).
+TIE_ULPS = 8
+TIE_TOLERANCE = TIE_ULPS * 2.0**-52
+
+
 class QuantHandler(Handler):
     def __init__(self, state: "Any") -> None:
         self.state = state  # qdebug.engine.prepare.EngineState
@@ -173,9 +179,16 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
 
 
 def _rescale_average(average: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint, activation: str | None):
-    """round_half_away(mean of codes * s_in / s_out) + z_out, clamped."""
+    """round_half_away(mean of codes * s_in / s_out) + z_out, clamped.
+
+    The mean of integer codes is a fraction, and an exact tie (sum / count = k + 1/2) is common
+    when s_in = s_out.  Devices compute it differently -- the CPU's ``mean`` divides by the
+    count, CUDA's multiplies by its reciprocal -- a few ulp apart, which would round a tie
+    away on one and down on the other.  So a value within ``TIE_ULPS`` ulp below a half counts
+    as the tie: every device gives the same integer."""
     scaled = average * (in_point.scale.detach().double() / out_point.scale.detach().double())
-    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    magnitude = scaled.abs()
+    q = torch.sign(scaled) * torch.floor(magnitude + 0.5 + magnitude * TIE_TOLERANCE)
     return integer.requantize_codes(q.to(torch.int64), out_point, activation)
 
 

@@ -18,6 +18,9 @@ Kernels then compute in integers:
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from qdebug.engine.point import QuantPoint
@@ -30,20 +33,19 @@ FLOAT32_EXACT = 2**24  # integers below this are exact in float32, whatever the 
 
 def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: int) -> torch.Tensor:
     """op(x, w) (a conv or linear: sums of ``terms`` products) on integer codes, exactly
-    (an int64 or integral float64 tensor).
+    (an int64 or integral float64 tensor), on the codes' device.
 
     Fast path: when every partial sum is provably below 2^24, float32 kernels are exact
     in any summation order.  Otherwise x = 16 h + l (0 <= l < 16) and two float32 ops
     whose bounds fit are combined in float64.  Else a float64 op (exact below 2^53).
+    Every op runs on kernels that sum exact products (``_direct_kernels``).
     """
-    if not _float32_sums_exact():
-        return op(x_codes.double(), w_codes.double(), None)
-    max_x = float(x_codes.abs().amax()) if x_codes.numel() else 0.0
-    max_w = float(w_codes.abs().amax()) if w_codes.numel() else 0.0
-    x32, w32 = x_codes.float(), w_codes.float()
-    # NNPACK's Winograd convolution (torch's choice with oneDNN off) transforms its inputs
-    # and is not a sum of exact products; the direct kernels are.
-    with torch.backends.nnpack.flags(enabled=False):
+    with _direct_kernels():
+        if not _float32_sums_exact(x_codes.device):
+            return op(x_codes.double(), w_codes.double(), None)
+        max_x = float(x_codes.abs().amax()) if x_codes.numel() else 0.0
+        max_w = float(w_codes.abs().amax()) if w_codes.numel() else 0.0
+        x32, w32 = x_codes.float(), w_codes.float()
         if terms * max_x * max_w < FLOAT32_EXACT:
             return op(x32, w32, None).double()
         high = torch.floor(x32 / 16)
@@ -51,13 +53,43 @@ def exact_integer_op(op, x_codes: torch.Tensor, w_codes: torch.Tensor, terms: in
         if terms * max(max_x / 16 + 1, 15.0) * max_w < FLOAT32_EXACT:
             # Each partial result is an exact integer below 2^24: combine them in int64.
             return op(high, w32, None).to(torch.int64).mul_(16).add_(op(low, w32, None).to(torch.int64))
-    return op(x_codes.double(), w_codes.double(), None)
+        return op(x_codes.double(), w_codes.double(), None)
 
 
-def _float32_sums_exact() -> bool:
-    """Whether float32 convs/matmuls sum exact products in float32: not when the user allowed
-    TF32/bf16 internals (``torch.set_float32_matmul_precision("high"|"medium")``)."""
-    return torch.get_float32_matmul_precision() == "highest"
+@contextlib.contextmanager
+def _direct_kernels() -> Iterator[None]:
+    """Convolutions as sums of exact products inside the block, on any device, the flags
+    restored after.  NNPACK's Winograd convolution (torch's choice on the CPU with oneDNN off)
+    transforms its inputs, and so may cuDNN (its Winograd and FFT algorithms; it also
+    convolves float32 in TF32 by default): neither sums exact products.  Without cuDNN, CUDA
+    convolves by im2col and a cuBLAS matrix product, whose float32 precision
+    ``_float32_sums_exact`` checks.  (The cuDNN flag is set on the CPU too, where it changes
+    nothing: one code path everywhere.)"""
+    cudnn = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+    try:
+        with torch.backends.nnpack.flags(enabled=False):
+            yield
+    finally:
+        torch.backends.cudnn.enabled = cudnn
+
+
+def _float32_sums_exact(device: torch.device) -> bool:
+    """Whether float32 matrix products on ``device`` sum exact products in float32: not when the
+    user allowed TF32 or bf16 internals -- ``torch.set_float32_matmul_precision("high"|"medium")``,
+    or torch's per-backend ``fp32_precision`` (cuBLAS on CUDA; oneDNN's matmuls and convolutions
+    on the CPU).  When torch cannot tell (it refuses when both ways of setting were mixed), no."""
+    try:
+        if torch.get_float32_matmul_precision() != "highest":
+            return False
+    except RuntimeError:
+        return False
+    if device.type == "cuda":
+        backends = [torch.backends.cuda.matmul]
+    else:
+        mkldnn = torch.backends.mkldnn
+        backends = [getattr(mkldnn, "matmul", None), getattr(mkldnn, "conv", None)]
+    return all(getattr(backend, "fp32_precision", "none") in ("none", "ieee") for backend in backends)
 
 
 def _broadcast_point(v: torch.Tensor, point: QuantPoint, ndim: int) -> torch.Tensor:
@@ -132,7 +164,7 @@ def activation_bounds(point: QuantPoint, activation: str | None) -> tuple[int, i
     if activation in ("relu", "relu6"):
         lo = max(lo, z)
     if activation == "relu6":
-        six = int(torch.round(torch.tensor(6.0) / point.scale.detach().float()).item())
+        six = int(torch.round(6.0 / point.scale.detach().float()))  # on the scale's device, float32 as before
         hi = min(hi, z + six)
     return lo, hi
 

@@ -118,14 +118,17 @@ class _QWeighted(nn.Module):
     def weight_cache_key(self) -> object:
         """Identifies the tensor the weight point quantizes without computing it: the
         identities and versions of everything it is made of (in-place updates bump a
-        version).  None in training under reverse fold, where W f changes every step."""
+        version).  None in training under reverse fold, where W f changes every step.  The
+        weight's device is part of it: ``model.to(device)`` keeps each parameter's identity and
+        version, and a weight quantized on the old device must not be served on the new one."""
         if self.bn_mode == "reverse_fold" and self._bn is not None:
             if self.training:
                 return None
             bn = self._bn
             gamma = (id(bn.weight), bn.weight._version) if bn.weight is not None else None
-            return (id(self.weight), self.weight._version, id(bn.running_var), bn.running_var._version, gamma)
-        return (id(self.weight), self.weight._version)
+            return (id(self.weight), self.weight._version, self.weight.device, id(bn.running_var),
+                    bn.running_var._version, gamma)
+        return (id(self.weight), self.weight._version, self.weight.device)
 
     def refresh_weight_qparams(self) -> None:
         """Recompute a dynamic weight point's qparams from the current weight now (e.g. before saving)."""

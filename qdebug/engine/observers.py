@@ -95,6 +95,10 @@ class Observer(torch.nn.Module):
             rows = self._rows(x.detach())
             if rows.numel() == 0:
                 return x  # nothing to learn from an empty batch
+            if self.nonfinite.device != rows.device:
+                # A fresh observer (a new spec tried by suggest, a point found mid-forward) is made
+                # on the CPU: its statistics go where the data is, as a model's would with .to().
+                self.to(rows.device)
             self._ensure_channels(rows.shape[0], rows.device)
             bmin, bmax, mask = self._batch_minmax(rows)
             self._update(rows, bmin, bmax, mask)
@@ -200,6 +204,26 @@ class Observer(torch.nn.Module):
 
     def _update(self, rows, bmin, bmax, mask) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def merge(self, other: "Observer") -> None:
+        """Fold in what ``other`` (the same observer, spec and layout, fed other batches) saw:
+        afterwards this holds what one observer fed both sets of batches would hold, exactly.
+        Processes of a data-parallel calibration combine their observers with it."""
+        if type(other) is not type(self) or other.spec != self.spec:
+            raise QDebugError(f"cannot merge a {type(other).__name__} into a {type(self).__name__}",
+                              "merge observers of one quant point")
+        with torch.no_grad():
+            self.nonfinite += other.nonfinite.to(self.nonfinite.device)
+            if other.min_val.numel() == 0:
+                return
+            theirs = [t.to(self.min_val.device) for t in (other.min_val, other.max_val)]
+            if self.min_val.numel() == 0:
+                self.min_val, self.max_val = theirs[0].clone(), theirs[1].clone()
+            else:
+                self._merge_minmax(*theirs)
+
+    def _merge_minmax(self, other_min: torch.Tensor, other_max: torch.Tensor) -> None:
+        self._store_minmax(torch.minimum(self.min_val, other_min), torch.maximum(self.max_val, other_max))
 
     def _store_minmax(self, new_min: torch.Tensor, new_max: torch.Tensor) -> None:
         self.min_val.copy_(new_min.reshape(self.min_val.shape))
@@ -311,6 +335,11 @@ class EMAObserver(Observer):
         new_max = torch.where(have, torch.where(fresh, bmax, old_max + c * (bmax - old_max)), old_max)
         self._store_minmax(new_min, new_max)
 
+    def merge(self, other: "Observer") -> None:
+        raise QDebugError("the ema observer's range depends on the order of the batches, so processes that "
+                          "saw different batches cannot combine it",
+                          "calibrate with minmax, percentile, mse or kl, or on one process")
+
 
 class HistogramObserver(Observer):
     """Base of ``percentile``/``mse``/``kl``: a fixed-size, exactly mergeable histogram.
@@ -325,13 +354,20 @@ class HistogramObserver(Observer):
     integer multiples of ``w_c`` (0 is always an edge, which makes folding onto
     ``|x|`` exact).  Memory is ``C * bins`` counts whatever the number of batches.
 
-    First batch with data: ``w = max((hi - lo) / (bins - 2), max(|lo|, |hi|) * 2^-30,
-    2^-126)`` -- the first term makes the range fit, the second keeps anchors
-    within int64 for narrow ranges far from 0, the third handles all-zero data.
+    The width is *canonical*: with ``[m, M]`` the running min/max, ``w`` is the
+    smallest power of two with
 
-    Every batch: with ``[m, M]`` the running min/max including the batch, find the
-    smallest ``k >= 0`` with ``floor(M / (w 2^k)) - floor(m / (w 2^k)) + 1 <= bins``;
-    set ``w <- w 2^k`` and re-anchor ``a <- floor(m / w)``.  Old absolute bin ``i``
+        floor(M / w) - floor(m / w) + 1 <= bins     (the range fits),
+        w >= max(|m|, |M|) 2^-30                     (anchors stay far inside int64),
+        w >= 2^-126                                  (all-zero data).
+
+    Each condition only gets harder as ``[m, M]`` grows and easier as ``w`` doubles,
+    so the canonical width of a wider range is a power-of-two multiple of a narrower
+    range's: every batch finds the smallest ``k >= 0`` for which ``w 2^k`` meets them
+    for the running range, sets ``w <- w 2^k`` and re-anchors ``a <- floor(m / w)``.
+    The final ``(w, a)`` depend on the data's min and max alone, not on the order or
+    the split of the batches, which is what lets the histograms of several processes
+    merge exactly (``merge``).  Old absolute bin ``i``
     moves to ``floor(i / 2^k)``: each new bin is the exact union of ``2^k`` old
     bins, so merging loses nothing and the histogram equals the one built from
     all data at once with the final ``(w, a)``.  (Division by a power of two is
@@ -393,10 +429,7 @@ class HistogramObserver(Observer):
         w, a = self.width, self.anchor
         fresh = have & (w == 0)
         if bool(fresh.any()):
-            b_lo, b_hi = bmin.double(), bmax.double()
-            amax = torch.maximum(b_lo.abs(), b_hi.abs())
-            w0 = torch.maximum((b_hi - b_lo) / (bins - 2), amax * 2.0**-30).clamp(min=2.0**-126)
-            w = torch.where(fresh, w0, w)
+            w = torch.where(fresh, self._canonical_width(lo, hi, have), w)
         k = self._doublings(lo, hi, w, have)
         w_new = torch.ldexp(w, k)
         safe_w = torch.where(have, w_new, torch.ones_like(w_new))  # no 0-division on idle channels
@@ -430,15 +463,28 @@ class HistogramObserver(Observer):
         need = torch.log2(torch.clamp(span / (w * (bins - 2)), min=1.0))
         k = torch.clamp(torch.ceil(need) - 1, min=0).long()
 
+        floor = torch.maximum(lo.abs(), hi.abs()) * 2.0**-30
+
         def fits(k):
             wk = torch.ldexp(w, k)
-            return torch.floor(hi / wk) - torch.floor(lo / wk) + 1 <= bins
+            return (torch.floor(hi / wk) - torch.floor(lo / wk) + 1 <= bins) & (wk >= floor)
 
         ok = fits(k)
         while not bool(ok.all()):
             k = torch.where(ok, k, k + 1)
             ok = fits(k)
         return k
+
+    def _canonical_width(self, lo: torch.Tensor, hi: torch.Tensor, have: torch.Tensor) -> torch.Tensor:
+        """The smallest power of two meeting the three conditions of the class docstring for
+        [lo, hi] (float64 per channel; 1 where ``have`` is False)."""
+        lo, hi = torch.where(have, lo, 0.0), torch.where(have, hi, 0.0)
+        # floor(M/w) - floor(m/w) >= (M - m)/w - 1, so a fitting w is >= (M - m) / bins: the
+        # smallest power of two above every lower bound is where the search starts.
+        bound = torch.maximum((hi - lo) / self.bins, torch.maximum(lo.abs(), hi.abs()) * 2.0**-30).clamp(min=2.0**-126)
+        mantissa, exponent = torch.frexp(bound)  # bound = mantissa 2^exponent, mantissa in [0.5, 1)
+        start = torch.ldexp(torch.ones_like(bound), torch.where(mantissa == 0.5, exponent - 1, exponent))
+        return torch.where(have, torch.ldexp(start, self._doublings(lo, hi, start, have)), torch.ones_like(bound))
 
     def _remap(self, hist, a_old, k, a_new) -> torch.Tensor:
         """Move counts to width w 2^k and anchor a_new: old absolute bin i -> floor(i / 2^k)."""
@@ -454,6 +500,35 @@ class HistogramObserver(Observer):
         return torch.zeros_like(hist).scatter_add_(1, local, hist)
 
     # -- helpers for subclasses ----------------------------------------------------------
+    def merge(self, other: "Observer") -> None:
+        """Both histograms moved onto the canonical width of the united range and added: exact,
+        since each is on a power-of-two fraction of it (class docstring)."""
+        mine = (self.hist, self.width, self.anchor) if self.hist.shape[0] else None
+        device = self.hist.device
+        theirs = tuple(t.to(device) for t in (other.hist, other.width, other.anchor)) if other.hist.shape[0] else None
+        super().merge(other)
+        if theirs is None:
+            return
+        if mine is None:
+            self.hist, self.width, self.anchor = (t.clone() for t in theirs)
+            return
+        lo, hi = self._flat(self.min_val).double(), self._flat(self.max_val).double()
+        have = torch.isfinite(lo)
+        w = torch.maximum(mine[1], theirs[1])  # the wider of two canonical widths: a start for the united range
+        w = torch.where(have, torch.ldexp(w, self._doublings(lo, hi, torch.where(w > 0, w, 1.0), have)), w)
+        anchor = torch.where(have, torch.floor(torch.where(have, lo, 0.0) / torch.where(have, w, 1.0)).long(), mine[2])
+        hist = torch.zeros_like(mine[0])
+        for part_hist, part_w, part_a in (mine, theirs):
+            used = part_w > 0
+            mantissa, exponent = torch.frexp(torch.where(used, w / torch.where(used, part_w, 1.0), 1.0))
+            if bool((used & (mantissa != 0.5)).any()):
+                raise QDebugError("these observers' histograms are not on power-of-two related grids, so they "
+                                  "cannot be merged exactly (one was saved by an older qdebug)",
+                                  "calibrate again from the float checkpoint")
+            k = torch.where(used, exponent - 1, 0).long()
+            hist += self._remap(part_hist, torch.where(used, part_a, anchor), k, anchor)
+        self.hist, self.width, self.anchor = hist, w, anchor
+
     def _bin_lower_edges(self) -> torch.Tensor:
         """float64 [C, bins]: lower edge of each bin, ``(a + j) w``."""
         j = torch.arange(self.bins, device=self.hist.device, dtype=torch.float64)
@@ -782,6 +857,24 @@ _OBSERVER_CLASSES: dict[str, type[Observer]] = {
     "mse": MSEObserver,
     "kl": KLObserver,
 }
+
+
+def merge_ranks(group, observers: dict[str, Observer]) -> None:
+    """The observers of every rank of a data-parallel run merged into these (``Observer.merge``,
+    exact), the same on every rank.  ``group``: a ``qdebug.distributed.Group``."""
+    def merge(a: dict, b: dict) -> dict:
+        merged = {}
+        for name, saved in a.items():
+            mine, theirs = make_observer(observers[name].spec), make_observer(observers[name].spec)
+            mine.load_state_dict(saved)
+            theirs.load_state_dict(b[name])
+            mine.merge(theirs)
+            merged[name] = mine.state_dict()
+        return merged
+
+    combined = group.combine({name: obs.state_dict() for name, obs in observers.items()}, merge)
+    for name, obs in observers.items():
+        obs.load_state_dict({key: value.to(obs.nonfinite.device) for key, value in combined[name].items()})
 
 
 def make_observer(spec: QuantSpec) -> Observer:

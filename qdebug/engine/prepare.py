@@ -23,10 +23,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from qdebug import vocab
+from qdebug import distributed, vocab
+from qdebug.device import model_device
 from qdebug.engine.context import Call, ForwardContext, active_context, run_model
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
+from qdebug.engine.observers import merge_ranks
 from qdebug.engine.ops import VALUE_CATEGORIES
 from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.engine.point import MODES, QuantPoint
@@ -81,6 +83,7 @@ class EngineState:
         # Follow the other activation points (weight points sit in "float" during calibration).
         reference = next((p for p in self.points.values() if p.kind == "activation"), None)
         if reference is not None:
+            point.to(reference.scale.device)  # where the model runs
             point.mode = reference.mode
             point.observe_in_fake = reference.observe_in_fake
             point.train(reference.training)
@@ -251,6 +254,9 @@ def prepare(
             + (" ..." if len(fallbacks) > 10 else ""),
             stacklevel=2,
         )
+    device = model_device(qm)
+    if device is not None:  # the points' scales and observers live with the model's tensors
+        table.to(device)
     qm.add_module(POINTS_ATTR, table)
     if isinstance(qm, nn.Sequential):
         qm.__class__ = _sequential_without_points(type(qm))
@@ -344,16 +350,19 @@ def calibrate(
 ) -> nn.Module:
     """Run ``batches`` through the model with every observer on, then freeze the scales.
 
-    Each batch is the model's input: a tensor, a tuple of args or a dict of kwargs.
-    Afterwards every point is in mode "fake".  Points never reached keep no scale
-    and are reported by ``quant_points`` as uninitialised.
+    Each batch is the model's input (a tensor, a tuple of args or a dict of kwargs) or a
+    ``qdebug.data.Batch``.  Afterwards every point is in mode "fake".  Points never reached
+    keep no scale and are reported by ``quant_points`` as uninitialised.  Under torchrun
+    (``qdebug.distributed``) each rank observes its share of the batches and the ranks'
+    observers are merged before the scales freeze, so every rank freezes the same scales.
     """
     state = engine_state(model)
-    batches = iter(batches)
+    group = distributed.current()
+    batches = (getattr(batch, "inputs", batch) for _, batch in group.shard(batches))
     first = next(batches, _NO_BATCH)
-    if first is _NO_BATCH:  # checked before any observer is reset or mode changed
+    if first is _NO_BATCH and not group.active:  # checked before any observer is reset or mode changed
         raise QDebugError("calibration got no batches", "pass at least one batch of inputs")
-    batches = itertools.chain([first], batches)
+    batches = itertools.chain([first] if first is not _NO_BATCH else [], batches)
     was_training = model.training
     model.eval()
     for point in state.points.values():
@@ -369,6 +378,8 @@ def calibrate(
             count += 1
             if progress is not None:
                 progress(count)
+    if group.active:
+        count = _merge_observers(group, state, count)
     if count == 0:
         raise QDebugError("calibration got no batches", "pass at least one batch of inputs")
     for name, point in state.points.items():
@@ -380,6 +391,13 @@ def calibrate(
     _refresh_weight_points(model)
     model.train(was_training)
     return model
+
+
+def _merge_observers(group: "distributed.Group", state: Any, count: int) -> int:
+    """Every rank's activation observers merged into this rank's (exact); the number of
+    batches all ranks saw."""
+    merge_ranks(group, {name: p.observer for name, p in state.points.items() if p.kind == "activation"})
+    return group.combine(count, lambda a, b: a + b)
 
 
 def _refresh_weight_points(model: nn.Module) -> None:

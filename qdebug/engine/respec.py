@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.observers import make_observer
+from qdebug import distributed
+from qdebug.engine.observers import make_observer, merge_ranks
 from qdebug.engine.point import QuantPoint
 from qdebug.engine.spec import qparams_from_range
 from qdebug.errors import QDebugError
@@ -120,9 +121,12 @@ def observed_qparams(model: nn.Module, names: list[str], spec_changes: Mapping[s
             point = points[name]
             point.observer = make_observer(point.spec.replace(**dict(spec_changes)))
             point.mode = "observe"
+        group = distributed.current()
         with torch.no_grad():
-            for batch in batches:
+            for _, batch in group.shard(batches):  # under torchrun: this rank's share, observers merged below
                 run_model(model, getattr(batch, "inputs", batch))
+        if group.active:
+            merge_ranks(group, {name: points[name].observer for name in names})
         return {name: qparams_with_spec(points[name]) for name in names}
     finally:
         for name, (mode, observer) in saved.items():

@@ -81,7 +81,8 @@ def bootstrap_interval(f_scores: torch.Tensor, q_scores: torch.Tensor, rule: Tas
     if n == 0 or n != q_scores.numel():
         raise QDebugError("per-sample scores of the two models differ in length", "evaluate both on the same data")
     generator = torch.Generator().manual_seed(seed)
-    f64, q64 = f_scores.double().reshape(-1), q_scores.double().reshape(-1)
+    # On the CPU, with the CPU's generator: the same interval whatever device scored the samples.
+    f64, q64 = f_scores.detach().double().reshape(-1).cpu(), q_scores.detach().double().reshape(-1).cpu()
     scores = torch.empty(resamples, dtype=torch.float64)
     chunk = max(1, 2_000_000 // n)
     for start in range(0, resamples, chunk):

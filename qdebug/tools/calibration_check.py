@@ -15,11 +15,12 @@ observer that went wrong) shows as a point clipping much of its input and a low 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
+from qdebug import distributed
 from qdebug.engine import engine_state, quantization_off
 from qdebug.engine.context import Event, run_model
 from qdebug.stats import sqnr_db
@@ -40,9 +41,10 @@ class CalibrationCheck:
         return not self.sqnr_db >= LOW_SQNR_DB  # NaN is low too
 
 
-def check_calibration(model: nn.Module, batches: Sequence[Any]) -> CalibrationCheck:
+def check_calibration(model: nn.Module, batches: Iterable[Any]) -> CalibrationCheck:
     """The calibrated ``model``'s output SQNR against its float run, and the points that clip
-    (module docstring).  ``batches``: model inputs (a tensor, a tuple of args or a dict)."""
+    (module docstring).  ``batches``: model inputs (a tensor, a tuple of args or a dict) or
+    ``qdebug.data.Batch``es; under torchrun each rank checks its share and the sums combine."""
     state = engine_state(model)
     counts: dict[str, list[int]] = {}
 
@@ -56,13 +58,15 @@ def check_calibration(model: nn.Module, batches: Sequence[Any]) -> CalibrationCh
 
     activations = [p for p in state.points.values() if p.kind == "activation"]
     signal = error = 0.0
+    group = distributed.current()
     was_training = model.training
     model.eval()
     try:
         for point in activations:
             point.count_clipped = True
         with torch.no_grad():
-            for inputs in batches:
+            for _, batch in group.shard(batches):
+                inputs = getattr(batch, "inputs", batch)
                 with quantization_off(model):
                     reference = named_outputs(run_model(model, inputs))
                 with tap(model, count):
@@ -78,7 +82,15 @@ def check_calibration(model: nn.Module, batches: Sequence[Any]) -> CalibrationCh
         for point in activations:
             point.count_clipped, point.clipped = False, None
         model.train(was_training)
+    if group.active:
+        signal, error, counts = group.combine((signal, error, counts), _merge_sums)
     clipping = [{"point": name, "clipped": n / total} for name, (n, total) in counts.items()
                 if total and n / total > CLIPPING]
     clipping.sort(key=lambda row: -row["clipped"])
     return CalibrationCheck(sqnr_db(signal, error), clipping)
+
+
+def _merge_sums(a: tuple, b: tuple) -> tuple:
+    """Two ranks' (signal, error, clip counts) as one."""
+    counts = {name: [x + y for x, y in zip(a[2].get(name, [0, 0]), b[2].get(name, [0, 0]))] for name in {**a[2], **b[2]}}
+    return a[0] + b[0], a[1] + b[1], counts

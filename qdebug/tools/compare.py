@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from qdebug import vocab
+from qdebug import distributed, vocab
 from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.modules import _QWeighted
@@ -93,7 +93,7 @@ def _grid(point: QuantPoint | None) -> tuple[float, int, int, int] | None:
 def _sample(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1).float()
     step = max(1, flat.numel() // HISTOGRAM_SAMPLES)
-    return flat[::step][:HISTOGRAM_SAMPLES].clone()
+    return flat[::step][:HISTOGRAM_SAMPLES].clone().cpu()  # for the plots (numpy), from any device
 
 
 class _Listener:
@@ -237,6 +237,46 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
     return {}
 
 
+@dataclass
+class _RankState:
+    """What one rank of a data-parallel compare accumulated (``qdebug.distributed``)."""
+
+    stats: dict
+    notes: dict
+    samples: dict
+    kinds: dict
+    order: list
+    seen: dict
+    count: int
+
+    def pack(self) -> dict:
+        return {"stats": {key: (a.state(), b.state()) for key, (a, b) in self.stats.items()}, "notes": self.notes,
+                "samples": self.samples, "kinds": self.kinds, "order": self.order,
+                "seen": {label: set(names) for label, names in self.seen.items()}, "count": self.count}
+
+    @staticmethod
+    def merge(a: dict, b: dict) -> dict:
+        """Rank a's state, then rank b's: sums added, first sightings (notes, samples from
+        the first batch, layer order) kept from the lower rank."""
+        stats = dict(a["stats"])
+        for key, (prop, iso) in b["stats"].items():
+            if key in stats:
+                mine = stats[key]
+                stats[key] = (ErrorStats.from_state(mine[0]).merge(ErrorStats.from_state(prop)).state(),
+                              ErrorStats.from_state(mine[1]).merge(ErrorStats.from_state(iso)).state())
+            else:
+                stats[key] = (prop, iso)
+        seen = {label: a["seen"].get(label, set()) | b["seen"].get(label, set()) for label in {*a["seen"], *b["seen"]}}
+        return {"stats": stats, "notes": {**b["notes"], **a["notes"]}, "samples": {**b["samples"], **a["samples"]},
+                "kinds": {**b["kinds"], **a["kinds"]}, "order": a["order"] + [n for n in b["order"] if n not in a["order"]],
+                "seen": seen, "count": a["count"] + b["count"]}
+
+    @staticmethod
+    def unpack(state: dict) -> tuple:
+        stats = {key: (ErrorStats.from_state(p), ErrorStats.from_state(i)) for key, (p, i) in state["stats"].items()}
+        return stats, state["notes"], state["samples"], state["kinds"], state["order"], state["seen"], state["count"]
+
+
 def compare(
     models: Sequence[tuple[str, nn.Module]],
     batches: Sequence[Any],
@@ -290,9 +330,10 @@ def compare(
     for point in counting:  # saturation from the fake-quant kernels' own masks (no pass over raw)
         point.count_clipped = True
     count = 0
+    group = distributed.current()
     try:
         with torch.no_grad():
-            for batch in batches:
+            for _, batch in group.shard(batches):  # every batch, or this rank's share (docs/scale.md)
                 inputs = getattr(batch, "inputs", batch)
                 capture.clear()
                 with tap(ref_model, capture):
@@ -317,6 +358,12 @@ def compare(
         for point in counting:
             point.count_clipped, point.clipped = False, None
         capture.release()
+    if group.active:
+        seen = {listener.label: listener.seen for listener in listeners}
+        merged = group.combine(_RankState(stats, notes, samples, kinds, order, seen, count).pack(), _RankState.merge)
+        stats, notes, samples, kinds, order, seen, count = _RankState.unpack(merged)
+        for listener in listeners:
+            listener.seen = seen.get(listener.label, set())
     if count == 0:
         raise QDebugError("compare got no batches", "pass --data with at least one batch")
 

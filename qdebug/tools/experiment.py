@@ -8,7 +8,8 @@ the batches:
 
 - **batches outside, trials inside.**  Per batch the float reference runs once
   (in the first run; its outputs -- model outputs only -- are kept for later runs);
-  they and the recorded runs of one batch are all that is held;
+  they and the recorded runs of one batch are all that is held.  The batches are a
+  ``qdebug.batch_source.BatchSource``: each run reads them anew, one at a time;
 - **the float prefix is cached.**  Per batch the model first runs with every
   point in float (the *base* run) and every call's output is recorded
   (``qdebug.tap.Capture``).  A trial's forward then takes the stored output of
@@ -42,18 +43,20 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from qdebug import distributed
 from qdebug.engine import engine_state
 from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.respec import raise_bits, set_qparams
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.served import ServedCalls, serving
+from qdebug.batch_source import as_source
 from qdebug.errors import QDebugError
 from qdebug.metrics import Metric, call_metric, run_metric
 from qdebug.stats import cosine_of_sums, sqnr_db
 from qdebug.tap import Capture, tap
 from qdebug.tools.baseline import TaskRule, check_metric_values, evaluate_rule
-from qdebug.tools.metric_replay import MetricRun, ReplayModel, per_sample_function
+from qdebug.tools.metric_replay import MetricRun, ReplayModel, input_fingerprint, per_sample_function
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,11 @@ class _OutputStats:
             sums[2] += float((x64 * y64).sum())
             sums[3] += float((y64 * y64).sum())
 
+    @staticmethod
+    def merge_sums(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Two ranks' sums (over other batches) as one."""
+        return {name: [x + y for x, y in zip(a.get(name, [0.0] * 4), b.get(name, [0.0] * 4))] for name in {**a, **b}}
+
     def result(self) -> dict[str, dict[str, float]]:
         return {name: {"sqnr_db": sqnr_db(s[0], s[1]), "cosine": cosine_of_sums(s[2], s[0], s[3])}
                 for name, s in self.sums.items()}
@@ -221,8 +229,8 @@ class Experiment:
                  metric: Metric | None = None, metric_name: str = "metric",
                  progress: Callable[[int, int], None] | None = None):
         self.model = model
-        self.batches = list(batches)
-        if not self.batches:
+        self.batches = as_source(batches)  # lazy and re-iterable: each run is one pass over the data
+        if self.batches.count == 0:
             raise QDebugError("the experiment got no batches", "pass --data with at least one batch")
         self.reference = reference
         self.metric = metric
@@ -242,7 +250,11 @@ class Experiment:
         self.macs: dict[str, int] = {}
         self.sizes: dict[str, int] = {}  # call -> output values per sample
         self.params, self._other_params = self._parameters()
-        self.samples = sum(_samples_in(b) for b in self.batches)  # the batches' first dimension, summed
+        self.samples: int | None = None  # the batches' first dimension, summed by the first run
+        self._input_prints: list[bytes] = []  # each batch's ReplayModel fingerprint, for a metric on stored outputs
+        self.group = distributed.current()  # under torchrun: this rank's share of the batches, combined after each run
+        self._all_prints: list[bytes] | None = None  # under torchrun: every batch's fingerprint (not only this rank's)
+        self._batch_index = 0
         self.call_order: list[str] = []  # the base run's calls, in execution order
         self._acting_calls = self._calls_acted_on()
         self._done = 0
@@ -275,21 +287,30 @@ class Experiment:
         first = self._references is None
         with_base = first or self._base_serves(trials)
         references: list[Any] = [] if first else self._references
-        total = len(self.batches) * (len(trials) + with_base + (first and self.reference is not None))
+        count = self.batches.count  # None until a first pass has counted the user's data
+        if count is not None and self.group.active:  # this rank's share (docs/scale.md)
+            count = len(range(self.group.rank, count, self.group.world))
+        total = count * (len(trials) + with_base + (first and self.reference is not None)) if count is not None else None
+        samples = 0
         self._done = 0
         for module, _ in modes:
             module.eval()
         try:
             with torch.no_grad():
-                for batch_index, batch in enumerate(self.batches):
+                for position, (batch_index, batch) in enumerate(self.group.shard(self.batches)):
+                    self._batch_index = batch_index  # where the metric's per-batch values go
                     inputs = getattr(batch, "inputs", batch)
                     self._check_batch(batch_index, inputs)
+                    if first:
+                        samples += _samples_in(batch)
+                        if self.metric is not None and sampler is None:
+                            self._input_prints.append(input_fingerprint(batch))
                     if with_base:
                         self._set(frozenset(), loaded)
                         base_out = self._record(inputs, base, costs=not self.macs)
                         self._tick(total)
                     if not first:
-                        ref_out = references[batch_index]
+                        ref_out = references[position]
                     elif self.reference is not None:
                         ref_out = run_model(self.reference, inputs)
                         self._tick(total)
@@ -315,8 +336,11 @@ class Experiment:
                 module.train(training)
             for recording in (base, anchor, *recordings):
                 recording.capture.release()
+        if self.group.active:
+            samples = self._combine_ranks(stats, floor if first else None, runs, float_run, served_counts, samples)
         if first:
             self._references = references
+            self.samples = samples
             if self.reference is not None:
                 self.floor = floor.result()
         if float_run is not None:
@@ -330,6 +354,39 @@ class Experiment:
                                        *self.shares(trial.quantized), served_calls=served_counts[k],
                                        samples=self._named(runs[k].sample_scores())))
         return results
+
+    def _combine_ranks(self, stats: list["_OutputStats"], floor: "_OutputStats | None", runs: list[MetricRun],
+                       float_run: MetricRun | None, served: list[int], samples: int) -> int:
+        """Under torchrun: every rank's sums, metric runs and counts merged into this rank's
+        (the same on every rank, so every rank takes the same next step); the samples counted."""
+        def merge(a: dict, b: dict) -> dict:
+            return {
+                "stats": [_OutputStats.merge_sums(x, y) for x, y in zip(a["stats"], b["stats"])],
+                "floor": _OutputStats.merge_sums(a["floor"], b["floor"]) if a["floor"] is not None else None,
+                "runs": [MetricRun.merge(x, y) for x, y in zip(a["runs"], b["runs"])],
+                "float_run": MetricRun.merge(a["float_run"], b["float_run"]) if a["float_run"] is not None else None,
+                "served": [x + y for x, y in zip(a["served"], b["served"])],
+                "samples": a["samples"] + b["samples"],
+                # Costs and call order come from a rank that ran a batch (rank 0, unless it had none).
+                "costs": a["costs"] if a["costs"][2] else b["costs"],
+            }
+
+        mine = {"stats": [s.sums for s in stats], "floor": floor.sums if floor is not None else None,
+                "runs": [r.state() for r in runs], "float_run": float_run.state() if float_run is not None else None,
+                "served": served, "samples": samples, "costs": (self.macs, self.sizes, self.call_order)}
+        merged = self.group.combine(mine, merge)
+        for s, sums in zip(stats, merged["stats"]):
+            s.sums = sums
+        if floor is not None:
+            floor.sums = merged["floor"]
+        for run, state in zip(runs, merged["runs"]):
+            run.absorb(state)
+        if float_run is not None:
+            float_run.absorb(merged["float_run"])
+        served[:] = merged["served"]
+        self.macs, self.sizes, self.call_order = (dict(merged["costs"][0]), dict(merged["costs"][1]),
+                                                  list(merged["costs"][2]))
+        return merged["samples"]
 
     def _base_serves(self, trials: Sequence[Trial]) -> bool:
         """Whether a trial would take a call other than a model input from the base run."""
@@ -464,10 +521,11 @@ class Experiment:
     # -- metric ---------------------------------------------------------------------------
     def _score(self, run: MetricRun, sampler, out: Any, ref_out: Any, batch: Any) -> None:
         if not run.streaming:
-            run.outputs.append(_clone(out))
+            run.keep_output(_clone(out), self._batch_index)
             return
         model = ReplayModel([batch], [out])
-        run.add(call_metric(sampler, model, [batch], ReplayModel([batch], [ref_out]), self.metric_name))
+        run.add(call_metric(sampler, model, [batch], ReplayModel([batch], [ref_out]), self.metric_name),
+                self._batch_index)
         self._called(model)
 
     def _finish(self, run: MetricRun, *, of_float: bool = False) -> dict[str, float]:
@@ -476,8 +534,11 @@ class Experiment:
         if run.streaming:
             values = run.values()
         else:
-            model = ReplayModel(self.batches, run.outputs)
-            values = run_metric(self.metric, model, self.batches, reference=ReplayModel(self.batches, self._float_outputs),
+            if self.group.active and self._all_prints is None:  # every batch's, for outputs of every rank
+                self._all_prints = [input_fingerprint(b) for b in self.batches]
+            prints = self._all_prints if self.group.active else self._input_prints
+            model = ReplayModel(None, run.outputs, prints)
+            values = run_metric(self.metric, model, self.batches, reference=ReplayModel(None, self._float_outputs, prints),
                                 name=self.metric_name)
             self._called(model)
         values = {self.metric_name: values["metric"]} if list(values) == ["metric"] else values

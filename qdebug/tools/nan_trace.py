@@ -21,12 +21,13 @@ import copy
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qdebug.batch_source import BatchSource, as_source
 from qdebug.data import Batch
 from qdebug.engine import engine_state, is_prepared, quantization_off
 from qdebug.engine.context import run_model
@@ -50,7 +51,7 @@ class Snapshot:
     rng_state: torch.Tensor
     step: int
     batch: int
-    other_rng: tuple = ()  # Python's and numpy's generator states (a user's data or training code may draw)
+    other_rng: tuple = ()  # Python's, numpy's and CUDA's generator states (a user's data or training code may draw)
 
 
 @dataclass
@@ -132,12 +133,14 @@ def _pairwise(output: Any, target: Any, kind: str) -> torch.Tensor:
     return F.mse_loss(output.float(), target.float())
 
 
-def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str = "auto", optimizer: str = "sgd",
+def trace_steps(model: nn.Module, batches: Iterable[Batch], *, steps: int, loss: str = "auto", optimizer: str = "sgd",
                 lr: float = 0.01, seed: int = 0, train: Callable | None = None,
                 optimizer_state: dict | None = None, rng_state: torch.Tensor | None = None,
                 float_model: nn.Module | None = None, float_kind: str = "plain",
                 progress: Callable[[int, int], None] | None = None) -> TraceResult:
-    """Run ``steps`` steps (0: forward passes only) until the first non-finite value (module docstring)."""
+    """Run ``steps`` steps (0: forward passes only) until the first non-finite value (module docstring).
+    ``batches``: a list or a ``BatchSource``, read lazily, pass after pass while the steps cycle."""
+    batches = as_source(batches)
     if loss not in LOSSES:
         raise QDebugError(f"unknown loss {loss!r}", f"choose one of {', '.join(LOSSES)}")
     _seed_all(seed)
@@ -154,7 +157,7 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
     contained = [{"phase": k[0], "layer": k[1], "what": k[2], "step": step} for k, step in run.contained.items()]
     result = TraceResult(None, run.history, run.steps_run, meta={
         "steps": steps, "loss": run.loss_kind, "optimizer": optimizer if steps else None,
-        "lr": lr if steps else None, "seed": seed, "batches": len(batches), "contained": contained})
+        "lr": lr if steps else None, "seed": seed, "batches": run.batch_count, "contained": contained})
     if finding is not None:
         if run.failing_snapshot is not None:  # the evidence as the step found it (BN statistics, scales)
             run.restore(run.failing_snapshot)
@@ -162,7 +165,7 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
         result.first = {**finding.to_dict(), "cause": diagnosis.cause, "detail": diagnosis.detail,
                         "fix": diagnosis.fix}
         result.snapshot = run.failing_snapshot
-        result.failing_batch = batches[finding.batch]
+        result.failing_batch = run.failing_batch
     if float_model is not None:
         _seed_all(seed)
         if rng_state is not None:
@@ -180,7 +183,7 @@ def trace_steps(model: nn.Module, batches: list[Batch], *, steps: int, loss: str
 class _Run:
     """One traced run: the loop, its snapshots, the cheap checks and the detailed re-run."""
 
-    def __init__(self, model: nn.Module, batches: list[Batch], *, steps: int, loss: str, optimizer: str, lr: float,
+    def __init__(self, model: nn.Module, batches: BatchSource, *, steps: int, loss: str, optimizer: str, lr: float,
                  train: Callable | None, saturation: bool, float_check: bool = False):
         self.model = model
         self.batches = batches
@@ -197,6 +200,8 @@ class _Run:
         self.history: list[StepStats] = []
         self.steps_run = 0
         self.failing_snapshot: Snapshot | None = None
+        self.failing_batch: Batch | None = None  # the batch of the failing step (the only batch kept)
+        self._seen = 0  # batches the steps have reached, while the data's count is unknown
         self.contained: dict[tuple, int] = {}  # (phase, layer, what) of a contained non-finite value -> first step
         consumers = consumers_of(engine_state(model).plan) if is_prepared(model) else _traced_consumers(model, batches)
         self.watch = Watch(model, detail=False, saturation=saturation, consumers=consumers)
@@ -204,25 +209,44 @@ class _Run:
         self.params = [(n, p) for n, p in model.named_parameters()]
 
     # -- the loop ---------------------------------------------------------------------
+    @property
+    def batch_count(self) -> int:
+        """Batches in the data: known once a pass has counted them, else the ones the steps saw."""
+        count = self.batches.count
+        return count if count is not None else self._seen
+
+    def _schedule(self) -> Iterator[tuple[int, Batch]]:
+        """(batch index, batch) for each step: one pass (``steps`` 0), else passes over the data
+        until ``steps`` steps, each pass reading the batches anew."""
+        done = 0
+        while not self.steps or done < self.steps:
+            for batch_index, batch in enumerate(self.batches):
+                self._seen = max(self._seen, batch_index + 1)
+                yield batch_index, batch
+                done += 1
+                if self.steps and done == self.steps:
+                    return
+            if not self.steps or not self._seen:
+                return
+
     def go(self, progress: Callable[[int, int], None] | None) -> Finding | None:
-        total = self.steps if self.steps else len(self.batches)
+        total = self.steps if self.steps else self.batches.count
         if self.steps:
             self.model.train()
         else:
             self.model.eval()
         with self.watch:
-            for index in range(total):
-                step, batch_index = (index, index % len(self.batches)) if self.steps else (index, index)
-                found = self._one(step, batch_index)
-                self.steps_run = index + 1
+            for step, (batch_index, batch) in enumerate(self._schedule()):
+                found = self._one(step, batch_index, batch)
+                self.steps_run = step + 1
                 if progress is not None:
-                    progress(index + 1, total)
+                    progress(step + 1, total)
                 if found is not None:
+                    self.failing_batch = batch
                     return found
         return None
 
-    def _one(self, step: int, batch_index: int) -> Finding | None:
-        batch = self.batches[batch_index]
+    def _one(self, step: int, batch_index: int, batch: Batch) -> Finding | None:
         snapshot = self._snapshot(step, batch_index)
         stats = StepStats(step, batch_index)
         self.watch.detail = False
@@ -321,13 +345,13 @@ class _Run:
 
     # -- evidence for the causes --------------------------------------------------------------
     def evidence(self, finding: Finding):
-        batch = self.batches[finding.batch]
+        batch = self.failing_batch
         return evidence_for(self.model, inputs=batch.inputs, targets=batch.target, history=list(self.history),
                             lr=self.lr if self.steps else None,
                             optimizer=self.optimizer_name if self.steps else None)
 
 
-def _traced_consumers(model: nn.Module, batches: list[Batch]) -> dict[str, list[str]]:
+def _traced_consumers(model: nn.Module, batches: BatchSource) -> dict[str, list[str]]:
     """A plain model's call graph, from one traced forward of the first batch."""
     from qdebug.engine.plan import trace_plan
 
@@ -380,12 +404,15 @@ def _seed_all(seed: int) -> None:
 
 
 def _other_rng_states() -> tuple:
+    """Python's, numpy's and CUDA's generator states (CUDA's once it has started: dropout on the
+    GPU draws from it, and a re-run step must draw the same masks)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         import numpy as np
 
-        return random.getstate(), np.random.get_state()
+        return random.getstate(), np.random.get_state(), cuda
     except ImportError:  # pragma: no cover
-        return random.getstate(), None
+        return random.getstate(), None, cuda
 
 
 def _set_other_rng_states(states: tuple) -> None:
@@ -396,6 +423,8 @@ def _set_other_rng_states(states: tuple) -> None:
         import numpy as np
 
         np.random.set_state(states[1])
+    if len(states) > 2 and states[2] is not None:
+        torch.cuda.set_rng_state_all(states[2])
 
 
 def plain_float_model(model: nn.Module, spec, *, strict: bool = False) -> tuple[nn.Module, str]:
@@ -404,9 +433,13 @@ def plain_float_model(model: nn.Module, spec, *, strict: bool = False) -> tuple[
     When ``model`` lacks some (BN folded away by fuse_bn), a copy of ``model`` with every quant
     point off stands in: the same float function, computed by the engine's modules.  Returns
     (the model, "plain" or "quantization off")."""
+    from qdebug.device import model_device
     from qdebug.modelspec import build
 
     plain = build(spec, from_user=True)
+    device = model_device(model)
+    if device is not None:  # built on the CPU: it runs where the traced model runs
+        plain.to(device)
     source = model.state_dict()
     wanted = plain.state_dict()
     if all(k in source and source[k].shape == v.shape for k, v in wanted.items()):

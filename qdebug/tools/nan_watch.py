@@ -481,7 +481,8 @@ class Watch:
         if bool(finite_norms.all()):
             return
         ok = all(finite(g) for g, fine in zip(grads, finite_norms.tolist()) if not fine)
-        self.essential.append((("backward", "", "param_grad", ""), torch.tensor(ok)))
+        # On the norms' device: ``flush`` stacks every flag of the step in one tensor.
+        self.essential.append((("backward", "", "param_grad", ""), torch.tensor(ok, device=finite_norms.device)))
 
     def check_scales(self, phase: str) -> None:
         """Every quant point in use: a scale made invalid in this phase (an observer in the

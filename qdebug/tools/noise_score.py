@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qdebug import distributed
 from qdebug.engine import engine_state
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.modules import _QWeighted, bn_scale_factor
@@ -61,6 +62,7 @@ def noise_scores(model: nn.Module, batches: Sequence[Any], names: Sequence[str],
     saved_grad = [p.requires_grad for p in params]
     was_training = model.training
     captured: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    group = distributed.current()
 
     def listen(event: Event) -> None:
         name = event.call.name
@@ -73,7 +75,7 @@ def noise_scores(model: nn.Module, batches: Sequence[Any], names: Sequence[str],
         model.eval()
         for p in params:
             p.requires_grad_(True)
-        for batch in batches:
+        for _, batch in group.shard(batches):  # under torchrun: this rank's share, the sums combined below
             inputs = getattr(batch, "inputs", batch)
             target = getattr(batch, "target", None)
             with torch.no_grad():
@@ -110,7 +112,7 @@ def noise_scores(model: nn.Module, batches: Sequence[Any], names: Sequence[str],
         for p, flag in zip(params, saved_grad):
             p.requires_grad_(flag)
         model.train(was_training)
-    return scores
+    return group.combine(scores, lambda a, b: {name: a[name] + b[name] for name in a})
 
 
 def _float_run(model: nn.Module, inputs: Any) -> Any:

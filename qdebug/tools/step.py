@@ -174,8 +174,11 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         raise QDebugError("the model has no quantized point to step through",
                           "give a calibrated, QAT or quantized checkpoint (qdebug inspect shows its points)")
     units = Units(model, experiment.quantizable)
-    samples = experiment.samples
-    tolerance = 1.0 / samples if metric is not None and samples else 0.0  # one sample, as a share of the score
+
+    def tolerance() -> float:  # one sample, as a share of the score (the first run counts the samples)
+        samples = experiment.samples
+        return 1.0 / samples if metric is not None and samples else 0.0
+
     rules = dict(rules or {})
     selected = units.select(modules) if modules else list(units.points)
     everything = frozenset(units.points)
@@ -226,7 +229,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
                 trials.append(Trial(frozenset(grown), {"selection": name, "mode": "cumulative",
                                                        "kind": kind_of(added)}))
         done = measure([whole, *trials])[1:]
-        culprit = _costliest(done, cumulative=mode == "cumulative", tolerance=tolerance)
+        culprit = _costliest(done, cumulative=mode == "cumulative", tolerance=tolerance())
     else:  # drill
         group = selected
         level = 1
@@ -242,7 +245,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
             trials = [alone(name, names, level) for name, names in children.items()]
             done = measure(([whole] if first else []) + trials)[(1 if first else 0):]
             first = False
-            culprit = _worst(done, tolerance)
+            culprit = _worst(done, tolerance())
             drill_path.append(_path_entry(culprit, experiment))
             group = children[culprit.trial.info["selection"]]
             if len(group) <= 1:
@@ -268,7 +271,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
     frame = pd.DataFrame(rows)
     tasks = list(experiment.float_metric or {})
     meta = {
-        "mode": mode, "kind": kind, "depth": depth, "modules": list(modules), "batches": len(experiment.batches),
+        "mode": mode, "kind": kind, "depth": depth, "modules": list(modules), "batches": experiment.batches.count,
         "points": len(units.points), "outputs": list(results[0].outputs) if results else [],
         "float_metric": experiment.float_metric, "tasks": tasks,
         "drill_path": drill_path,
@@ -276,7 +279,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         "served_calls": sum(r.served_calls for r in results),
         "floor_sqnr_db": worst(o["sqnr_db"] for o in experiment.floor.values()) if experiment.floor else None,
         "reference": "float model" if reference is not None else "the model with every point in float",
-        "samples": samples,
+        "samples": experiment.samples,
         "passed": (bool(frame.iloc[0]["verdict"] == "pass") if metric is not None and "verdict" in frame
                    and frame.iloc[0]["mode"] == "all" else None),
     }

@@ -153,7 +153,6 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     everything = frozenset(experiment.quantizable)
     whole = Trial(everything, {"label": "as loaded"})
     found = candidates(model, experiment.quantizable, bits)
-    samples = experiment.samples
 
     def meets(result: TrialResult) -> bool:
         if metric is not None:
@@ -186,6 +185,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         for c, result in zip(ranked_pool, singles):
             task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
             gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
+        samples = experiment.samples  # counted by the first run
         tolerance = 1.0 / samples if metric is not None and samples else 0.0
         gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -nan_low(g[1])))
     elif not done:
@@ -227,7 +227,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         "bits": bits, "target": "metric" if metric is not None else f"sqnr_db >= {min_sqnr:g}",
         "min_sqnr": None if metric is not None else min_sqnr, "candidates": len(ranked_pool),
         "clipping": [c.glob for c in clipping], "recalibrate": recalibrated,
-        "batches": len(experiment.batches), "samples": samples,
+        "batches": experiment.batches.count, "samples": experiment.samples,
         "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
         "rank": rank, "ranking_evaluations": 1 + bool(extra), "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
         "plan": _plan_meta(plan, bits),
