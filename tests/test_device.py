@@ -38,8 +38,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -57,6 +55,7 @@ from qdebug.errors import QDebugError
 from qdebug.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_MOBILENETV2, SMALL_RESNET
+from user_project import exit_before_torch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device: the CUDA-vs-CPU equality tests run "
@@ -80,12 +79,10 @@ def test_any_other_name_is_a_usage_error(cli, stages, name):
 
 
 def test_a_bad_device_name_answers_before_torch_loads(tmp_path):
-    code = ("import sys\nfrom qdebug.cli import main\ntry:\n    main(['compare', 'a.pt', 'b.pt', '--device', "
-            "'gpu'])\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
-    assert "error: --device 'gpu' cannot be used here" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    out, err = exit_before_torch(["compare", "a.pt", "b.pt", "--device", "gpu"], tmp_path)
+    assert out.split() == ["2", "False"], (out, err)
+    assert "error: --device 'gpu' cannot be used here" in err
+    assert "Traceback" not in err
 
 
 def _commands(stages, tmp_path):

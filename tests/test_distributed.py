@@ -161,13 +161,17 @@ def test_two_ranks_give_the_results_of_one_process(stages, cli, tmp_path, one_th
     }
     commands = {name: [str(a) for a in argv] for name, argv in commands.items()}
     calibrate = ["calibrate", str(stages.float), *data, "--observer", "kl", "--per-channel", "--format", "json", "-o"]
-    ranked = cli_ranks(*commands.values(), calibrate + [str(tmp_path / "ranks.pt")], cwd=str(tmp_path))
+    with_out = {name: argv + (["--out", "ranked"] if name == "compare" else []) for name, argv in commands.items()}
+    ranked = cli_ranks(*with_out.values(), calibrate + [str(tmp_path / "ranks.pt")], cwd=str(tmp_path))
+    written = sorted(p.name for p in (tmp_path / "ranked").iterdir())
+    assert "compare.json" in written and "compare.csv" in written  # rank 0 wrote the --out folder, whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing staged is left
     for (name, argv), per_rank in zip(commands.items(), ranked):
         single = cli(*argv)
         assert single.code in (0, 1), single.err  # 1: a gate that fails fails on every rank too
         (code0, out0, err0), (code1, out1, err1) = per_rank
         assert (code0, code1) == (single.code, single.code), (name, err0, err1)
-        assert out1 == "" and err1 == ""  # rank 0 alone prints
+        assert out1 == "" and err1 == ""  # rank 0 alone prints (and writes)
         _same_numbers(json.loads(single.out), json.loads(out0), name)
     (code0, _, err0), (code1, _, _) = ranked[-1]
     assert (code0, code1) == (0, 0), err0

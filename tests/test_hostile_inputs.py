@@ -24,6 +24,7 @@ import torch
 
 import qdebug
 from qdebug import data as qdata
+from user_project import exit_before_torch
 
 ADDRESS_SPACE = 8 << 30  # bytes: the endless generator's run must fit in it (as tests/fuzzing.py's worker)
 
@@ -117,11 +118,9 @@ def test_random_spec_with_5000_digits(cli, stages):
 
 
 def test_bad_random_spec_is_refused_before_torch_loads(tmp_path):
-    code = ("import sys\nfrom qdebug.cli import main\ntry:\n    main(['compare', 'a.pt', 'b.pt', '--data', "
-            "'random:0x3'])\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
-    assert "error: random data spec 'random:0x3' has a dimension of 0" in proc.stderr
+    out, err = exit_before_torch(["compare", "a.pt", "b.pt", "--data", "random:0x3"], tmp_path)
+    assert out.split() == ["2", "False"], (out, err)
+    assert "error: random data spec 'random:0x3' has a dimension of 0" in err
 
 
 # -- item 5: every uncaught exception class becomes a clean error ----------------------------

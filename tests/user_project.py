@@ -66,3 +66,14 @@ def clean_imports(*roots: Path) -> Iterator[None]:
             if any(str(Path(file).resolve()).startswith(r) for r in resolved if file):
                 del sys.modules[name]
         qdebug.config._config_root = None
+
+
+def exit_before_torch(argv: list[str], cwd: Path) -> tuple[str, str]:
+    """``qdebug ARGV`` in a fresh interpreter: (stdout -- "<exit code> <whether torch was
+    imported>" -- and stderr), for usage errors that must answer before torch loads."""
+    import subprocess
+
+    code = ("import sys\nfrom qdebug.cli import main\ntry:\n    main(%r)\nexcept SystemExit as exc:\n"
+            "    print(exc.code, 'torch' in sys.modules)\n" % (list(argv),))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return proc.stdout, proc.stderr
