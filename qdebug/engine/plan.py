@@ -77,7 +77,7 @@ class Plan:
         return [c for c in self.calls.values() if c.point]
 
 
-class _TraceHandler(Handler):
+class TraceHandler(Handler):
     """Records producers/consumers of every tensor by object identity."""
 
     def __init__(self) -> None:
@@ -139,9 +139,13 @@ class _TraceHandler(Handler):
         return output
 
 
-def trace_plan(model: nn.Module, example_inputs: Any) -> Plan:
-    """Trace ``model`` (float, eval, no grad) on ``example_inputs`` and derive the plan."""
-    handler = _TraceHandler()
+def trace_plan(model: nn.Module, example_inputs: Any, handler: "TraceHandler | None" = None) -> Plan:
+    """Trace ``model`` (float, eval, no grad) on ``example_inputs`` and derive the plan.
+
+    ``handler``: a ``TraceHandler`` of the caller's, whose ``producer`` map (tensor id ->
+    call name) its own module hooks may read during the run (the torch.ao importer does).
+    """
+    handler = handler or TraceHandler()
     was_training = model.training
     model.eval()
     try:
@@ -190,7 +194,14 @@ def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, 
         if rec.fused_into is None:
             rec.point = rec.name
 
-    # Where each value call's output lands: follow the fused chain to its point.
+    resolve_outputs(calls)
+    return Plan(calls=calls, pairs=pairs, call_counts=call_counts)
+
+
+def resolve_outputs(calls: dict[str, CallRecord]) -> None:
+    """Set where each call's output lands (``output_point``, ``fused_activation``) by following
+    its fused chain to a point; run again after editing ``point``/``fused_into`` (an importer
+    that matches another tool's choices does)."""
     for rec in calls.values():
         target, activation = rec, None
         seen = 0
@@ -201,5 +212,4 @@ def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, 
             seen += 1
         rec.output_point = target.point
         rec.fused_activation = activation
-    return Plan(calls=calls, pairs=pairs, call_counts=call_counts)
 

@@ -1,0 +1,212 @@
+"""A ``SourceModel`` -> an engine model that computes what the source computes, and a report.
+
+The engine's own plan (``qdebug.engine.plan``) is traced on the float model, then made to
+follow the source:
+
+- Conv-BN pairs are the ones the source trains folded (torch's ``ConvBn2d``), in the
+  engine's reverse-fold mode, which is torch's own scheme (``conv(x, fq(W f)) / f + b``,
+  then the BN);
+- a call the source quantizes gets a point of its own; where the engine would fuse it into
+  the ReLU after it, the point moves onto the ReLU instead -- the same values, since
+  relu(fq(x)) = fq(relu(x)) whenever 0 is on the grid, which every torch range ensures --
+  and anything else fused is split apart;
+- every point the source does not quantize is float (an override ``None``);
+- the specs are a ``QConfig`` (the commonest weight and activation spec as defaults, exact
+  point names as overrides), so a saved checkpoint re-creates the same points;
+- every imported point is frozen with the source's scale and zero point.
+
+The report has a row per source quantizer and per engine point left float
+(``REPORT_COLUMNS``, documented in docs/interop.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.modules import _QWeighted
+from qdebug.engine.ops import FUSED_ACTIVATIONS
+from qdebug.engine.plan import Plan, resolve_outputs
+from qdebug.engine.prepare import engine_state, prepare
+from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, default_weight_spec
+from qdebug.errors import QDebugError
+from qdebug.interop.source import EXACT, FLOAT, FROZEN, MOVED, UNMAPPED, SourceModel, SourceQuantizer, spec_of
+
+REPORT_COLUMNS = ["source", "kind", "point", "status", "spec", "scale_min", "scale_max", "note"]
+REPORT_ATTR = "import_report"  # on the engine state; saved in the checkpoint's meta["import"]
+
+
+def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold") -> nn.Module:
+    """The engine model of ``source`` (``plan``: ``trace_plan`` of ``source.float_model``).
+
+    Its report is ``import_report(model)``.
+    """
+    plan = copy.deepcopy(plan)
+    rows: list[dict[str, Any]] = []
+    _follow_bn_pairs(plan, source)
+    acts, weights = _assign(plan, source, rows)
+    qconfig = _qconfig(plan, source.float_model, acts, weights)
+    model = prepare(source.float_model, qconfig, qat_mode, plan=plan)
+    state = engine_state(model)
+    for name, (quantizer, spec) in {**acts, **weights}.items():
+        point = state.points[name]
+        scale, zero_point = quantizer.scale, quantizer.zero_point
+        if not spec.per_channel:
+            scale, zero_point = scale.reshape(()), zero_point.reshape(())
+        point.set_qparams(scale.to(point.scale.device), zero_point.to(point.scale.device))
+        point.freeze(True)
+        point.mode = "fake" if quantizer.fake_quant_enabled else "float"
+    for row in rows:
+        if row["point"] and row["point"] in state.points and row["status"] != FLOAT:
+            point = state.points[row["point"]]
+            row["spec"] = point.spec.describe()
+            row["scale_min"] = float(point.scale.detach().min())
+            row["scale_max"] = float(point.scale.detach().max())
+    for name, point in state.points.items():
+        if point.mode == "float" and name not in acts and name not in weights:
+            pass  # float overrides make no point at all; nothing to list here
+    setattr(state, REPORT_ATTR, rows)
+    model.eval()
+    return model
+
+
+def import_report(model: nn.Module) -> list[dict[str, Any]]:
+    """The import report of an engine model built by ``build`` (rows of ``REPORT_COLUMNS``), or []."""
+    return list(getattr(engine_state(model), REPORT_ATTR, None) or [])
+
+
+def _row(source: str, kind: str, point: str, status: str, note: str = "") -> dict[str, Any]:
+    return {"source": source, "kind": kind, "point": point, "status": status, "spec": "",
+            "scale_min": None, "scale_max": None, "note": note}
+
+
+def _follow_bn_pairs(plan: Plan, source: SourceModel) -> None:
+    """Keep exactly the Conv-BN pairs the source folds; split the others."""
+    wanted = {tuple(p) for p in source.bn_pairs}
+    traced = {tuple(p) for p in plan.pairs}
+    missing = sorted(wanted - traced)
+    if missing:
+        conv, bn = missing[0]
+        raise QDebugError(
+            f"the source folds {bn!r} into {conv!r}, but the float model's forward does not run {bn!r} "
+            f"on {conv!r}'s output alone",
+            "the float model must be the architecture the source was prepared from, traced on the same inputs")
+    for conv, bn in traced - wanted:
+        rec = plan.calls[conv]
+        if rec.fused_into == bn:
+            rec.fused_into = None
+            rec.point = conv
+    plan.pairs = [p for p in plan.pairs if tuple(p) in wanted]
+
+
+def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
+    """Point name -> (quantizer, spec) for activations and weights; edits ``plan``; fills ``rows``."""
+    calls = plan.calls
+    weighted = {path for path, m in source.float_model.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))}
+    acts: dict[str, tuple[SourceQuantizer, QuantSpec]] = {}
+    weights: dict[str, tuple[SourceQuantizer, QuantSpec]] = {}
+    base = {"activation": default_activation_spec(), "weight": default_weight_spec()}
+    for q in source.quantizers:
+        spec, note = spec_of(q, base[q.kind])
+        notes = [n for n in (q.note, note) if n]
+        status = FROZEN if note else EXACT
+        if spec is None:
+            rows.append(_row(q.source, q.kind, "", UNMAPPED, "; ".join(notes)))
+            continue
+        if q.anchor is None:
+            rows.append(_row(q.source, q.kind, "", UNMAPPED, "; ".join(notes) or "no engine point quantizes it"))
+            continue
+        if q.kind == "weight":
+            if q.anchor not in weighted:
+                rows.append(_row(q.source, q.kind, "", UNMAPPED, f"no conv or linear layer {q.anchor!r}"))
+                continue
+            name = f"{q.anchor}.weight"
+            table = weights
+        else:
+            rec = calls.get(q.anchor)
+            if rec is None:
+                rows.append(_row(q.source, q.kind, "", UNMAPPED,
+                                 f"the float model's forward has no call {q.anchor!r}"))
+                continue
+            name, moved = _place(calls, q.anchor, acts)
+            if moved:
+                status = MOVED if status == EXACT else status
+                notes.append(f"quantized after {name!r}, as the engine fuses it (the same values)")
+            table = acts
+        if name in table:
+            other = table[name][0]
+            same = torch.equal(other.scale.flatten(), q.scale.flatten()) and torch.equal(
+                other.zero_point.flatten(), q.zero_point.flatten()) and (other.quant_min, other.quant_max) == (
+                q.quant_min, q.quant_max)
+            # A second quantizer on the same values (FX shares observers) changes nothing when
+            # its grid is the same one; a different grid after it has no engine place.
+            rows.append(_row(q.source, q.kind, name if same else "", EXACT if same else UNMAPPED,
+                             f"the same grid as {other.source!r}" if same else
+                             f"re-quantizes {name!r} on another grid; the engine keeps {other.source!r}'s"))
+            continue
+        table[name] = (q, spec)
+        rows.append(_row(q.source, q.kind, name, status, "; ".join(notes)))
+    for source_name, why in source.unsupported:
+        rows.append(_row(source_name, "activation", "", UNMAPPED, why))
+    for rec in calls.values():
+        if rec.point and rec.point not in acts:
+            rows.append(_row("", "activation", rec.point, FLOAT, "the source does not quantize this output"))
+    for path in sorted(weighted):
+        if f"{path}.weight" not in weights:
+            rows.append(_row("", "weight", f"{path}.weight", FLOAT, "the source keeps this weight in float"))
+    return acts, weights
+
+
+def _place(calls: dict, anchor: str, taken: dict) -> tuple[str, bool]:
+    """The point quantizing ``anchor``'s output as the source does: (name, moved onto a ReLU)."""
+    rec = calls[anchor]
+    follower = calls.get(rec.fused_into) if rec.fused_into else None
+    if follower is not None and follower.category == "relu" and follower.point and follower.name not in taken \
+            and rec.category != "input":
+        return follower.name, True
+    if rec.fused_into is not None:
+        rec.fused_into = None
+    rec.point = anchor
+    resolve_outputs(calls)
+    return anchor, False
+
+
+def _qconfig(plan: Plan, model: nn.Module, acts: dict, weights: dict) -> QConfig:
+    """Specs as a QConfig: the commonest spec per kind as default, point names as overrides."""
+    wanted: dict[tuple[str, str], tuple[tuple[str, ...], QuantSpec | None]] = {}
+    for rec in plan.calls.values():
+        if not rec.point:
+            continue
+        if rec.category == "input":
+            names = ("input", rec.name)
+        else:
+            names = (rec.owner, rec.name.split("#")[0], rec.name)
+        wanted[("activation", rec.name)] = (names, acts[rec.name][1] if rec.name in acts else None)
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, _QWeighted)):
+            name = f"{path}.weight"
+            wanted[("weight", name)] = ((path, name), weights[name][1] if name in weights else None)
+    defaults = {}
+    for kind, fallback in (("activation", default_activation_spec()), ("weight", default_weight_spec())):
+        counts = Counter(spec for (k, _), (_, spec) in wanted.items() if k == kind and spec is not None)
+        defaults[kind] = counts.most_common(1)[0][0] if counts else fallback
+    overrides: dict[str, dict[str, Any]] = {}
+    qconfig = QConfig(weight=defaults["weight"], activation=defaults["activation"])
+    # Overrides cascade and match owners and call bases too: add exact names until every
+    # point gets its wanted spec (a later entry refines an earlier one).
+    for _ in range(4):
+        wrong = [(kind, name, spec) for (kind, name), (names, spec) in wanted.items()
+                 if qconfig.spec_for(kind, names) != spec]
+        if not wrong:
+            return qconfig
+        for kind, name, spec in wrong:
+            entry = dict(overrides.pop(name, {}))
+            entry[kind] = None if spec is None else spec.to_dict()
+            overrides[name] = entry  # re-inserted last: it wins the cascade
+        qconfig = QConfig(weight=defaults["weight"], activation=defaults["activation"], overrides=dict(overrides))
+    raise QDebugError("could not express the imported specs as a qconfig",
+                      "report this: the source's point names overlap in a way the importer does not handle")

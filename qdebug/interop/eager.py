@@ -1,0 +1,244 @@
+"""Read a model prepared by torch.ao's eager mode (``prepare_qat`` / ``prepare``).
+
+Eager prepare keeps the user's class and module paths and adds quantizers as children:
+
+- ``P.activation_post_process`` quantizes the output of module ``P`` (a forward hook); on a
+  fused module (``ConvBnReLU2d`` at ``conv``) that output is the last fused op's, the ReLU's;
+  on a ``QuantStub`` it is the stub's input; on a ``FloatFunctional`` it is its op's result;
+- ``P.weight_fake_quant`` quantizes ``P``'s weight (QAT).  A PTQ-prepared layer has no weight
+  quantizer yet: torch observes the weight at convert with ``P.qconfig.weight()``, and so does
+  the importer.
+
+``fuse_modules(_qat)`` replaced the fused BN and ReLU by ``nn.Identity`` at their own paths.
+``float_model_of`` undoes that: it finds those identities by dataflow (the ones called on the
+fused module's output, in call order), puts the BN and a ReLU back, turns QAT layers into
+float ones and drops every quantizer, so the engine wraps the user's architecture with the
+source's weights and the same names.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.context import split_inputs
+from qdebug.engine.plan import Plan, TraceHandler, trace_plan
+from qdebug.errors import QDebugError
+from qdebug.interop.source import SourceModel, SourceQuantizer, read_quantizer
+
+try:
+    from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+except ImportError:  # pragma: no cover - torch without torch.ao
+    FakeQuantizeBase = ObserverBase = ()  # type: ignore[assignment]
+
+QUANTIZER_TYPES = tuple(t for t in (FakeQuantizeBase, ObserverBase) if isinstance(t, type))
+_TORCH_HOOKS = ("_observer_forward_hook", "_observer_forward_pre_hook")
+
+
+def is_quantizer(module: nn.Module) -> bool:
+    return bool(QUANTIZER_TYPES) and isinstance(module, QUANTIZER_TYPES)
+
+
+def is_eager_prepared(model: nn.Module) -> bool:
+    """Whether ``model`` holds torch.ao quantizers as ``activation_post_process``/``weight_fake_quant`` children."""
+    return any(is_quantizer(m) and name.rpartition(".")[2] in ("activation_post_process", "weight_fake_quant")
+               for name, m in model.named_modules())
+
+
+def _fused_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Module]] | None:
+    """(the float layer, the float modules fused after it) of a torch fused or QAT module, else None."""
+    import torch.ao.nn.intrinsic as nni
+
+    name = type(module).__module__
+    if not (name.startswith("torch.ao.nn.intrinsic.qat") or name.startswith("torch.ao.nn.qat")):
+        if isinstance(module, nni._FusedModule):  # PTQ-fused: a Sequential of the float modules
+            children = list(module.children())
+            return _float_layer(children[0]), [copy.deepcopy(c) for c in children[1:] if not is_quantizer(c)]
+        return None
+    followers: list[nn.Module] = []
+    bn = getattr(module, "bn", None)
+    if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+        followers.append(copy.deepcopy(bn))
+    if "ReLU" in type(module).__name__:
+        followers.append(nn.ReLU())
+    return _float_layer(module), followers
+
+
+def _float_layer(module: nn.Module) -> nn.Module:
+    """A plain ``nn.Conv1d/2d`` or ``nn.Linear`` holding ``module``'s weight and bias."""
+    if isinstance(module, nn.Linear):
+        layer = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        cls = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv2d
+        layer = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+                    module.dilation, module.groups, bias=module.bias is not None, padding_mode=module.padding_mode)
+    elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return copy.deepcopy(module)
+    else:
+        raise QDebugError(f"cannot import a fused {type(module).__name__}",
+                          "qdebug imports fused Conv1d/Conv2d/Linear/BatchNorm modules of torch.ao")
+    layer.weight = nn.Parameter(module.weight.detach().clone())
+    if module.bias is not None:
+        layer.bias = nn.Parameter(module.bias.detach().clone())
+    return layer.to(module.weight.device)
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+def _identity_slots(model: nn.Module, fused: list[str], example_inputs: Any) -> dict[str, list[str]]:
+    """For each fused module path, the ``nn.Identity`` paths called on its output, in call order."""
+    outputs: dict[int, str] = {}
+    slots: dict[str, list[str]] = {path: [] for path in fused}
+    handles = []
+
+    def on_fused(path):
+        def hook(module, args, output):
+            outputs[id(output)] = path
+        return hook
+
+    def on_identity(path):
+        def hook(module, args, output):
+            owner = outputs.get(id(args[0])) if args else None
+            if owner is not None:
+                slots[owner].append(path)
+        return hook
+
+    for path, module in model.named_modules():
+        if path in slots:
+            handles.append(module.register_forward_hook(on_fused(path)))
+        elif type(module) is nn.Identity:
+            handles.append(module.register_forward_hook(on_identity(path)))
+    was_training = model.training
+    try:
+        model.eval()
+        args, kwargs = split_inputs(example_inputs)
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return slots
+
+
+def _strip_quantizers(model: nn.Module) -> None:
+    """Drop torch's quantizers, observer hooks and qconfigs: a float model again."""
+    from torch.ao.nn.quantized import FloatFunctional
+
+    for module in list(model.modules()):
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__name__", "") in _TORCH_HOOKS:
+                    del hooks[key]
+        for attr in ("activation_post_process", "weight_fake_quant"):
+            child = module._modules.get(attr)
+            if child is not None and is_quantizer(child):
+                if isinstance(module, FloatFunctional):
+                    module._modules[attr] = nn.Identity()
+                else:
+                    del module._modules[attr]
+        for attr in ("qconfig", "weight_fake_quant"):
+            if attr in module.__dict__:
+                del module.__dict__[attr]
+
+
+def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, Plan]:
+    """The ``SourceModel`` of an eager-prepared model, and the engine plan of its float model."""
+    quantizers = {name: m for name, m in prepared.named_modules()
+                  if is_quantizer(m) and name.rpartition(".")[2] in ("activation_post_process", "weight_fake_quant")
+                  and not is_quantizer(prepared.get_submodule(name.rpartition(".")[0]) if "." in name else prepared)}
+    qat = any(isinstance(m, FakeQuantizeBase) for m in quantizers.values())
+    model = copy.deepcopy(prepared)
+    fused = {path: parts for path, m in model.named_modules() if path and (parts := _fused_parts(m)) is not None}
+    slots = _identity_slots(model, list(fused), example_inputs) if fused else {}
+    last_of: dict[str, str] = {}  # fused path -> the path whose output the fused module's output is
+    bn_pairs: list[tuple[str, str]] = []
+    for path, (layer, followers) in fused.items():
+        found = slots.get(path, [])
+        if len(found) < len(followers):
+            raise QDebugError(f"cannot find where the modules fused into {path!r} were in the float model",
+                              "fuse with torch.ao.quantization.fuse_modules(_qat), which leaves nn.Identity "
+                              "at the fused modules' paths")
+        _set(model, path, layer)
+        targets = found[len(found) - len(followers):]
+        for slot, follower in zip(targets, followers):
+            _set(model, slot, follower)
+            if isinstance(follower, nn.modules.batchnorm._BatchNorm) and qat:
+                bn_pairs.append((path, slot))
+        last_of[path] = found[-1] if found else path
+    _strip_quantizers(model)
+
+    handler = TraceHandler()
+    stub_anchor: dict[str, list[str]] = {}
+    hooks = []
+    from torch.ao.nn.quantized import FloatFunctional
+    from torch.ao.quantization import QuantStub
+
+    def remember(path):
+        def pre_hook(module, args):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if tensors:  # a FloatFunctional called k times: k anchors, one quantizer
+                stub_anchor.setdefault(path, []).append(handler.producer.get(id(tensors[0]), ""))
+        return pre_hook
+
+    for path, module in model.named_modules():
+        if isinstance(module, QuantStub):
+            hooks.append(module.register_forward_pre_hook(remember(path)))
+        elif isinstance(module, FloatFunctional):
+            hooks.append(module.activation_post_process.register_forward_pre_hook(remember(path)))
+    try:
+        plan = trace_plan(model, example_inputs, handler)
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+    source = SourceModel("eager", "qat" if qat else "calibrated", model, example_inputs, bn_pairs=bn_pairs)
+    for name, quantizer in quantizers.items():
+        owner, _, attr = name.rpartition(".")
+        if attr == "weight_fake_quant":
+            source.quantizers.append(read_quantizer(quantizer, name, "weight", owner))
+            continue
+        for anchor in _activation_anchors(prepared, owner, last_of, stub_anchor, plan):
+            source.quantizers.append(read_quantizer(quantizer, name, "activation", anchor))
+    if not qat:
+        source.quantizers.extend(_ptq_weights(prepared, model))
+    return source, plan
+
+
+def _activation_anchors(prepared: nn.Module, owner: str, last_of: dict[str, str], stub_anchor: dict[str, list[str]],
+                        plan: Plan) -> list[str | None]:
+    """The engine calls whose output the eager quantizer of module ``owner`` quantizes."""
+    if owner in stub_anchor:
+        return [anchor or None for anchor in stub_anchor[owner]]
+    path = last_of.get(owner, owner)
+    count = plan.call_counts.get(path, 0)
+    if count == 0:
+        return [path] if path in plan.calls else [None]
+    # A module called k times shares its one quantizer between its calls (torch's hook).
+    return [path if k == 1 else f"{path}#{k}" for k in range(1, count + 1)]
+
+
+def _ptq_weights(prepared: nn.Module, model: nn.Module) -> list[SourceQuantizer]:
+    """PTQ: the weight quantizers torch's convert would build (``qconfig.weight()`` on each weight)."""
+    found = []
+    for path, module in prepared.named_modules():
+        qconfig = getattr(module, "qconfig", None)
+        if qconfig is None or getattr(module, "activation_post_process", None) is None:
+            continue
+        try:
+            layer = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if not isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Linear)):
+            continue
+        observer = qconfig.weight()
+        observer(layer.weight.detach())
+        found.append(read_quantizer(observer, f"{path}.qconfig.weight()", "weight", path,
+                                    note="observed on the weight, as torch's convert does"))
+    return found

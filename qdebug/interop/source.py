@@ -1,0 +1,164 @@
+"""What an importer reads out of a torch.ao model: its quantizers, as plain values.
+
+Every front end (eager, FX, PT2E, converted modules) turns the model it reads into a
+``SourceModel``: the float model the engine will wrap (the user's architecture with the
+source's weights) and a list of ``SourceQuantizer`` -- one per FakeQuantize, observer or
+quantize/dequantize pair -- each anchored to what it quantizes *in the float model's
+terms*: a weighted layer's path (its weight) or an engine call name (its output, see
+``qdebug.engine.context``).  ``spec_of`` turns a quantizer's torch settings into the
+engine's ``QuantSpec``; ``qdebug.interop.build`` does the rest.
+
+torch's qparams are copied, never recomputed: torch's symmetric scale is
+max|x| / ((qmax - qmin) / 2), the engine's max|x| / qmax, so an imported point is frozen
+with the source's scale and zero point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.engine.spec import MAX_BITS, MIN_BITS, QuantSpec
+
+# Status of one report row (docs/interop.md).
+EXACT = "exact"  # the engine point computes what the source quantizer computes
+MOVED = "moved"  # quantizes an equivalent place (after a ReLU the source quantized before)
+FROZEN = "frozen"  # scale imported, but the source's way of updating it has no engine twin
+UNMAPPED = "unmapped"  # nothing in the engine quantizes this (listed, never dropped silently)
+FLOAT = "float"  # the engine has a quant point here that the source leaves in float
+
+# torch observer class -> engine observer name; anything else is imported frozen.
+OBSERVER_NAMES = {
+    "MinMaxObserver": "minmax",
+    "PerChannelMinMaxObserver": "minmax",
+    "MovingAverageMinMaxObserver": "ema",
+    "MovingAveragePerChannelMinMaxObserver": "ema",
+}
+
+
+@dataclass
+class SourceQuantizer:
+    """One quantizer of the source model."""
+
+    source: str  # its name in the source: module path or graph node
+    kind: str  # "weight" | "activation"
+    anchor: str | None  # weight: the layer's path; activation: the engine call name; None: unmapped
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    quant_min: int
+    quant_max: int
+    dtype: str  # "quint8", "qint8", "qint32", ...
+    qscheme: str  # "per_tensor_affine", "per_channel_symmetric", ...
+    ch_axis: int = 0
+    observer: str = ""  # the observer's class name
+    averaging_constant: float | None = None
+    fake_quant_enabled: bool = True
+    note: str = ""  # why it maps the way it does (filled by front ends and the builder)
+
+    @property
+    def per_channel(self) -> bool:
+        return "per_channel" in self.qscheme
+
+    @property
+    def symmetric_scheme(self) -> bool:
+        return "symmetric" in self.qscheme
+
+
+@dataclass
+class SourceModel:
+    """A torch.ao model read by a front end (see module docstring)."""
+
+    flow: str  # "eager", "fx", "pt2e", "eager-converted", ...
+    stage: str  # the qdebug stage it becomes: "qat", "calibrated" or "quantized"
+    float_model: nn.Module  # the user's architecture holding the source's float weights
+    example_inputs: Any
+    quantizers: list[SourceQuantizer] = field(default_factory=list)
+    bn_pairs: list[tuple[str, str]] = field(default_factory=list)  # (conv, bn) the source trains folded
+    unsupported: list[tuple[str, str]] = field(default_factory=list)  # (source name, why) left float
+
+
+def bits_and_sign(quant_min: int, quant_max: int) -> tuple[int, bool] | None:
+    """(bits, signed) of an integer range the engine's specs express, or None.
+
+    The engine's ranges are the full ones: [-2^(b-1), 2^(b-1) - 1] and [0, 2^b - 1]; torch's
+    reduce_range quint8 [0, 127] is uint7.
+    """
+    for bits in range(MIN_BITS, MAX_BITS + 1):
+        if (quant_min, quant_max) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1):
+            return bits, True
+        if (quant_min, quant_max) == (0, 2**bits - 1):
+            return bits, False
+    return None
+
+
+def spec_of(q: SourceQuantizer, base: QuantSpec) -> tuple[QuantSpec | None, str]:
+    """The engine spec reproducing ``q`` (``base`` gives the fields torch has no word for),
+    and a note; None when the engine cannot express its integer range."""
+    shape = bits_and_sign(q.quant_min, q.quant_max)
+    if shape is None:
+        return None, (f"integer range [{q.quant_min}, {q.quant_max}] is not a full signed or unsigned "
+                      f"range of {MIN_BITS}-{MAX_BITS} bits")
+    bits, signed = shape
+    # The engine's symmetric means zero point 0; torch's symmetric quint8 has zero point 128,
+    # which the engine writes as affine -- the same grid either way.
+    symmetric = q.symmetric_scheme and bool((q.zero_point == 0).all())
+    notes = []
+    observer = OBSERVER_NAMES.get(q.observer)
+    spec = base.replace(bits=bits, signed=signed, symmetric=symmetric, per_channel=q.per_channel,
+                        ch_axis=q.ch_axis if q.per_channel else base.ch_axis)
+    if observer is not None:
+        spec = spec.replace(observer=observer)
+        if observer == "ema" and q.averaging_constant is not None and 0 < q.averaging_constant <= 1:
+            spec = spec.replace(averaging_constant=float(q.averaging_constant))
+    elif q.observer:
+        notes.append(f"{q.observer} has no engine observer: its scale is imported and frozen")
+    return spec, "; ".join(notes)
+
+
+def torch_qparams(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FakeQuantize's current (scale, zero point), or an observer's computed ones."""
+    scale = getattr(module, "scale", None)
+    zero_point = getattr(module, "zero_point", None)
+    if isinstance(scale, torch.Tensor) and isinstance(zero_point, torch.Tensor):
+        return scale.detach().clone().float(), zero_point.detach().clone().to(torch.int32)
+    scale, zero_point = module.calculate_qparams()
+    return scale.detach().clone().float(), zero_point.detach().clone().to(torch.int32)
+
+
+def quantizer_settings(module: nn.Module) -> dict[str, Any]:
+    """The settings of a torch FakeQuantize or observer, as ``SourceQuantizer`` fields."""
+    inner = getattr(module, "activation_post_process", None)
+    observer = inner if isinstance(inner, nn.Module) else module
+    qscheme = getattr(module, "qscheme", getattr(observer, "qscheme", torch.per_tensor_affine))
+    dtype = getattr(module, "dtype", getattr(observer, "dtype", torch.quint8))
+    quant_min = getattr(module, "quant_min", getattr(observer, "quant_min", None))
+    quant_max = getattr(module, "quant_max", getattr(observer, "quant_max", None))
+    if quant_min is None or quant_max is None:
+        info = torch.iinfo(dtype)
+        quant_min, quant_max = info.min, info.max
+    enabled = getattr(module, "fake_quant_enabled", None)
+    return {
+        "quant_min": int(quant_min),
+        "quant_max": int(quant_max),
+        "dtype": str(dtype).replace("torch.", ""),
+        "qscheme": str(qscheme).replace("torch.", ""),
+        "ch_axis": int(getattr(module, "ch_axis", getattr(observer, "ch_axis", 0)) or 0),
+        "observer": type(observer).__name__,
+        "averaging_constant": getattr(observer, "averaging_constant", None),
+        "fake_quant_enabled": bool(enabled[0]) if isinstance(enabled, torch.Tensor) and enabled.numel() else True,
+    }
+
+
+def read_quantizer(module: nn.Module, source: str, kind: str, anchor: str | None, note: str = "") -> SourceQuantizer:
+    """A ``SourceQuantizer`` from a torch FakeQuantize/observer module."""
+    scale, zero_point = torch_qparams(module)
+    settings = quantizer_settings(module)
+    if type(module).__name__ not in ("FakeQuantize", "FusedMovingAvgObsFakeQuantize") and \
+            "FakeQuantize" in type(module).__name__:
+        # FixedQParamsFakeQuantize, LearnableFakeQuantize, a user's subclass: its values are
+        # imported, its own way of choosing them is not.
+        settings["observer"] = type(module).__name__
+    return SourceQuantizer(source, kind, anchor, scale, zero_point, note=note, **settings)
