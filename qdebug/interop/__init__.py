@@ -31,23 +31,65 @@ def from_torch_ao(model: nn.Module, example_inputs: Any, *, float_model: nn.Modu
     own scheme and bit-identical, fuse_bn folds them (equal within float rounding).
     """
     from qdebug.interop.build import build
-    from qdebug.interop.eager import is_eager_prepared, read_eager
 
     if not isinstance(model, nn.Module):
         raise QDebugError(f"from_torch_ao needs an nn.Module, got {type(model).__name__}",
                           "pass the model returned by torch.ao's prepare/prepare_qat/convert")
-    if is_eager_prepared(model):
-        source, plan = read_eager(model, example_inputs)
-    else:
+    flow = detect_flow(model)
+    if flow is None:
         raise QDebugError(f"{type(model).__name__} holds no torch.ao quantizer",
                           "pass a model prepared or converted by torch.ao.quantization or torchao's PT2E")
+    if flow in ("fx", "pt2e", "fx-converted", "pt2e-converted") and float_model is None:
+        raise QDebugError(f"a {flow} graph does not keep your model class: pass float_model=",
+                          "float_model=YourNet() (any weights: the source's replace them) gives the engine "
+                          "model your module paths")
+    if flow == "eager":
+        from qdebug.interop.eager import read_eager
+
+        source, plan = read_eager(model, example_inputs)
+    elif flow == "fx":
+        from qdebug.interop.fx import read_fx
+
+        source, plan = read_fx(model, example_inputs, float_model)
+    elif flow == "pt2e":
+        from qdebug.interop.pt2e import read_pt2e
+
+        source, plan = read_pt2e(model, example_inputs, float_model)
+    else:
+        from qdebug.interop.converted import read_converted
+
+        source, plan = read_converted(model, example_inputs, float_model, flow)
     return build(source, plan, qat_mode)
 
 
-def import_report(model: nn.Module):
-    """The import report of a model from ``from_torch_ao`` or an imported checkpoint, as a DataFrame."""
-    import pandas as pd
+def detect_flow(model: nn.Module) -> str | None:
+    """Which torch.ao flow made ``model``: "eager", "fx", "pt2e", "eager-converted",
+    "fx-converted", "pt2e-converted", or None when it holds no torch.ao quantization."""
+    import torch
+    import torch.fx
 
-    from qdebug.interop.build import REPORT_COLUMNS, import_report as rows
+    from qdebug.interop.eager import is_eager_prepared
 
-    return pd.DataFrame(rows(model), columns=REPORT_COLUMNS)
+    if isinstance(model, torch.fx.GraphModule):
+        aten = any(isinstance(n.target, torch._ops.OpOverload) for n in model.graph.nodes if n.op == "call_function")
+        quantizers = any(n.op == "call_module" and str(n.target).startswith("activation_post_process_")
+                         for n in model.graph.nodes)
+        if quantizers:
+            return "pt2e" if aten else "fx"
+        if _converted(model) or any(n.op == "call_function" and "quantize_per" in str(n.target)
+                                    for n in model.graph.nodes):
+            return "pt2e-converted" if aten else "fx-converted"
+        return None
+    if is_eager_prepared(model):
+        return "eager"
+    if _converted(model):
+        return "eager-converted"
+    return None
+
+
+def _converted(model: nn.Module) -> bool:
+    """Whether ``model`` holds torch's quantized modules (``torch.ao.nn.quantized``, intrinsic
+    quantized); ``FloatFunctional`` lives there too but is a float module."""
+    prefixes = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")
+    return any(type(m).__module__.startswith(prefixes) and type(m).__name__ != "FloatFunctional"
+               for m in model.modules())

@@ -150,6 +150,8 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
             continue
         table[name] = (q, spec)
         rows.append(_row(q.source, q.kind, name, status, "; ".join(notes)))
+    for conv, bn in source.folded_bn:
+        rows.append(_row(bn, "bn", "", EXACT, f"folded into {conv!r}'s weights by torch before quantization"))
     for source_name, why in source.unsupported:
         rows.append(_row(source_name, "activation", "", UNMAPPED, why))
     for rec in calls.values():

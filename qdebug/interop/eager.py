@@ -159,6 +159,7 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
     slots = _identity_slots(model, list(fused), example_inputs) if fused else {}
     last_of: dict[str, str] = {}  # fused path -> the path whose output the fused module's output is
     bn_pairs: list[tuple[str, str]] = []
+    source_folded: list[tuple[str, str]] = []
     for path, (layer, followers) in fused.items():
         found = slots.get(path, [])
         if len(found) < len(followers):
@@ -167,6 +168,9 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
                               "at the fused modules' paths")
         _set(model, path, layer)
         targets = found[len(found) - len(followers):]
+        if len(found) > len(followers) and not qat:
+            # PTQ fuse_modules folded the BN into the conv: its slot stays an identity.
+            source_folded.append((path, found[0]))
         for slot, follower in zip(targets, followers):
             _set(model, slot, follower)
             if isinstance(follower, nn.modules.batchnorm._BatchNorm) and qat:
@@ -198,7 +202,8 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
         for handle in hooks:
             handle.remove()
 
-    source = SourceModel("eager", "qat" if qat else "calibrated", model, example_inputs, bn_pairs=bn_pairs)
+    source = SourceModel("eager", "qat" if qat else "calibrated", model, example_inputs, bn_pairs=bn_pairs,
+                         folded_bn=source_folded)
     for name, quantizer in quantizers.items():
         owner, _, attr = name.rpartition(".")
         if attr == "weight_fake_quant":

@@ -78,6 +78,9 @@ class SourceModel:
     quantizers: list[SourceQuantizer] = field(default_factory=list)
     bn_pairs: list[tuple[str, str]] = field(default_factory=list)  # (conv, bn) the source trains folded
     unsupported: list[tuple[str, str]] = field(default_factory=list)  # (source name, why) left float
+    # (conv, bn) whose BN the source folded into the conv's weights before quantizing (PTQ
+    # fusion): the float model holds the folded weights and an nn.Identity at the BN's path.
+    folded_bn: list[tuple[str, str]] = field(default_factory=list)
 
 
 def bits_and_sign(quant_min: int, quant_max: int) -> tuple[int, bool] | None:
