@@ -93,3 +93,12 @@ def _converted(model: nn.Module) -> bool:
     prefixes = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")
     return any(type(m).__module__.startswith(prefixes) and type(m).__name__ != "FloatFunctional"
                for m in model.modules())
+
+
+def import_report(model: nn.Module):
+    """The import report of a model from ``from_torch_ao`` or an imported checkpoint, as a DataFrame."""
+    import pandas as pd
+
+    from qdebug.interop.build import REPORT_COLUMNS, import_report as rows
+
+    return pd.DataFrame(rows(model), columns=REPORT_COLUMNS)

@@ -94,12 +94,14 @@ def _set(root: nn.Module, path: str, module: nn.Module) -> None:
 def _identity_slots(model: nn.Module, fused: list[str], example_inputs: Any) -> dict[str, list[str]]:
     """For each fused module path, the ``nn.Identity`` paths called on its output, in call order."""
     outputs: dict[int, str] = {}
+    alive: list[torch.Tensor] = []  # ids of freed tensors are reused: keep every output alive
     slots: dict[str, list[str]] = {path: [] for path in fused}
     handles = []
 
     def on_fused(path):
         def hook(module, args, output):
             outputs[id(output)] = path
+            alive.append(output)
         return hook
 
     def on_identity(path):
@@ -156,10 +158,14 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
     qat = any(isinstance(m, FakeQuantizeBase) for m in quantizers.values())
     model = copy.deepcopy(prepared)
     fused = {path: parts for path, m in model.named_modules() if path and (parts := _fused_parts(m)) is not None}
-    slots = _identity_slots(model, list(fused), example_inputs) if fused else {}
+    # PTQ fuse_modules leaves a Conv-BN as a plain conv with the BN folded in and nn.Identity
+    # at the BN's path: an identity called on a plain layer's output is such a BN.
+    plain = [] if qat else [path for path, m in model.named_modules()
+                            if path and path not in fused and type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)]
+    slots = _identity_slots(model, list(fused) + plain, example_inputs) if fused or plain else {}
+    source_folded = [(path, slots[path][0]) for path in plain if slots.get(path)]
     last_of: dict[str, str] = {}  # fused path -> the path whose output the fused module's output is
     bn_pairs: list[tuple[str, str]] = []
-    source_folded: list[tuple[str, str]] = []
     for path, (layer, followers) in fused.items():
         found = slots.get(path, [])
         if len(found) < len(followers):
