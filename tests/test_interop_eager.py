@@ -256,3 +256,24 @@ def test_refusals():
         from_torch_ao(nn.Conv2d(3, 3, 1), torch.randn(1, 3, 4, 4))
     with pytest.raises(QDebugError, match="needs an nn.Module"):
         from_torch_ao("model.pt", torch.randn(1, 3, 4, 4))
+
+
+def test_narrow_range_weights_import_exactly():
+    """torch's quant_min=-127 weights (TFLite/XNNPACK style) map to the engine's narrow_range."""
+    from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, QConfig
+
+    weight = FakeQuantize.with_args(observer=MovingAverageMinMaxObserver, quant_min=-127, quant_max=127,
+                                    dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    torch.manual_seed(7)
+    x = torch.randn(2, 3, 12, 12)
+    model = EagerNet().train()
+    tq.fuse_modules_qat(model, [["conv", "bn", "relu"]], inplace=True)
+    model.qconfig = QConfig(activation=tq.get_default_qat_qconfig("x86").activation, weight=weight)
+    prepared = tq.prepare_qat(model)
+    prepared(x)
+    prepared.apply(tq.disable_observer)
+    prepared.eval()
+    qm = from_torch_ao(prepared, x)
+    spec = quant_points(qm)["conv.weight"].spec
+    assert (spec.qmin, spec.qmax, spec.narrow_range) == (-127, 127, True)
+    assert torch.equal(prepared(x * 3), qm(x * 3))

@@ -442,3 +442,12 @@ def test_histogram_bins_outside_16_to_65536_are_refused(bins):
     with pytest.raises(QDebugError, match=r"bins=.* must be an integer in \[16, 65536\]"):
         QuantSpec(observer="kl", bins=bins)
     assert QuantSpec(observer="kl", bins=65536).bins == 65536
+
+
+def test_narrow_range_drops_the_lowest_signed_code():
+    spec = QuantSpec(bits=8, narrow_range=True)
+    assert (spec.qmin, spec.qmax) == (-127, 127)
+    assert spec.describe().startswith("int8[-127] sym")
+    assert QuantSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(QDebugError, match="narrow_range needs a signed range"):
+        QuantSpec(signed=False, narrow_range=True)

@@ -37,6 +37,9 @@ class QuantSpec:
     """How one tensor is quantized.
 
     bits: 2..16.  signed: integer range [-2^(b-1), 2^(b-1)-1], else [0, 2^b-1].
+    narrow_range: drop the lowest code of a signed range, [-(2^(b-1)-1), 2^(b-1)-1], so a
+    symmetric grid is the same on both sides (TFLite's and XNNPACK's int8 weights, torch's
+    quant_min=-127).
     symmetric: zero point 0 and scale = max|x| / qmax; else affine with a zero point.
     per_channel: one scale per slice along ``ch_axis``.
     observer: how the range is estimated (minmax, ema, percentile, mse, kl).
@@ -55,13 +58,16 @@ class QuantSpec:
     averaging_constant: float = 0.01
     percentile: float = 99.99
     bins: int = 2048
+    narrow_range: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not MIN_BITS <= self.bits <= MAX_BITS:
             raise QDebugError(f"bits={self.bits!r} is not supported", f"use an integer from {MIN_BITS} to {MAX_BITS}")
-        for name in ("signed", "symmetric", "per_channel"):
+        for name in ("signed", "symmetric", "per_channel", "narrow_range"):
             if not isinstance(getattr(self, name), bool):
                 raise QDebugError(f"{name}={getattr(self, name)!r} must be true or false", "write true or false")
+        if self.narrow_range and not self.signed:
+            raise QDebugError("narrow_range needs a signed range", "set signed = true, or narrow_range = false")
         if self.observer not in OBSERVERS:
             raise QDebugError(f"unknown observer {self.observer!r}", f"choose one of {', '.join(OBSERVERS)}")
         if self.estimator not in ESTIMATORS:
@@ -80,7 +86,9 @@ class QuantSpec:
 
     @property
     def qmin(self) -> int:
-        return -(2 ** (self.bits - 1)) if self.signed else 0
+        if not self.signed:
+            return 0
+        return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
 
     @property
     def qmax(self) -> int:
@@ -96,9 +104,10 @@ class QuantSpec:
         return f"{'int' if self.signed else 'uint'}{self.bits}"
 
     def describe(self) -> str:
-        """e.g. ``int8 sym per-channel(0) minmax``."""
+        """e.g. ``int8 sym per-channel(0) minmax``; ``int8[-127] ...`` when narrow."""
         gran = f"per-channel({self.ch_axis})" if self.per_channel else "per-tensor"
-        return f"{self.dtype_name} {'sym' if self.symmetric else 'affine'} {gran} {self.observer}"
+        name = f"{self.dtype_name}[{self.qmin}]" if self.narrow_range else self.dtype_name
+        return f"{name} {'sym' if self.symmetric else 'affine'} {gran} {self.observer}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

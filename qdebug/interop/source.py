@@ -83,34 +83,37 @@ class SourceModel:
     folded_bn: list[tuple[str, str]] = field(default_factory=list)
 
 
-def bits_and_sign(quant_min: int, quant_max: int) -> tuple[int, bool] | None:
-    """(bits, signed) of an integer range the engine's specs express, or None.
+def range_shape(quant_min: int, quant_max: int) -> tuple[int, bool, bool] | None:
+    """(bits, signed, narrow_range) of an integer range the engine's specs express, or None.
 
-    The engine's ranges are the full ones: [-2^(b-1), 2^(b-1) - 1] and [0, 2^b - 1]; torch's
-    reduce_range quint8 [0, 127] is uint7.
+    The engine's ranges: [-2^(b-1), 2^(b-1) - 1], its narrow twin [-(2^(b-1) - 1), 2^(b-1) - 1],
+    and [0, 2^b - 1]; torch's reduce_range quint8 [0, 127] is uint7.
     """
     for bits in range(MIN_BITS, MAX_BITS + 1):
-        if (quant_min, quant_max) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1):
-            return bits, True
+        half = 2 ** (bits - 1)
+        if (quant_min, quant_max) == (-half, half - 1):
+            return bits, True, False
+        if (quant_min, quant_max) == (-half + 1, half - 1):
+            return bits, True, True
         if (quant_min, quant_max) == (0, 2**bits - 1):
-            return bits, False
+            return bits, False, False
     return None
 
 
 def spec_of(q: SourceQuantizer, base: QuantSpec) -> tuple[QuantSpec | None, str]:
     """The engine spec reproducing ``q`` (``base`` gives the fields torch has no word for),
     and a note; None when the engine cannot express its integer range."""
-    shape = bits_and_sign(q.quant_min, q.quant_max)
+    shape = range_shape(q.quant_min, q.quant_max)
     if shape is None:
         return None, (f"integer range [{q.quant_min}, {q.quant_max}] is not a full signed or unsigned "
-                      f"range of {MIN_BITS}-{MAX_BITS} bits")
-    bits, signed = shape
+                      f"range of {MIN_BITS}-{MAX_BITS} bits, nor a narrow signed one")
+    bits, signed, narrow = shape
     # The engine's symmetric means zero point 0; torch's symmetric quint8 has zero point 128,
     # which the engine writes as affine -- the same grid either way.
     symmetric = q.symmetric_scheme and bool((q.zero_point == 0).all())
     notes = []
     observer = OBSERVER_NAMES.get(q.observer)
-    spec = base.replace(bits=bits, signed=signed, symmetric=symmetric, per_channel=q.per_channel,
+    spec = base.replace(bits=bits, signed=signed, narrow_range=narrow, symmetric=symmetric, per_channel=q.per_channel,
                         ch_axis=q.ch_axis if q.per_channel else base.ch_axis)
     if observer is not None:
         spec = spec.replace(observer=observer)
