@@ -20,9 +20,11 @@ from importlib import import_module
 from qdebug.errors import QDebugError
 
 _LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api",
-         "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch"}
+         "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch",
+         "from_torch_ao": "qdebug.interop"}
 
-__all__ = ["load", "save", "compare", "step", "suggest", "nan_trace", "NonFiniteError", "QDebugError", "__version__"]
+__all__ = ["load", "save", "compare", "step", "suggest", "nan_trace", "NonFiniteError", "from_torch_ao", "QDebugError",
+           "__version__"]
 
 
 def _version() -> str:

@@ -277,3 +277,30 @@ def test_narrow_range_weights_import_exactly():
     spec = quant_points(qm)["conv.weight"].spec
     assert (spec.qmin, spec.qmax, spec.narrow_range) == (-127, 127, True)
     assert torch.equal(prepared(x * 3), qm(x * 3))
+
+
+def test_compare_and_step_run_on_an_imported_model_with_the_float_names():
+    import copy
+
+    torch.manual_seed(8)
+    x = torch.randn(2, 3, 16, 16)
+    float_model = ZOO["resnet"]()
+    names = {n for n, m in float_model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
+    qm = qdebug.from_torch_ao(_qat(copy.deepcopy(float_model), x), x)
+    reference = copy.deepcopy(qm)
+    qdebug.engine.set_mode(reference, "float")
+    batches = [torch.randn(2, 3, 16, 16) for _ in range(2)]
+    frame = qdebug.compare(("float", reference), ("qat", qm), data=batches)
+    assert names <= set(frame["layer"])
+    assert (frame.set_index("layer").loc[sorted(names), "sqnr_db"] > 10).all()
+    steps = qdebug.step(qm, data=batches, module="layer1")
+    assert steps["selection"].tolist()[1] == "layer1"
+
+
+def test_a_quantizer_that_never_saw_data_is_said_so():
+    model = EagerNet().train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    prepared = tq.prepare_qat(model).eval()
+    x = torch.randn(1, 3, 8, 8)
+    report = import_report(from_torch_ao(prepared, x)).set_index("source")
+    assert "never observed" in report.loc["conv.activation_post_process", "note"]

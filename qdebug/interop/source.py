@@ -162,9 +162,23 @@ def read_quantizer(module: nn.Module, source: str, kind: str, anchor: str | None
     """A ``SourceQuantizer`` from a torch FakeQuantize/observer module."""
     scale, zero_point = torch_qparams(module)
     settings = quantizer_settings(module)
+    if not _observed(module):
+        note = "; ".join(n for n in (note, "the source never observed data: its scale is torch's initial value") if n)
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        note = "; ".join(n for n in (note, "the source's scale is not a positive finite number") if n)
     if type(module).__name__ not in ("FakeQuantize", "FusedMovingAvgObsFakeQuantize") and \
             "FakeQuantize" in type(module).__name__:
         # FixedQParamsFakeQuantize, LearnableFakeQuantize, a user's subclass: its values are
         # imported, its own way of choosing them is not.
         settings["observer"] = type(module).__name__
     return SourceQuantizer(source, kind, anchor, scale, zero_point, note=note, **settings)
+
+
+def _observed(module: nn.Module) -> bool:
+    """Whether a torch quantizer's observer has seen data (min/max no longer +-inf or empty)."""
+    inner = getattr(module, "activation_post_process", None)
+    observer = inner if isinstance(inner, nn.Module) else module
+    min_val = getattr(observer, "min_val", None)
+    if not isinstance(min_val, torch.Tensor):
+        return True  # no min/max to tell (fixed qparams, a custom observer): assume it has
+    return min_val.numel() > 0 and bool(torch.isfinite(min_val).all())
