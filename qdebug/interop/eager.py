@@ -213,7 +213,12 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
     for name, quantizer in quantizers.items():
         owner, _, attr = name.rpartition(".")
         if attr == "weight_fake_quant":
-            source.quantizers.append(read_quantizer(quantizer, name, "weight", owner))
+            slow = getattr(prepared.get_submodule(owner), "_enable_slow_path_for_better_numerical_stability", False)
+            # The slow path's eval output is conv(x, fq(W f)) + (b - mean) f + beta: the same values
+            # in another float order, so a value on a rounding tie of the next quantizer may differ.
+            note = ("torch's slow Conv-BN path folds in eval: equal to the engine's up to float rounding "
+                    "(qat_mode='fuse_bn' is its order)") if slow else ""
+            source.quantizers.append(read_quantizer(quantizer, name, "weight", owner, note=note))
             continue
         for anchor in _activation_anchors(prepared, owner, last_of, stub_anchor, plan):
             source.quantizers.append(read_quantizer(quantizer, name, "activation", anchor))
