@@ -55,11 +55,20 @@ def from_torch_ao(model: nn.Module, example_inputs: Any, *, float_model: nn.Modu
         from qdebug.interop.pt2e import read_pt2e
 
         source, plan = read_pt2e(model, example_inputs, float_model)
+    elif flow == "pt2e-converted":
+        from qdebug.interop.pt2e import read_pt2e_converted
+
+        source, plan = read_pt2e_converted(model, example_inputs, float_model)
     else:
         from qdebug.interop.converted import read_converted
 
         source, plan = read_converted(model, example_inputs, float_model, flow)
-    return build(source, plan, qat_mode)
+    model = build(source, plan, qat_mode)
+    if source.stage == "quantized":
+        from qdebug.engine import convert
+
+        model = convert(model)  # torch's converted model computes in integers: so does the import
+    return model
 
 
 def detect_flow(model: nn.Module) -> str | None:

@@ -144,9 +144,10 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
                 q.quant_min, q.quant_max)
             # A second quantizer on the same values (FX shares observers) changes nothing when
             # its grid is the same one; a different grid after it has no engine place.
+            why = (f"the same grid as {other.source!r}" if same else
+                   f"re-quantizes {name!r} on another grid; the engine keeps {other.source!r}'s")
             rows.append(_row(q.source, q.kind, name if same else "", EXACT if same else UNMAPPED,
-                             f"the same grid as {other.source!r}" if same else
-                             f"re-quantizes {name!r} on another grid; the engine keeps {other.source!r}'s"))
+                             "; ".join(notes + [why])))
             continue
         table[name] = (q, spec)
         rows.append(_row(q.source, q.kind, name, status, "; ".join(notes)))

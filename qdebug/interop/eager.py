@@ -10,24 +10,29 @@ Eager prepare keeps the user's class and module paths and adds quantizers as chi
   the importer.
 
 ``fuse_modules(_qat)`` replaced the fused BN and ReLU by ``nn.Identity`` at their own paths.
-``float_model_of`` undoes that: it finds those identities by dataflow (the ones called on the
-fused module's output, in call order), puts the BN and a ReLU back, turns QAT layers into
-float ones and drops every quantizer, so the engine wraps the user's architecture with the
-source's weights and the same names.
+``unfuse`` undoes that: it finds those identities by dataflow (the ones called on the fused
+module's output, in call order), puts the BN and a ReLU back, turns QAT layers into float
+ones and drops every quantizer, so the engine wraps the user's architecture with the source's
+weights and the same names.  ``trace_float`` traces the result, finding what each QuantStub
+and FloatFunctional quantizes, and ``splice_identities`` keeps a BN that torch folded (its
+identity) from splitting the conv from its ReLU.  Converted eager models
+(``qdebug.interop.converted``) share all three.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from qdebug.engine.context import split_inputs
-from qdebug.engine.plan import Plan, TraceHandler, trace_plan
+from qdebug.engine.ops import FUSABLE_INTO_ACTIVATION, FUSED_ACTIVATIONS
+from qdebug.engine.plan import CallRecord, Plan, TraceHandler, resolve_outputs, trace_plan
 from qdebug.errors import QDebugError
-from qdebug.interop.source import SourceModel, SourceQuantizer, read_quantizer
+from qdebug.interop.source import SourceModel, SourceQuantizer, full_range, read_quantizer
 
 try:
     from torch.ao.quantization import FakeQuantizeBase, ObserverBase
@@ -150,66 +155,58 @@ def _strip_quantizers(model: nn.Module) -> None:
                 del module.__dict__[attr]
 
 
+def unfuse(model: nn.Module, parts: dict[str, tuple[nn.Module | None, list[nn.Module]]], example_inputs: Any,
+           folded_bn: Callable[[str], bool]) -> tuple[nn.Module, list[tuple[str, str]], dict[str, list[str]]]:
+    """A float copy of ``model`` with torch's fusion undone and its quantizers dropped.
+
+    ``parts``: path -> (the float layer to put there, or None to keep the module; the float
+    modules fused after it).  The followers go back to the last identities called on the
+    layer's output, in order; identities before them are BNs torch folded into the layer's
+    weights when ``folded_bn(slot)`` says so.  Returns (the copy, [(layer, folded BN path)],
+    {layer path: the slots its followers went to}).
+    """
+    restored = copy.deepcopy(model)  # the run below moves a prepared model's observers: never the user's
+    slots = _identity_slots(restored, list(parts), example_inputs) if parts else {}
+    folded: list[tuple[str, str]] = []
+    placed: dict[str, list[str]] = {}
+    for path, (layer, followers) in parts.items():
+        found = slots.get(path, [])
+        if len(found) < len(followers):
+            raise QDebugError(f"cannot find where the modules fused into {path!r} were in the float model",
+                              "fuse with torch.ao.quantization.fuse_modules(_qat), which leaves nn.Identity "
+                              "at the fused modules' paths")
+        if layer is not None:
+            _set(restored, path, layer)
+        cut = len(found) - len(followers)
+        for slot, follower in zip(found[cut:], followers):
+            _set(restored, slot, follower)
+        placed[path] = found[cut:]
+        folded += [(path, slot) for slot in found[:cut] if folded_bn(slot)]
+    _strip_quantizers(restored)
+    return restored, folded, placed
+
+
 def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, Plan]:
     """The ``SourceModel`` of an eager-prepared model, and the engine plan of its float model."""
     quantizers = {name: m for name, m in prepared.named_modules()
                   if is_quantizer(m) and name.rpartition(".")[2] in ("activation_post_process", "weight_fake_quant")
                   and not is_quantizer(prepared.get_submodule(name.rpartition(".")[0]) if "." in name else prepared)}
     qat = any(isinstance(m, FakeQuantizeBase) for m in quantizers.values())
-    model = copy.deepcopy(prepared)
-    fused = {path: parts for path, m in model.named_modules() if path and (parts := _fused_parts(m)) is not None}
-    # PTQ fuse_modules leaves a Conv-BN as a plain conv with the BN folded in and nn.Identity
-    # at the BN's path: an identity called on a plain layer's output is such a BN.
-    plain = [] if qat else [path for path, m in model.named_modules()
-                            if path and path not in fused and type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)]
-    slots = _identity_slots(model, list(fused) + plain, example_inputs) if fused or plain else {}
-    source_folded = [(path, slots[path][0]) for path in plain if slots.get(path)]
-    last_of: dict[str, str] = {}  # fused path -> the path whose output the fused module's output is
-    bn_pairs: list[tuple[str, str]] = []
-    for path, (layer, followers) in fused.items():
-        found = slots.get(path, [])
-        if len(found) < len(followers):
-            raise QDebugError(f"cannot find where the modules fused into {path!r} were in the float model",
-                              "fuse with torch.ao.quantization.fuse_modules(_qat), which leaves nn.Identity "
-                              "at the fused modules' paths")
-        _set(model, path, layer)
-        targets = found[len(found) - len(followers):]
-        if len(found) > len(followers) and not qat:
-            # PTQ fuse_modules folded the BN into the conv: its slot stays an identity.
-            source_folded.append((path, found[0]))
-        for slot, follower in zip(targets, followers):
-            _set(model, slot, follower)
-            if isinstance(follower, nn.modules.batchnorm._BatchNorm) and qat:
-                bn_pairs.append((path, slot))
-        last_of[path] = found[-1] if found else path
-    _strip_quantizers(model)
-
-    handler = TraceHandler()
-    stub_anchor: dict[str, list[str]] = {}
-    hooks = []
-    from torch.ao.nn.quantized import FloatFunctional
-    from torch.ao.quantization import QuantStub
-
-    def remember(path):
-        def pre_hook(module, args):
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            if tensors:  # a FloatFunctional called k times: k anchors, one quantizer
-                stub_anchor.setdefault(path, []).append(handler.producer.get(id(tensors[0]), ""))
-        return pre_hook
-
-    for path, module in model.named_modules():
-        if isinstance(module, QuantStub):
-            hooks.append(module.register_forward_pre_hook(remember(path)))
-        elif isinstance(module, FloatFunctional):
-            hooks.append(module.activation_post_process.register_forward_pre_hook(remember(path)))
-    try:
-        plan = trace_plan(model, example_inputs, handler)
-    finally:
-        for handle in hooks:
-            handle.remove()
+    parts: dict[str, tuple[nn.Module | None, list[nn.Module]]] = {
+        path: found for path, m in prepared.named_modules() if path and (found := _fused_parts(m)) is not None}
+    if not qat:
+        # PTQ fuse_modules leaves a Conv-BN as a plain conv with the BN folded in and nn.Identity
+        # at the BN's path: an identity called on a plain layer's output is such a BN.
+        parts.update({path: (None, []) for path, m in prepared.named_modules()
+                      if path and path not in parts and type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)})
+    model, folded, placed = unfuse(prepared, parts, example_inputs, folded_bn=lambda slot: not qat)
+    bn_pairs = [(path, placed[path][0]) for path, (_, followers) in parts.items()
+                if qat and followers and isinstance(followers[0], nn.modules.batchnorm._BatchNorm)]
+    last_of = {path: slots[-1] for path, slots in placed.items() if slots}
+    plan, _, stub_anchor = trace_float(model, example_inputs, [slot for _, slot in folded])
 
     source = SourceModel("eager", "qat" if qat else "calibrated", model, example_inputs, bn_pairs=bn_pairs,
-                         folded_bn=source_folded)
+                         folded_bn=folded)
     for name, quantizer in quantizers.items():
         owner, _, attr = name.rpartition(".")
         if attr == "weight_fake_quant":
@@ -221,10 +218,86 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
             source.quantizers.append(read_quantizer(quantizer, name, "weight", owner, note=note))
             continue
         for anchor in _activation_anchors(prepared, owner, last_of, stub_anchor, plan):
-            source.quantizers.append(read_quantizer(quantizer, name, "activation", anchor))
+            q = read_quantizer(quantizer, name, "activation", anchor)
+            if not qat:
+                full_range(q)
+            source.quantizers.append(q)
     if not qat:
         source.quantizers.extend(_ptq_weights(prepared, model))
     return source, plan
+
+
+def trace_float(model: nn.Module, example_inputs: Any,
+                folded_slots: list[str]) -> tuple[Plan, dict[str, CallRecord], dict[str, list[str]]]:
+    """(the plan, the trace's records, QuantStub/FloatFunctional path -> the engine call its
+    grid quantizes, per call): a QuantStub quantizes its input, a FloatFunctional its op's
+    result (both found as the producer of what they are given)."""
+    from torch.ao.nn.quantized import FloatFunctional
+    from torch.ao.quantization import QuantStub
+
+    handler = TraceHandler()
+    anchors: dict[str, list[str]] = defaultdict(list)
+    views: list[str] = []  # the trace's names of the folded-BN identities
+    hooks = []
+
+    def input_of(path):
+        def pre_hook(module, args):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if tensors:  # a FloatFunctional called k times: k calls
+                anchors[path].append(handler.producer.get(id(tensors[0]), ""))
+        return pre_hook
+
+    def view_of(module, args, output):
+        views.append(handler.producer.get(id(output), ""))
+
+    for path, module in model.named_modules():
+        if isinstance(module, QuantStub):
+            hooks.append(module.register_forward_pre_hook(input_of(path)))
+        elif isinstance(module, FloatFunctional):
+            hooks.append(module.activation_post_process.register_forward_pre_hook(input_of(path)))
+        elif path in folded_slots:
+            hooks.append(module.register_forward_hook(view_of))
+    try:
+        plan = trace_plan(model, example_inputs, handler)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    splice_identities(plan, handler.records, views)
+    return plan, handler.records, dict(anchors)
+
+
+def splice_identities(plan: Plan, records: dict[str, CallRecord], views: list[str]) -> None:
+    """Take the identities a folded BN left out of the dataflow, and fuse what they kept apart.
+
+    The trace records an ``nn.Identity`` as a passthrough view, a second use of the conv's
+    output that blocks the conv's fusion into the ReLU after it.  torch's fused kernel
+    (ConvReLU2d) requantizes straight onto the ReLU's grid; so does the engine once the view
+    is gone (the rule is ``qdebug.engine.plan``'s: a fusable op whose one consumer is a
+    relu/relu6 with one input).
+    """
+    touched = []
+    for view in views:
+        rec = records.get(view)
+        if rec is None or not view.startswith("~") or len(rec.inputs) != 1 or not rec.inputs[0]:
+            continue
+        src = records[rec.inputs[0]]
+        at = src.consumers.index(view) if view in src.consumers else len(src.consumers)
+        src.consumers[at:at + 1] = rec.consumers
+        for name in rec.consumers:
+            consumer = records[name]
+            consumer.inputs = [src.name if i == view else i for i in consumer.inputs]
+        rec.inputs, rec.consumers = [], []
+        touched.append(src.name)
+    for name in touched:
+        src = plan.calls.get(name)
+        if src is None or src.fused_into is not None or src.category not in FUSABLE_INTO_ACTIVATION:
+            continue
+        if len(src.consumers) == 1:
+            follower = plan.calls.get(src.consumers[0])
+            if follower is not None and follower.category in FUSED_ACTIVATIONS and len(follower.inputs) == 1:
+                src.fused_into = follower.name
+                src.point = None
+    resolve_outputs(plan.calls)
 
 
 def _activation_anchors(prepared: nn.Module, owner: str, last_of: dict[str, str], stub_anchor: dict[str, list[str]],

@@ -182,3 +182,20 @@ def _observed(module: nn.Module) -> bool:
     if not isinstance(min_val, torch.Tensor):
         return True  # no min/max to tell (fixed qparams, a custom observer): assume it has
     return min_val.numel() > 0 and bool(torch.isfinite(min_val).all())
+
+
+def full_range(q: SourceQuantizer) -> None:
+    """A PTQ observer's range as torch's convert uses it: the dtype's full range.
+
+    An observer's quant_min/max (``reduce_range``: quint8 [0, 127]) only size its scale;
+    convert quantizes with ``torch.quantize_per_tensor/channel`` and the int8 kernels write
+    their outputs, all clamping to the dtype's range ([0, 255] for quint8) with that scale.
+    A PTQ model has no other quantized semantics (its observers never fake-quantize).
+    """
+    bounds = {"quint8": (0, 255), "qint8": (-128, 127), "qint32": (-(2 ** 31), 2 ** 31 - 1)}.get(q.dtype)
+    if bounds is None or (q.quant_min, q.quant_max) == bounds:
+        return
+    note = (f"the observer's range [{q.quant_min}, {q.quant_max}] sized the scale; torch's convert clamps to "
+            f"{q.dtype}'s [{bounds[0]}, {bounds[1]}]")
+    q.quant_min, q.quant_max = bounds
+    q.note = f"{q.note}; {note}" if q.note else note
