@@ -25,7 +25,7 @@ import qdebug
 from qdebug.engine import QConfig, calibrate, convert, prepare
 from qdebug.modelspec import ModelSpec, build
 
-from small_models import RESNET, SMALL_RESNET as SMALL
+from small_models import RESNET, SMALL_RESNET as SMALL, randomize_bn
 
 
 def pytest_addoption(parser):
@@ -35,22 +35,10 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-seed", type=int, default=0, help="tests/test_fuzz.py: the first seed")
 
 
-def _randomize_bn(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                n = m.num_features
-                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.3)
-                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.bias.copy_(torch.randn(n, generator=gen) * 0.2)
-
-
 def _make_resnet(seed: int = 0, **overrides: Any) -> nn.Module:
     torch.manual_seed(seed)
     model = build(ModelSpec(RESNET, {**SMALL, **overrides}), from_user=True)
-    _randomize_bn(model, seed)
+    randomize_bn(model, seed + 100)
     return model.eval()
 
 

@@ -1,4 +1,8 @@
-"""Small zoo configurations shared by the tests (1-channel inputs of 16-28 px, fast on CPU)."""
+"""Small zoo configurations shared by the tests (1-channel inputs of 16-28 px, fast on CPU),
+and ``randomize_bn``: BN statistics far from (0, 1), so folding them is not a no-op."""
+
+import torch
+import torch.nn as nn
 
 RESNET = "qdebug.zoo.resnet:ResNet"
 # A two-stage ResNet: conftest's stage fixtures and the compare tests use it.
@@ -19,3 +23,34 @@ SMALL_SHUFFLENETV2 = {
     "in_channels": 1,
     "stem_stride": 1,
 }
+
+# 3-channel zoo models the torch.ao import tests prepare with torch (tests/test_interop_*.py).
+INTEROP_ZOO = {
+    "resnet": {"layers": [1, 1], "widths": [8, 16], "num_classes": 10, "stem": "small"},
+    "mobilenetv2": {"num_classes": 10, "width_mult": 0.25, "setting": [[1, 16, 1, 1], [6, 24, 2, 2]],
+                    "last_channel": 64, "stem_stride": 1},
+    "shufflenetv2": {"stages_repeats": [1, 1], "stages_out_channels": [8, 16, 32, 64], "num_classes": 10,
+                     "stem_stride": 1, "stem_pool": False},
+    "multitask": {"in_channels": 3, "width": 8},
+}
+
+
+def interop_zoo() -> dict:
+    """Name -> a constructor of that small 3-channel zoo model."""
+    from qdebug.zoo import MODELS
+
+    return {name: (lambda name=name: MODELS[name](**INTEROP_ZOO[name])) for name in INTEROP_ZOO}
+
+
+def randomize_bn(model: nn.Module, seed: int) -> nn.Module:
+    """Every BatchNorm2d's statistics and affine parameters drawn from a generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.3)
+                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.bias.copy_(torch.randn(n, generator=gen) * 0.2)
+    return model

@@ -26,7 +26,8 @@ from qdebug.engine.prepare import engine_state
 from qdebug.errors import QDebugError
 from qdebug.interop import detect_flow, from_torch_ao, import_report
 from qdebug.interop.converted import read_converted
-from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
+from qdebug.zoo import ResNet
+from small_models import interop_zoo, randomize_bn
 
 tq = pytest.importorskip("torch.ao.quantization")
 nnq = pytest.importorskip("torch.ao.nn.quantized")
@@ -157,14 +158,7 @@ class EagerMobileNet(nn.Module):
 
 
 EAGER = {"resnet": EagerResNet, "mobilenet": EagerMobileNet}
-ZOO = {
-    "resnet": lambda: ResNet(layers=[1, 1], widths=[8, 16], num_classes=10, stem="small"),
-    "mobilenetv2": lambda: MobileNetV2(num_classes=10, width_mult=0.25, setting=[[1, 16, 1, 1], [6, 24, 2, 2]],
-                                       last_channel=64, stem_stride=1),
-    "shufflenetv2": lambda: ShuffleNetV2(stages_repeats=[1, 1], stages_out_channels=[8, 16, 32, 64],
-                                         num_classes=10, stem_stride=1, stem_pool=False),
-    "multitask": lambda: MultiTaskNet(in_channels=3, width=8),
-}
+ZOO = interop_zoo()
 PER_CHANNEL = pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
 
 
@@ -208,7 +202,7 @@ def _eager(name: str, qat: bool, per_channel: bool) -> tuple[nn.Module, nn.Modul
     """(the float model, torch's converted model) of an eager-ready model."""
     torch.manual_seed(0)
     model = EAGER[name]()
-    _randomize_bn(model)
+    randomize_bn(model, 11)
     float_model = copy.deepcopy(model).eval()
     if qat:
         model.train()
@@ -231,7 +225,7 @@ def _fx(name: str, qat: bool, per_channel: bool) -> tuple[nn.Module, nn.Module]:
     """(the float model, convert_fx's model) of a zoo model."""
     torch.manual_seed(0)
     model = ZOO[name]()
-    _randomize_bn(model)
+    randomize_bn(model, 11)
     x = _batches(1, 5)[0]
     qconfig = _qat_qconfig(per_channel) if qat else _ptq_qconfig(per_channel)
     mapping = tq.QConfigMapping().set_global(qconfig)
@@ -246,20 +240,6 @@ def _fx(name: str, qat: bool, per_channel: bool) -> tuple[nn.Module, nn.Module]:
     return model.eval(), quantize_fx.convert_fx(prepared)
 
 
-def _randomize_bn(model: nn.Module) -> None:
-    """BN statistics far from (0, 1), so folding them is not a no-op."""
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                n = m.num_features
-                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.3)
-                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.bias.copy_(torch.randn(n, generator=gen) * 0.2)
-
-
-# -- checks ----------------------------------------------------------------------------------
 def _weighted(converted: nn.Module) -> dict[str, nn.Module]:
     found = {}
     for path, m in converted.named_modules():
@@ -572,7 +552,7 @@ def test_a_users_identity_is_no_folded_bn_when_float_model_says_so():
 
     torch.manual_seed(3)
     model = Net().eval()
-    _randomize_bn(model)
+    randomize_bn(model, 11)
     float_model = copy.deepcopy(model)
     tq.fuse_modules(model, [["conv", "bn"]], inplace=True)
     model.qconfig = _ptq_qconfig(True)
@@ -641,7 +621,7 @@ def test_fx_layers_left_float_stay_float_with_the_graphs_weights():
     and outputs float, with the graph's (folded) weights, and quantizes the conv's output with
     the quantize_per_tensor's grid; every integer kernel fed torch's codes is within 1 LSB."""
     float_model = ZOO["resnet"]().eval()
-    _randomize_bn(float_model)
+    randomize_bn(float_model, 11)
     x = _batches(1, 5)[0]
     mapping = tq.QConfigMapping().set_global(_ptq_qconfig(True)).set_module_name("fc", None) \
         .set_module_name("layer2.0.conv2", None)

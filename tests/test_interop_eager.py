@@ -18,7 +18,8 @@ from qdebug.engine import quant_points
 from qdebug.engine.plan import trace_plan
 from qdebug.errors import QDebugError
 from qdebug.interop import from_torch_ao, import_report
-from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
+from qdebug.zoo import ResNet
+from small_models import interop_zoo
 
 tq = pytest.importorskip("torch.ao.quantization")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -115,14 +116,7 @@ def _outputs_train(model, x):
     return list(out.values()) if isinstance(out, dict) else [out]
 
 
-ZOO = {
-    "resnet": lambda: ResNet(layers=[1, 1], widths=[8, 16], num_classes=10, stem="small"),
-    "mobilenetv2": lambda: MobileNetV2(num_classes=10, width_mult=0.25, setting=[[1, 16, 1, 1], [6, 24, 2, 2]],
-                                       last_channel=64, stem_stride=1),
-    "shufflenetv2": lambda: ShuffleNetV2(stages_repeats=[1, 1], stages_out_channels=[8, 16, 32, 64],
-                                         num_classes=10, stem_stride=1, stem_pool=False),
-    "multitask": lambda: MultiTaskNet(in_channels=3, width=8),
-}
+ZOO = interop_zoo()
 
 
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])

@@ -30,6 +30,7 @@ from qdebug.interop import detect_flow
 from qdebug.interop.build import build, import_report
 from qdebug.interop.pt2e import _quiet, import_torchao, read_pt2e, read_pt2e_converted
 from qdebug.zoo import MobileNetV2, ResNet
+from small_models import randomize_bn
 
 try:
     pt2e = import_torchao()  # quietly: torchao logs the optional kernels it cannot load
@@ -102,19 +103,6 @@ class ConvBiasNetNoMul(ConvBiasNet):
         return self.head(y[:, :8])
 
 
-def _randomize_bn(model: nn.Module, seed: int = 5) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                n = m.num_features
-                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.3)
-                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.bias.copy_(torch.randn(n, generator=gen) * 0.2)
-    return model
-
-
 def _batch(seed: int, shape=SHAPE) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -138,7 +126,7 @@ def _qat(model: nn.Module, per_channel: bool, strict: bool, shape=SHAPE):
 
 def _ptq(model: nn.Module, per_channel: bool, strict: bool):
     """(float model, calibrated prepared graph, its convert_pt2e graph, input)."""
-    model = _randomize_bn(model).eval()
+    model = randomize_bn(model, 5).eval()
     x = _batch(1)
     graph = torch.export.export(copy.deepcopy(model), (x,), strict=strict).module()
     prepared = prepare_pt2e(graph, X86InductorQuantizer().set_global(_config(False, per_channel)))

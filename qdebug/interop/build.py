@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.ops import FUSED_ACTIVATIONS
+
 from qdebug.engine.plan import Plan, resolve_outputs
 from qdebug.engine.prepare import engine_state, prepare
 from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, default_weight_spec

@@ -59,10 +59,10 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.context import split_inputs
-from qdebug.engine.ops import FUSABLE_INTO_ACTIVATION, FUSED_ACTIVATIONS, function_category, module_category, tensors_in
-from qdebug.engine.plan import CallRecord, Plan, TraceHandler, resolve_outputs, trace_plan
+from qdebug.engine.ops import function_category, module_category, tensors_in
+from qdebug.engine.plan import CallRecord, Plan, TraceHandler, trace_plan
 from qdebug.errors import QDebugError
-from qdebug.interop.eager import _set, splice_identities, trace_float, unfuse
+from qdebug.interop.eager import _set, run_once, splice_identities, trace_float, unfuse
 from qdebug.interop.source import SourceModel, SourceQuantizer
 
 QUANTIZED_PREFIXES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")
@@ -317,16 +317,9 @@ def _module_grids(model: nn.Module, example_inputs: Any) -> dict[str, list[Grid 
                 if hasattr(module, name) and name not in module.__dict__:
                     object.__setattr__(module, name, method(path, getattr(module, name)))
                     wrapped.append((module, name))
-    was_training = model.training
     try:
-        model.eval()
-        args, kwargs = split_inputs(example_inputs)
-        with torch.no_grad():
-            model(*args, **kwargs)
+        run_once(model, example_inputs, handles)
     finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
         for module, name in wrapped:
             del module.__dict__[name]
     return dict(grids)
@@ -525,7 +518,6 @@ def _read_fx(gm: nn.Module, example_inputs: Any, float_model: nn.Module) -> tupl
     modules = dict(gm.named_modules())
     graph_modules = [n for n in gm.graph.nodes if n.op == "call_module"]
     called = {n.target for n in graph_modules}
-    quantized = {n.target: modules[n.target] for n in graph_modules if is_torch_quantized(modules[n.target])}
 
     # FX folds every Conv-BN pair into the conv (a float conv left out of quantization too):
     # the BN's path is no longer called.

@@ -121,6 +121,13 @@ def _identity_slots(model: nn.Module, fused: list[str], example_inputs: Any) -> 
             handles.append(module.register_forward_hook(on_fused(path)))
         elif type(module) is nn.Identity:
             handles.append(module.register_forward_hook(on_identity(path)))
+    run_once(model, example_inputs, handles)
+    return slots
+
+
+def run_once(model: nn.Module, example_inputs: Any, handles: list) -> None:
+    """One eval forward of ``model`` without autograd for its hooks to see; the hooks' ``handles``
+    are removed and the training flag restored after, whatever happens."""
     was_training = model.training
     try:
         model.eval()
@@ -131,7 +138,6 @@ def _identity_slots(model: nn.Module, fused: list[str], example_inputs: Any) -> 
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    return slots
 
 
 def _strip_quantizers(model: nn.Module) -> None:

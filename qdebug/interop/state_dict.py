@@ -1,0 +1,305 @@
+"""A torch.ao prepared model's ``state_dict`` -> that prepared model again, rebuilt by torch.
+
+``qdebug import`` reads a file of tensors only (never code from a file: ``qdebug.torchfile``)
+and the user's float class (``--model``, which the user trusts), and makes torch prepare the
+float model the way the file's keys say it was prepared:
+
+- the flow: FX puts its quantizers at the root (``activation_post_process_N.*``), eager mode
+  on the module they follow (``P.activation_post_process.*``, ``P.weight_fake_quant.*``);
+- QAT or PTQ: FakeQuantize modules save ``fake_quant_enabled``, observers do not;
+- eager fusion, from the float model's engine plan (its Conv-BN pairs and the ReLU each conv
+  or BN feeds) and the keys: a QAT ``ConvBn2d`` keeps its BN as ``P.bn.*``; PTQ
+  ``fuse_modules`` folds the BN into the conv (the BN's keys are gone) and makes a fused
+  ReLU a ``Sequential`` (``P.0.weight``).  A QAT ``ConvBnReLU2d`` and a ``ConvBn2d`` with a
+  separate ReLU have the same keys: the ReLU is taken as fused -- what fuse_modules_qat
+  recipes do -- unless the quantizer saw negative values, which after a ReLU it cannot;
+- the qconfig: torch's default of ``--backend`` on exactly the modules that have quantizer
+  keys (eager), or the default qconfig mapping (FX).
+
+The rebuilt model must take the file with ``load_state_dict(strict=True)``, and every loaded
+FakeQuantize scale must be the one its observer's range gives under that qconfig (the range
+[quant_min, quant_max] is not saved: a file prepared with another backend's reduce_range or
+granularity would load, then compute something else).  Any mismatch is one error naming
+what differs.  ``qdebug.interop.from_torch_ao`` then imports the rebuilt model.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qdebug.errors import QDebugError
+
+BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
+EAGER_MARKERS = ("activation_post_process", "weight_fake_quant")
+FX_QUANTIZER = re.compile(r"^activation_post_process_\d+\.")
+SHOWN_KEYS = 4  # differing keys named in an error
+# A saved scale vs the one its observer's range gives: torch's fused QAT kernel divides a
+# symmetric int8 range by 127 where the observer's calculate_qparams divides by 127.5 (0.4%);
+# another backend's range or granularity differs by about 2x, or in shape or zero point.
+RANGE_RTOL = 0.01
+MISMATCH_HINT = ("is --model the class (with the config's model_kwargs) the state_dict was saved from, and "
+                 "--backend the one it was prepared for (x86, fbgemm, qnnpack, onednn)?")
+RESAVE_HINT = ("in the script that prepared the model, save torch.save(prepared.state_dict(), path) and import "
+               "that file")
+# torch.ao's own notices while preparing (deprecation, reduce_range, observers never run):
+# about torch's API, not the user's model.
+_TORCH_NOTICES = ("torch.ao.quantization is deprecated", "Please use quant_min and quant_max",
+                  "must run observer before calling calculate_qparams", "reduce_range will be deprecated")
+
+
+@dataclass
+class Rebuilt:
+    """A prepared model rebuilt from a state_dict, and how."""
+
+    prepared: nn.Module
+    flow: str  # "eager" | "fx"
+    qat: bool
+    float_model: nn.Module  # a float copy of the user's model (FX imports need it)
+    fusions: list[list[str]] = field(default_factory=list)  # eager: the module groups fused
+
+
+# -- reading the file --------------------------------------------------------------------
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a saved state_dict, refused with one clear error when the file is anything else."""
+    from qdebug.checkpoint import FORMAT, check_state, extract_state_dict
+    from qdebug.torchfile import pickled_class, read_file
+
+    p = Path(path)
+    try:
+        obj = read_file(p)
+    except QDebugError as exc:
+        if "pickled" not in exc.message:  # missing, damaged, not a regular file: said as it is
+            raise
+        whole = pickled_class(p)
+        if whole is not None:
+            raise QDebugError(f"{p} is a whole pickled model (torch.save(model)) of class {whole}: qdebug import "
+                              "reads tensors only, never code from a file", RESAVE_HINT) from None
+        raise QDebugError(f"{p} holds pickled Python objects besides tensors: qdebug import reads tensors only",
+                          RESAVE_HINT) from None
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        raise QDebugError(f"{p} is already a qdebug checkpoint", f"use it as it is, e.g. qdebug inspect {p}")
+    if isinstance(obj, dict) and _converted_keys(obj):
+        raise QDebugError(f"{p} is the state_dict of a converted model (torch's quantized modules)",
+                          "qdebug import reads prepared models' state_dicts; import a converted model in Python "
+                          "with qdebug.interop.from_torch_ao(converted, example_inputs) (docs/interop.md)")
+    state = extract_state_dict(obj)
+    if state is None:
+        raise QDebugError(f"{p} is not a state_dict (found {type(obj).__name__})", RESAVE_HINT)
+    check_state(state, str(p))
+    return dict(state)
+
+
+def _converted_keys(obj: dict) -> bool:
+    """Whether a loaded dict is a converted model's state: quantized tensors or packed params."""
+    values = obj.get("state_dict", obj) if isinstance(obj.get("state_dict"), dict) else obj
+    return any((isinstance(k, str) and "_packed_params" in k) or
+               (isinstance(v, torch.Tensor) and v.is_quantized) for k, v in values.items())
+
+
+# -- what the keys say -------------------------------------------------------------------
+def detect_flow(state: dict[str, torch.Tensor]) -> str | None:
+    """"fx", "eager", or None when the keys hold no torch.ao quantizer."""
+    if any(FX_QUANTIZER.match(k) for k in state):
+        return "fx"
+    return "eager" if eager_owners(state) else None
+
+
+def is_qat(state: dict[str, torch.Tensor]) -> bool:
+    """FakeQuantize modules (QAT) save their enabled flags; observers (PTQ) do not."""
+    return any(k.endswith(".fake_quant_enabled") or k == "fake_quant_enabled" for k in state)
+
+
+def eager_owners(state: dict[str, torch.Tensor]) -> dict[str, set[str]]:
+    """Module path -> the eager quantizers it owns ("activation_post_process", "weight_fake_quant")."""
+    owners: dict[str, set[str]] = {}
+    for key in state:
+        parts = key.split(".")
+        at = next((i for i, part in enumerate(parts[:-1]) if part in EAGER_MARKERS), None)
+        if at is not None:
+            owners.setdefault(".".join(parts[:at]), set()).add(parts[at])
+    return owners
+
+
+# -- rebuilding --------------------------------------------------------------------------
+def rebuild(state: dict[str, torch.Tensor], float_model: nn.Module, example_inputs: Any, backend: str,
+            *, source: str = "the state_dict") -> Rebuilt:
+    """The torch.ao prepared model ``state`` was saved from, rebuilt from ``float_model`` (not
+    modified) and loaded with ``state``; ``source`` names the file in errors."""
+    if backend not in BACKENDS:
+        raise QDebugError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
+    flow = detect_flow(state)
+    if flow is None:
+        raise QDebugError(f"{source} holds no torch.ao quantizer (no activation_post_process or weight_fake_quant "
+                          "keys): it is not a prepared model's state_dict",
+                          "save the state_dict of the model prepare_qat/prepare (or prepare_qat_fx/prepare_fx) "
+                          "returned; a float model needs no import (qdebug calibrate quantizes it)")
+    qat = is_qat(state)
+    with warnings.catch_warnings():
+        for notice in _TORCH_NOTICES:
+            warnings.filterwarnings("ignore", message=f".*{re.escape(notice)}")
+        if flow == "fx":
+            prepared, fusions = _prepare_fx(float_model, example_inputs, backend, qat), []
+        else:
+            prepared, fusions = _prepare_eager(state, float_model, example_inputs, backend, qat)
+        _load(prepared, state, source, flow, qat, backend)
+        _check_ranges(prepared, source, backend)
+    prepared.eval()
+    return Rebuilt(prepared, flow, qat, copy.deepcopy(float_model).eval(), fusions)
+
+
+def _prepare_eager(state: dict, float_model: nn.Module, example_inputs: Any, backend: str,
+                   qat: bool) -> tuple[nn.Module, list[list[str]]]:
+    import torch.ao.quantization as tq
+
+    from qdebug.engine.plan import trace_plan
+
+    model = copy.deepcopy(float_model)
+    plan = trace_plan(model, example_inputs)
+    groups = eager_fusions(state, model, plan, qat)
+    model.train(qat)  # fuse_modules_qat wants train mode, fuse_modules eval (it folds the BN)
+    if groups:
+        fuse = tq.fuse_modules_qat if qat else tq.fuse_modules
+        try:
+            model = fuse(model, [list(g) for g in groups], inplace=False)
+        except (AssertionError, NotImplementedError, RuntimeError, TypeError, AttributeError) as exc:
+            raise QDebugError(f"torch cannot fuse {groups[0]} of the float model: {_first_line(exc)}",
+                              MISMATCH_HINT) from None
+    qconfig = tq.get_default_qat_qconfig(backend) if qat else tq.get_default_qconfig(backend)
+    modules = dict(model.named_modules())
+    owners = eager_owners(state)
+    absent = sorted(path for path in owners if path not in modules)
+    if absent:
+        raise QDebugError(f"the state_dict quantizes module {absent[0]!r}, which the float model does not have"
+                          + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""), MISMATCH_HINT)
+    for path, module in modules.items():
+        module.qconfig = qconfig if path in owners else None
+    try:
+        prepared = tq.prepare_qat(model, inplace=True) if qat else tq.prepare(model, inplace=True)
+    except (AssertionError, NotImplementedError, RuntimeError, TypeError, AttributeError, KeyError) as exc:
+        raise QDebugError(f"torch cannot prepare the float model with the {backend} qconfig: {_first_line(exc)}",
+                          MISMATCH_HINT) from None
+    return prepared, groups
+
+
+def eager_fusions(state: dict, model: nn.Module, plan: Any, qat: bool) -> list[list[str]]:
+    """The module groups fuse_modules(_qat) joined, read from the keys (module docstring)."""
+    modules = dict(model.named_modules())
+    calls, counts = plan.calls, plan.call_counts
+    paired = dict(plan.pairs)
+    groups = []
+    for rec in calls.values():
+        if not rec.is_module or rec.category not in ("conv", "linear") or counts.get(rec.name) != 1:
+            continue
+        group, follower = [rec.name], rec.fused_into
+        bn = paired.get(rec.name)
+        if bn is not None:
+            folded = f"{rec.name}.bn.running_mean" in state if qat else not any(k.startswith(bn + ".") for k in state)
+            if not folded:
+                continue  # torch fuses a ReLU only with what comes right before it
+            group.append(bn)
+            follower = calls[bn].fused_into
+        relu = calls.get(follower) if follower else None
+        if relu is not None and relu.is_module and counts.get(relu.name) == 1 and \
+                type(modules.get(relu.name)) is nn.ReLU:
+            if (not _saw_negative(state, rec.name)) if qat else f"{rec.name}.0.weight" in state:
+                group.append(relu.name)
+        if len(group) > 1:
+            groups.append(group)
+    return groups
+
+
+def _saw_negative(state: dict, path: str) -> bool:
+    """Whether the activation quantizer of ``path`` observed a value below zero."""
+    found = state.get(f"{path}.activation_post_process.activation_post_process.min_val")
+    return found is not None and found.numel() > 0 and bool(torch.isfinite(found).all()) and \
+        bool((found < 0).any())
+
+
+def _prepare_fx(float_model: nn.Module, example_inputs: Any, backend: str, qat: bool) -> nn.Module:
+    from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_fx, prepare_qat_fx
+
+    from qdebug.engine.context import split_inputs
+
+    args, kwargs = split_inputs(example_inputs)
+    if kwargs:
+        raise QDebugError("an FX import traces the model with positional inputs only",
+                          "give --data whose batches are a tensor or a tuple of tensors")
+    model = copy.deepcopy(float_model).train(qat)
+    try:
+        if qat:
+            return prepare_qat_fx(model, get_default_qat_qconfig_mapping(backend), example_inputs=args)
+        return prepare_fx(model, get_default_qconfig_mapping(backend), example_inputs=args)
+    except QDebugError:
+        raise
+    except Exception as exc:  # symbolic tracing fails on data-dependent control flow, and says why
+        raise QDebugError(f"torch's FX cannot prepare the float model: {type(exc).__name__}: {_first_line(exc)}",
+                          MISMATCH_HINT) from None
+
+
+def _load(prepared: nn.Module, state: dict, source: str, flow: str, qat: bool, backend: str) -> None:
+    """``load_state_dict(strict=True)``, its refusals said in one line."""
+    own = prepared.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s) e.g. {', '.join(missing[:SHOWN_KEYS])}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} key(s) e.g. {', '.join(unexpected[:SHOWN_KEYS])}")
+        kind = "QAT" if qat else "PTQ"
+        raise QDebugError(f"{source} does not fit the float model prepared for {flow} {kind} with the {backend} "
+                          f"qconfig: {'; '.join(parts)}", MISMATCH_HINT)
+    try:
+        prepared.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # sizes: "size mismatch for conv1.weight: copying a param with shape ..."
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = next((line for line in lines if line.startswith("size mismatch")), lines[-1] if lines else str(exc))
+        raise QDebugError(f"{source} does not load into the rebuilt model: {detail}"[:400], MISMATCH_HINT) from None
+
+
+def _check_ranges(prepared: nn.Module, source: str, backend: str) -> None:
+    """Every FakeQuantize's saved scale and zero point are what its observer's saved range gives
+    under the rebuilt qconfig (torch recomputes them from that range on every observed step):
+    a file made with another integer range or granularity is refused, not imported wrongly."""
+    from torch.ao.quantization import FakeQuantizeBase
+
+    for name, module in prepared.named_modules():
+        observer = getattr(module, "activation_post_process", None)
+        if not isinstance(module, FakeQuantizeBase) or not hasattr(observer, "calculate_qparams"):
+            continue
+        low, high = getattr(observer, "min_val", None), getattr(observer, "max_val", None)
+        if not isinstance(low, torch.Tensor) or low.numel() == 0 or not bool(torch.isfinite(low).all()) or \
+                not bool(torch.isfinite(high).all()):
+            continue  # never observed: nothing to compare
+        scale, zero_point = observer.calculate_qparams()
+        saved_scale, saved_zero = module.scale.detach(), module.zero_point.detach()
+        same = scale.shape == saved_scale.shape and torch.allclose(scale.float(), saved_scale.float(), rtol=RANGE_RTOL) \
+            and bool(((zero_point.to(torch.int64) - saved_zero.to(torch.int64)).abs() <= 1).all())
+        if not same:
+            raise QDebugError(
+                f"{source}: {name} holds scale {_shown(saved_scale)} and zero point {_shown(saved_zero)}, but torch's "
+                f"{backend} qconfig gives {_shown(scale)} and {_shown(zero_point)} for its saved range: the model was "
+                "prepared with another qconfig",
+                "try the --backend it was prepared for (x86, fbgemm, qnnpack, onednn); a custom qconfig needs the "
+                "Python API: qdebug.interop.from_torch_ao(prepared, example_inputs) (docs/interop.md)")
+
+
+def _shown(t: torch.Tensor) -> str:
+    values = t.flatten().tolist()
+    text = ", ".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in values[:3])
+    return f"[{text}{', ...' if len(values) > 3 else ''}] ({len(values)} value(s))"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
