@@ -15,13 +15,18 @@ A qdebug checkpoint is a dict readable with ``torch.load(weights_only=True)``
     state          the model's state_dict: weights, BN statistics, every quant
                    point's scale / zero point / observer state, integer weights
     sample_inputs  optional example batch
-    meta           {"qdebug": version, "torch": version, "time": ISO-8601, ...}
+    folded_bn      BatchNorm paths torch folded into their convs before quantizing (a model
+                   imported from torch.ao PTQ, ``qdebug.interop``): nn.Identity there, and
+                   the conv holds the folded weights and a bias
+    meta           {"qdebug": version, "torch": version, "time": ISO-8601, ...}; a model
+                   imported from torch.ao adds its import report: "import" (rows of
+                   ``qdebug.interop.build.REPORT_COLUMNS``) and "import_flow"
 
 ``load`` also accepts a plain float ``state_dict`` file (with the architecture
 named by the user) and, only with ``unsafe=True``, a pickled whole module.
 
 Every field a file holds is checked once, before it is used, by one function per concept
-(``_check_version``, ``_check_state``, ``_checked_points``, ``_check_plan``, ...); the model a
+(``_check_version``, ``check_state``, ``_checked_points``, ``_check_plan``, ...); the model a
 file names is built on the meta device first and must fit its state (``_build_fitting``)
 before any memory is allocated; see docs/checkpoints.md, "What is refused".
 """
@@ -133,9 +138,42 @@ def save(
             n: {"mode": p.mode, "frozen": p.frozen, "observe_in_fake": p.observe_in_fake, "alpha": float(p.alpha)}
             for n, p in state.points.items()
         }
+        rows = _import_rows(model)
+        if rows:
+            ckpt["meta"]["import"] = rows
+            from qdebug.interop.build import FLOW_ATTR
+
+            flow = getattr(state, FLOW_ATTR, None)
+            if isinstance(flow, str):
+                ckpt["meta"]["import_flow"] = flow
+            ckpt["folded_bn"] = [row["source"] for row in rows if row["kind"] == "bn" and
+                                 type(_module_at(model, row["source"])) is nn.Identity]
     with atomic_path(path) as tmp:
         torch.save(ckpt, tmp)
     return Path(path)
+
+
+def _import_rows(model: nn.Module) -> list[dict[str, Any]]:
+    """The import report of a model imported from torch.ao (``qdebug.interop``) in JSON types, or []."""
+    from qdebug.interop.build import REPORT_ATTR, REPORT_COLUMNS
+
+    rows = getattr(engine_state(model), REPORT_ATTR, None) or []
+    return [{col: _json_cell(row.get(col)) for col in REPORT_COLUMNS} for row in rows]
+
+
+def _json_cell(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return str(value)
+
+
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -163,7 +201,7 @@ def _looks_like_state_dict(obj: Any) -> bool:
     )
 
 
-def _extract_state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
+def extract_state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
     if _looks_like_state_dict(obj):
         return obj
     if isinstance(obj, dict):  # common training checkpoints: {"state_dict": ..., "epoch": ...}
@@ -201,7 +239,7 @@ def load(
         return obj.eval(), info
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         return _load_qdebug(obj, str(path), user_spec, trusted_modules)
-    state = _extract_state_dict(obj)
+    state = extract_state_dict(obj)
     _refuse_data_file(obj, state, path)
     if state is not None:
         if user_spec is None:
@@ -209,7 +247,7 @@ def load(
                 f"{path} is a plain state_dict: it does not say which architecture it belongs to",
                 "name it with --model package.module:Class (or model = ... in qdebug.toml)",
             )
-        _check_state(state, str(path))
+        check_state(state, str(path))
         net = _build_fitting(user_spec, state, str(path), from_user=True, trusted=(), sized_by_file=False)
         _load_state(net, state, str(path))
         return net.eval(), CheckpointInfo(str(path), "float", user_spec, source="state_dict")
@@ -241,7 +279,7 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
         if key not in obj:
             raise QDebugError(f"{path} lacks the {key!r} field", "the file is not a complete qdebug checkpoint")
     state = obj["state"]
-    _check_state(state, path)
+    check_state(state, path)
     meta = _checked_table(obj.get("meta"), "meta", path)
     points = _checked_points(obj.get("points"), path)
     qat_mode = obj.get("qat_mode")
@@ -249,6 +287,8 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
         raise QDebugError(f"{path} has an unknown qat_mode {qat_mode!r}", f"QAT modes: {', '.join(QAT_MODES)}")
     absorbed = _checked_paths(obj.get("absorbed"), "absorbed", path)
     frozen_bn = _checked_paths(obj.get("frozen_bn"), "frozen_bn", path)
+    folded_bn = _checked_paths(obj.get("folded_bn"), "folded_bn", path)
+    imported = _checked_import(meta, path)
     samples = _checked_samples(obj.get("sample_inputs"), path)
     try:
         file_spec = ModelSpec.from_dict(obj["model"])
@@ -270,6 +310,8 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
             raise QDebugError(f"{path} is a {stage} checkpoint without a plan", "re-save it with qdebug.save")
     net = _build_fitting(spec, state, path, from_user=user_spec is not None, trusted=trusted, plan=plan,
                          sized_by_file=sized_by_file)
+    if folded_bn:
+        _refold(net, folded_bn, state, path)
     if stage != "float":
         try:
             with warnings.catch_warnings():  # told when the model was prepared; inspect reports fallbacks
@@ -295,6 +337,11 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     if stage != "float":
         _check_quantization(net, path)
         _apply_points(net, points, path)
+        if imported:
+            from qdebug.interop.build import FLOW_ATTR, REPORT_ATTR
+
+            setattr(engine_state(net), REPORT_ATTR, imported)
+            setattr(engine_state(net), FLOW_ATTR, meta.get("import_flow"))
     _refreeze_bn(net, frozen_bn)
     info = CheckpointInfo(path, stage, spec, qconfig, qat_mode, samples, meta)
     return net.eval(), info
@@ -310,7 +357,7 @@ def _check_version(version: Any, path: str) -> None:
                           "upgrade qdebug")
 
 
-def _check_state(state: Any, path: str) -> None:
+def check_state(state: Any, path: str) -> None:
     """A state is a dict of string keys and dense tensors, each holding no more memory than the
     file stores for it: an expanded (stride-0) view of a small storage is refused, so nothing
     read from a file grows in memory past its size on disk."""
@@ -375,6 +422,36 @@ def _checked_paths(value: Any, key: str, path: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise QDebugError(f"{path}: {key!r} is not a list of module paths", DAMAGED)
     return value
+
+
+def _checked_import(meta: dict, path: str) -> list[dict[str, Any]]:
+    """``meta["import"]``: the import report of a model imported from torch.ao -- a list of rows,
+    each a table of ``REPORT_COLUMNS`` (text, or numbers and null for the scales) -- and
+    ``meta["import_flow"]``, text; [] when absent.  Columns a later qdebug adds are dropped."""
+    from qdebug.interop.build import REPORT_COLUMNS
+
+    rows, flow = meta.get("import"), meta.get("import_flow")
+    if rows is None:
+        return []
+    if not isinstance(rows, list):
+        raise QDebugError(f"{path}: meta 'import' is a {type(rows).__name__}, not a list of rows", DAMAGED)
+    if flow is not None and not isinstance(flow, str):
+        raise QDebugError(f"{path}: meta 'import_flow' is a {type(flow).__name__}, not text", DAMAGED)
+    numbers = ("scale_min", "scale_max")
+    checked = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise QDebugError(f"{path}: meta 'import' row {i} is a {type(row).__name__}, not a table", DAMAGED)
+        clean = {}
+        for col in REPORT_COLUMNS:
+            value = row.get(col)
+            number = col in numbers and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)))
+            if not (number or (col not in numbers and isinstance(value, str))):
+                raise QDebugError(f"{path}: meta 'import' row {i} has a {type(value).__name__} {col}; "
+                                  f"{'scales are numbers or null' if col in numbers else 'it is text'}", DAMAGED)
+            clean[col] = float(value) if col in numbers and value is not None else value
+        checked.append(clean)
+    return checked
 
 
 def _checked_samples(value: Any, path: str) -> Any:
@@ -637,6 +714,26 @@ def _refreeze_bn(net: nn.Module, paths: list[str]) -> None:
     for path in paths:
         if isinstance(modules.get(path), nn.modules.batchnorm._BatchNorm):
             freeze_bn_stats(net, path)
+
+
+def _refold(net: nn.Module, folded: list[str], state: dict, path: str) -> None:
+    """An imported torch.ao PTQ model whose BatchNorms torch folded into their convs: those BNs
+    are nn.Identity, and a conv or linear layer that had no bias takes the one the file holds
+    (the folded BN's shift) -- one per folded BN at most."""
+    for bn in folded:
+        module = _module_at(net, bn)
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise QDebugError(f"{path}: 'folded_bn' names {bn!r}, which is no BatchNorm of the model", ARCHITECTURE)
+        parent, _, attr = bn.rpartition(".")
+        setattr(net.get_submodule(parent) if parent else net, attr, nn.Identity())
+    biased = [(name, m) for name, m in net.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))
+              and m.bias is None and f"{name}.bias" in state]
+    if len(biased) > len(folded):
+        raise QDebugError(f"{path} holds biases for {len(biased)} layers that have none, more than its "
+                          f"{len(folded)} folded BatchNorm(s)", ARCHITECTURE)
+    for _, layer in biased:
+        channels = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        layer.bias = nn.Parameter(torch.zeros(channels, dtype=layer.weight.dtype, device=layer.weight.device))
 
 
 def _make_integer_buffers(net: nn.Module, state: dict) -> None:

@@ -62,7 +62,9 @@ def _global(
 
 def _register() -> None:
     # Commands register themselves on import; --help lists them in this order (the debug flow's).
-    from qdebug.cli import baseline, compare, step, suggest, nan_trace, inspect, calibrate, convert, init  # noqa: F401
+    from qdebug.cli import (  # noqa: F401
+        baseline, compare, step, suggest, nan_trace, inspect, calibrate, convert, import_, init,
+    )
 
 
 def _click_exceptions(name: str) -> tuple[type, ...]:

@@ -1,4 +1,5 @@
-"""``qdebug inspect``: stage, model, qconfig and a per-layer table with checks."""
+"""``qdebug inspect``: stage, model, qconfig and a per-layer table with checks (and, for a
+model imported from torch.ao, its import report)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,29 @@ INFO_ROWS = 3  # more info rows of one check than this are one row in a fitted t
 # The per-layer table at a given width: what a layer is quantized as comes first.
 LAYER_PRIORITY = ["layer", "weight", "activation", "act_scale_max", "fused_into", "type", "mode", "calls",
                   "weight_scale_max", "weight_scale_min", "act_scale_min"]
+# The import report of a model imported from torch.ao (qdebug.interop; qdebug import prints the same).
+IMPORT_PRIORITY = ["source", "point", "status", "kind", "note", "spec", "scale_max", "scale_min"]
+_IMPORT_STYLE = {"unmapped": "bold red", "frozen": "yellow", "float": "dim"}
+
+
+def render_import(imports: "pd.DataFrame", *, title: str, width: Optional[int]):
+    """An import report as a table: which torch quantizer became which engine point, and how."""
+    from qdebug.report.table import render_table
+
+    return render_table(imports, title=title, priority=IMPORT_PRIORITY, names=("source", "point"), wrap=("note",),
+                        formats={"source": import_owner}, width=width,
+                        row_styles=[_IMPORT_STYLE.get(s) for s in imports["status"]])
+
+
+def import_owner(source: object) -> str:
+    """A torch quantizer's name as the import table shows it: an eager quantizer is a child of
+    the module it serves, shown as that module (the kind column says which child; JSON and CSV
+    keep the whole name)."""
+    text = "" if source is None else str(source)
+    for child in (".activation_post_process", ".weight_fake_quant"):
+        if text.endswith(child) and len(text) > len(child):
+            return text[: -len(child)]
+    return text
 
 
 def render_layers(layers: "pd.DataFrame", *, title: str, width: Optional[int]):
@@ -54,13 +78,20 @@ def render_checks(checks: "pd.DataFrame", *, width: Optional[int]):
                         wrap=("detail",), row_styles=[_STYLE.get(s) for s in checks["severity"]])
 
 
+def _import_counts(imports: "pd.DataFrame") -> str:
+    quantizers = imports[(imports["source"] != "") & (imports["kind"] != "bn")]
+    counts = quantizers["status"].value_counts()
+    return f"{len(quantizers)} quantizer(s): " + ", ".join(f"{int(n)} {status}" for status, n in counts.items())
+
+
 @app.command(
     short_help="What a checkpoint holds, layer by layer, and what looks wrong.",
     help=(
         "Show what a CHECKPOINT of any stage holds (default: the config's qat, calibrated, quantized or "
         "float): stage, model, qconfig, every layer's weight/activation "
         "dtype and scales, and checks (unfused Conv-BN, shared or dead modules, bad scales, "
-        "uninitialised observers, float fallbacks, non-finite weights). Exit 1 when a check is an error.\n\n"
+        "uninitialised observers, float fallbacks, non-finite weights, unmapped torch quantizers); for a model "
+        "imported from torch.ao (qdebug import), its import report. Exit 1 when a check is an error.\n\n"
         "Example: qdebug inspect fixtures/demo/qat.pt\n\n"
         "Example: qdebug inspect fixtures/demo/quantized.pt --format json"
     )
@@ -89,8 +120,11 @@ def inspect(
 
     with model_errors("tracing the model", first):
         result = inspect_model(net, stage=info.stage, example_inputs=example)
-    meta = {**result.meta, "path": path, "model": info.model.to_dict(), "checkpoint_meta": info.meta,
+    # The import rows are the "import" table; the file's meta keeps the rest.
+    file_meta = {k: v for k, v in info.meta.items() if k != "import"}
+    meta = {**result.meta, "path": path, "model": info.model.to_dict(), "checkpoint_meta": file_meta,
             "qconfig": info.qconfig.to_dict() if info.qconfig else None}
+    imports = result.imports
 
     def render() -> None:
         from rich.markup import escape
@@ -106,13 +140,22 @@ def inspect(
             lines += [f"weights: {qcfg.weight.describe()}", f"activations: {qcfg.activation.describe()}"]
             if qcfg.overrides:
                 lines.append(escape(f"overrides: {dict(qcfg.overrides)}"))
+        if len(imports):
+            flow = info.meta.get("import_flow")
+            lines.append(escape(f"imported from torch.ao{' ' + flow if isinstance(flow, str) else ''}: "
+                                f"{_import_counts(imports)}"))
         console.print(Panel("\n".join(lines), title="qdebug inspect", expand=False))
         width = table_width(wide)
         print_table(render_layers(result.layers, title="layers", width=width))
+        if len(imports):
+            print_table(render_import(imports, title="import", width=width))
         if len(result.checks):
             print_table(render_checks(result.checks, width=width))
         say(f"{meta['errors']} error(s), {meta['warnings']} warning(s)")
 
-    emit(Report("inspect", result.layers, meta, tables={"checks": result.checks}), fmt, out, render)
+    # JSON always has "import" ([] for a native checkpoint); --out writes inspect_import.csv for an imported one.
+    tables = {"checks": result.checks, **({"import": imports} if len(imports) else {})}
+    emit(Report("inspect", result.layers, meta, tables=tables, json_extra={} if len(imports) else {"import": []}),
+         fmt, out, render)
     if result.has_errors:
         raise typer.Exit(1)

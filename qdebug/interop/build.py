@@ -38,6 +38,7 @@ from qdebug.interop.source import EXACT, FLOAT, FROZEN, MOVED, UNMAPPED, SourceM
 
 REPORT_COLUMNS = ["source", "kind", "point", "status", "spec", "scale_min", "scale_max", "note"]
 REPORT_ATTR = "import_report"  # on the engine state; saved in the checkpoint's meta["import"]
+FLOW_ATTR = "import_flow"  # on the engine state: the torch.ao flow; saved as meta["import_flow"]
 
 
 def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold") -> nn.Module:
@@ -57,6 +58,12 @@ def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold
         scale, zero_point = quantizer.scale, quantizer.zero_point
         if not spec.per_channel:
             scale, zero_point = scale.reshape(()), zero_point.reshape(())
+        elif scale.numel() == 1 and quantizer.kind == "weight":
+            # A per-channel quantizer torch never ran holds its initial one-element scale: it
+            # stands for every channel (a checkpoint holds one scale per channel).
+            channels = model.get_submodule(quantizer.anchor).weight.shape[spec.ch_axis]
+            scale = scale.reshape(1).expand(channels).clone()
+            zero_point = zero_point.reshape(1).expand(channels).clone()
         point.set_qparams(scale.to(point.scale.device), zero_point.to(point.scale.device))
         point.freeze(True)
         point.mode = "fake" if quantizer.fake_quant_enabled else "float"
@@ -66,10 +73,8 @@ def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold
             row["spec"] = point.spec.describe()
             row["scale_min"] = float(point.scale.detach().min())
             row["scale_max"] = float(point.scale.detach().max())
-    for name, point in state.points.items():
-        if point.mode == "float" and name not in acts and name not in weights:
-            pass  # float overrides make no point at all; nothing to list here
     setattr(state, REPORT_ATTR, rows)
+    setattr(state, FLOW_ATTR, source.flow)
     model.eval()
     return model
 

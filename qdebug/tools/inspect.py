@@ -1,10 +1,12 @@
 """``inspect``: what a checkpoint holds, layer by layer, and what looks wrong.
 
-Returns two DataFrames: ``layers`` (one row per call of the traced forward:
-weight/activation dtype and granularity, scale range, call count) and ``checks``
+Returns DataFrames: ``layers`` (one row per call of the traced forward:
+weight/activation dtype and granularity, scale range, call count), ``checks``
 (one row per finding, with a severity): unfused Conv-BN, shared module (called
 more than once), dead module (never called), zero/NaN/Inf scale, uninitialised
-observer, float-fallback op, non-finite weights.
+observer, float-fallback op, non-finite weights, a torch quantizer an imported model
+could not map; and ``imports``: the import report of a model imported from torch.ao
+(``qdebug.interop``; empty for others).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class InspectResult:
     layers: pd.DataFrame
     checks: pd.DataFrame
     meta: dict[str, Any] = field(default_factory=dict)
+    imports: pd.DataFrame | None = None  # rows of qdebug.interop.build.REPORT_COLUMNS (empty: not imported)
 
     @property
     def has_errors(self) -> bool:
@@ -71,6 +74,7 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
     elif example_inputs is not None:
         plan = trace_plan(model, example_inputs)
 
+    imports = _import_rows(model if prepared else None)
     rows = []
     if plan is not None:
         for rec in plan.calls.values():
@@ -91,7 +95,7 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
                 "fused_into": rec.output_point if act_point is not None and rec.output_point != rec.name else "",
                 "mode": act_point.mode if act_point is not None else "float",
             })
-        _structure_checks(model, plan, prepared, modules, checks)
+        _structure_checks(model, plan, prepared, modules, checks, imported=bool(len(imports)))
     else:
         for name, module in modules.items():
             if name and module_category(module) is not None:
@@ -102,6 +106,7 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
                        "detail": "no sample inputs: inline ops, shared and dead modules are not shown (pass --data)"})
     _point_checks(points, checks)
     _weight_checks(model, checks)
+    _import_checks(imports, checks)
     layers = pd.DataFrame(rows, columns=LAYER_COLUMNS)
     check_frame = pd.DataFrame(checks, columns=CHECK_COLUMNS)
     meta = {
@@ -111,11 +116,26 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
         "qat_mode": engine_state(model).qat_mode if prepared else None,
         "errors": int((check_frame["severity"] == "error").sum()),
         "warnings": int((check_frame["severity"] == "warning").sum()),
+        "imported": bool(len(imports)),
     }
-    return InspectResult(layers, check_frame, meta)
+    return InspectResult(layers, check_frame, meta, imports)
 
 
-def _structure_checks(model, plan: Plan, prepared: bool, modules: dict, checks: list) -> None:
+def _import_rows(model: nn.Module | None) -> pd.DataFrame:
+    """The import report a model imported from torch.ao carries (``qdebug.interop.build``)."""
+    from qdebug.interop.build import REPORT_COLUMNS, import_report
+
+    return pd.DataFrame(import_report(model) if model is not None else [], columns=REPORT_COLUMNS)
+
+
+def _import_checks(imports: pd.DataFrame, checks: list) -> None:
+    """A torch quantizer the engine could not map computes nothing in the imported model."""
+    for row in imports[imports["status"] == "unmapped"].itertuples():
+        checks.append({"severity": "warning", "layer": row.source, "check": "unmapped quantizer",
+                       "detail": f"the torch.ao {row.kind} quantizer is not in the imported model: {row.note}"})
+
+
+def _structure_checks(model, plan: Plan, prepared: bool, modules: dict, checks: list, *, imported: bool = False) -> None:
     paired_bns = {bn for _, bn in plan.pairs}
     for conv, bn in plan.pairs:
         module = modules.get(conv)
@@ -130,8 +150,10 @@ def _structure_checks(model, plan: Plan, prepared: bool, modules: dict, checks: 
         if rec.category == "bn" and rec.is_module and rec.name not in paired_bns:
             module = modules.get(rec.name)
             if not isinstance(module, FoldedBatchNorm):
+                why = ("the torch.ao model it was imported from does not fuse it with a conv" if imported else
+                       "BatchNorm not directly after a conv used only by it")
                 checks.append({"severity": "warning", "layer": rec.name, "check": "unfused Conv-BN",
-                               "detail": "BatchNorm not directly after a conv used only by it: it runs as a separate op"})
+                               "detail": f"{why}: it runs as a separate op"})
     for path, count in plan.call_counts.items():
         if count == 0:
             checks.append({"severity": "warning", "layer": path, "check": "dead module",

@@ -1,0 +1,175 @@
+"""``qdebug import``: a torch.ao prepared model's state_dict -> a qdebug checkpoint.
+
+Reads tensors only (``qdebug.interop.state_dict``): torch rebuilds the prepared model from the
+user's float class (``--model``), ``qdebug.interop.from_torch_ao`` imports it, and the engine
+model is saved as an ordinary qat or calibrated checkpoint with its import report (printed
+here, kept in the file's meta, shown by ``qdebug inspect``).  See docs/interop.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from qdebug.cli.app import app
+from qdebug.cli.common import STATE, DATA_HELP, check_data, model_errors, resolve_batches, writable_file
+from qdebug.cli.inspect import render_import
+from qdebug.cli.output import (
+    CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
+    prepare_out, print_table, say, table_width,
+)
+from qdebug.errors import QDebugError
+
+SOURCES = ("torch-ao",)
+BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")  # qdebug.interop.state_dict.BACKENDS, said before torch loads
+QAT_MODES = ("with_bn_reverse_fold", "fuse_bn")  # how torch's Conv-BN modules map (from_torch_ao's qat_mode)
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise QDebugError(f"{flag} {value!r} is not one of {', '.join(choices)}", f"e.g. {flag} {choices[0]}")
+
+
+def _model_target(model: Optional[str]) -> str:
+    """--model, else the config's model, checked for its form before torch loads."""
+    target = model or STATE.config().get("model")
+    if not target:
+        raise QDebugError("qdebug import needs the float model's class: a state_dict does not name it",
+                          "pass --model package.module:Class (or set model = ... in qdebug.toml)")
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise QDebugError(f"--model {target!r} is not of the form package.module:Name", "e.g. --model mypkg.net:Net")
+    return target
+
+
+@app.command(
+    "import",
+    short_help="A torch.ao QAT or PTQ model's state_dict as a qdebug checkpoint, exactly.",
+    help=(
+        "Import SRC, the state_dict of a model prepared by torch.ao (eager prepare_qat/prepare, FX "
+        "prepare_qat_fx/prepare_fx), as a qdebug checkpoint: qat for QAT, calibrated for PTQ. Only tensors are "
+        "read; torch rebuilds the prepared model from your float class (--model) and --backend's default "
+        "qconfig, the file must load into it exactly, and the imported model computes what torch's does "
+        "(bit-identical for QAT, in eval mode). Prints the import report: every torch quantizer, the engine "
+        "point it became and how (exact, moved, frozen, unmapped), and the points left float. "
+        "Exit 1 with --strict when a quantizer is unmapped (the checkpoint is written all the same). "
+        "See docs/interop.md.\n\n"
+        "Example: qdebug import qat_state.pt --from torch-ao --model mypkg.net:Net --data eval.pt -o qat.pt\n\n"
+        "Example: qdebug compare float.pt qat.pt --data eval.pt (the imported checkpoint, like any other)"
+    ),
+)
+def import_(
+    src: str = typer.Argument(..., metavar="SRC", hidden=True, show_default=False,
+                              help="The prepared model's state_dict (torch.save(m.state_dict()))."),
+    source: str = typer.Option(..., "--from", metavar="torch-ao", help="What made SRC: torch-ao."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="PKG.MODULE:CLASS",
+                                        help="Your float model's class or factory (default: the config's model; "
+                                        "its kwargs: the config's model_kwargs)."),
+    data: Optional[str] = typer.Option(None, "--data", metavar="SPEC",
+                                       help="Example inputs to trace the model (its first batch). " + DATA_HELP),
+    backend: str = typer.Option("x86", "--backend", metavar="x86|fbgemm|qnnpack|onednn",
+                                help="The backend whose default qconfig prepared SRC (a PTQ file does not record "
+                                "it: give the one you used)."),
+    qat_mode: str = typer.Option("with_bn_reverse_fold", "--qat-mode", metavar="with_bn_reverse_fold|fuse_bn",
+                                 help="How torch's Conv-BN modules map: with_bn_reverse_fold is torch's own scheme "
+                                 "(bit-identical); fuse_bn folds them (equal within float rounding)."),
+    output: Path = CHECKPOINT_OUTPUT_OPTION,
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a quantizer of SRC is unmapped."),
+    fmt: Optional[str] = FORMAT_OPTION,
+    as_json: bool = JSON_OPTION,
+    out: Optional[Path] = OUT_OPTION,
+    wide: bool = WIDE_OPTION,
+) -> None:
+    fmt = output_format(fmt, as_json)
+    _choice("--from", source, SOURCES)
+    _choice("--backend", backend, BACKENDS)
+    _choice("--qat-mode", qat_mode, QAT_MODES)
+    target = _model_target(model)
+    if not (data or STATE.config().get("data")):
+        raise QDebugError("qdebug import needs example inputs to trace the model",
+                          "pass --data (a .pt file, package.module:function or random:8x3x224x224)")
+    check_data(data, 1, None)
+    writable_file(output)
+    out = prepare_out(out)
+    if not Path(src).exists():  # said before torch loads: a typo answers at once
+        raise QDebugError(f"no such file: {src}", "check the path")
+
+    from qdebug.interop.state_dict import read_state_dict
+
+    state = read_state_dict(src)
+    frame, meta = _import(state, src, target, data, backend, qat_mode, output)
+    unmapped = meta["statuses"].get("unmapped", 0)
+
+    def render() -> None:
+        kind = "QAT" if meta["qat"] else "PTQ"
+        title = f"{src}: torch.ao {meta['flow']} {kind} ({backend}) -> {output}"
+        print_table(render_import(frame, title=title, width=table_width(wide)))
+        say(_summary(meta))
+        for line in _exceptions(frame):
+            say(line)
+
+    emit(Report("import", frame, meta), fmt, out, render)
+    note(f"wrote {output} (stage {meta['stage']}, {meta['flow']} {'QAT' if meta['qat'] else 'PTQ'} from {src})")
+    if strict and unmapped:
+        note(f"--strict: {unmapped} quantizer(s) of {src} are unmapped")
+        raise typer.Exit(1)
+
+
+def _import(state: dict, src: str, target: str, data: Optional[str], backend: str, qat_mode: str, output: Path):
+    """Rebuild, import and save; the report's frame and the command's meta."""
+    import pandas as pd
+
+    from qdebug.checkpoint import save
+    from qdebug.cli.calibrate import _first_samples  # the samples a checkpoint keeps, as calibrate keeps them
+    from qdebug.interop import from_torch_ao
+    from qdebug.interop.build import REPORT_COLUMNS, import_report
+    from qdebug.interop.state_dict import rebuild
+    from qdebug.modelspec import ModelSpec, build
+
+    spec = ModelSpec(target, dict(STATE.config().get("model_kwargs") or {}))
+    float_model = build(spec, from_user=True)
+    first = resolve_batches(data, 1, None, announce=False)[0]
+    with model_errors("rebuilding the torch.ao model", first):
+        rebuilt = rebuild(state, float_model, first.inputs, backend, source=src)
+    with model_errors("importing the torch.ao model", first):
+        qm = from_torch_ao(rebuilt.prepared, first.inputs, qat_mode=qat_mode,
+                           float_model=rebuilt.float_model if rebuilt.flow != "eager" else None)
+    stage = "qat" if rebuilt.qat else "calibrated"
+    save(qm, output, stage=stage, model_spec=spec, sample_inputs=_first_samples(first.inputs),
+         meta={"source": str(src), "import_backend": backend, "import_fusions": rebuilt.fusions})
+    frame = pd.DataFrame(import_report(qm), columns=REPORT_COLUMNS)
+    quantizers = frame[(frame["source"] != "") & (frame["kind"] != "bn")]
+    meta = {"source": str(src), "output": str(output), "stage": stage, "flow": rebuilt.flow, "qat": rebuilt.qat,
+            "backend": backend, "qat_mode": qat_mode, "model": spec.to_dict(), "fusions": rebuilt.fusions,
+            "quantizers": len(quantizers),
+            "statuses": {str(k): int(v) for k, v in quantizers["status"].value_counts().items()},
+            "float_points": int((frame["status"] == "float").sum()),
+            "folded_bn": [str(s) for s in frame.loc[frame["kind"] == "bn", "source"]]}
+    return frame, meta
+
+
+def _exceptions(frame) -> list[str]:
+    """What did not map as torch has it, said under the table whatever its width: every
+    unmapped quantizer with its reason, frozen ones once per reason."""
+    lines = []
+    for row in frame[frame["status"] == "unmapped"].itertuples():
+        lines.append(f"unmapped: {row.source} ({row.kind}): {row.note}")
+    frozen = frame[frame["status"] == "frozen"]
+    for reason, group in frozen.groupby("note", sort=False):
+        lines.append(f"frozen: {len(group)} quantizer(s), e.g. {group['source'].iloc[0]}: {reason}")
+    return lines
+
+
+def _summary(meta: dict) -> str:
+    counts = meta["statuses"]
+    shown = ", ".join(f"{n} {status}" for status, n in counts.items())
+    line = f"{meta['quantizers']} torch quantizer(s): {shown or 'none'}"
+    if meta["float_points"]:
+        line += f"; {meta['float_points']} engine point(s) left float, as in torch"
+    if meta["folded_bn"]:
+        line += f"; {len(meta['folded_bn'])} BatchNorm(s) torch folded into their convs"
+    if meta["fusions"]:
+        line += f"; fused as torch did: {', '.join('+'.join(g) for g in meta['fusions'])}"
+    return line

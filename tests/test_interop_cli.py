@@ -1,0 +1,405 @@
+"""``qdebug import``: a torch.ao prepared model's state_dict -> a qdebug checkpoint, and what
+the checkpoint then carries (its import report, in ``qdebug.save``/``load`` and ``inspect``).
+
+The oracle is torch itself: the model the user prepared and trained, in eval with its
+observers disabled.  The checkpoint ``qdebug import`` writes from that model's state_dict
+alone (tensors, plus the float class named with --model) must load as an engine model giving
+the same bits on the same input, and ``qdebug compare`` must work on it like on any other.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qdebug
+from qdebug.errors import QDebugError
+from qdebug.interop import from_torch_ao
+from qdebug.interop.build import import_report
+from qdebug.modelspec import ModelSpec, build
+
+from small_models import RESNET, SMALL_RESNET
+from user_project import clean_imports, exit_before_torch
+
+tq = pytest.importorskip("torch.ao.quantization")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:.*reduce_range will be deprecated:UserWarning")]
+
+CONFIG = 'model_kwargs = {layers = [1, 1], widths = [8, 16], num_classes = 10, in_channels = 1, stem = "small"}\n'
+# Eager fusion as users write it: the stem's Conv-BN-ReLU (its ReLU is called once), and
+# Conv-BN elsewhere (a BasicBlock's ReLU is shared by two calls, so torch cannot fuse it).
+FUSED = [["conv1", "bn1", "relu"], ["layer1.0.conv1", "layer1.0.bn1"], ["layer1.0.conv2", "layer1.0.bn2"],
+         ["layer2.0.conv1", "layer2.0.bn1"], ["layer2.0.downsample.0", "layer2.0.downsample.1"]]
+# layer2.0.conv2 + bn2 is left unfused on purpose: the import must find that too.
+
+# A user's eager model: QuantStub, FloatFunctional, a sigmoid (torch's fixed-qparams quantizer),
+# and a layer ``forward`` never calls -- its activation quantizer has nothing to quantize.
+EAGER_NET = """\
+import torch.nn as nn
+import torch.ao.quantization as tq
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant = tq.QuantStub()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.skip = nn.quantized.FloatFunctional()
+        self.sig = nn.Sigmoid()
+        self.unused = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+        self.dequant = tq.DeQuantStub()
+
+    def forward(self, x):
+        x = self.quant(x)
+        x = self.relu(self.bn(self.conv(x)))
+        x = self.skip.add(x, self.conv2(x))
+        x = self.sig(x).mean((2, 3))
+        return self.dequant(self.fc(x))
+"""
+
+
+def _float(seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return build(ModelSpec(RESNET, {**SMALL_RESNET, **kwargs}), from_user=True)
+
+
+def _train(prepared: nn.Module, shape=(4, 1, 16, 16), steps: int = 3) -> nn.Module:
+    """A few QAT steps (BN statistics, scales and weights move), then torch's eval oracle."""
+    gen = torch.Generator().manual_seed(3)
+    opt = torch.optim.SGD(prepared.parameters(), lr=0.02)
+    for _ in range(steps):
+        loss = prepared(torch.randn(*shape, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    prepared.eval()
+    prepared.apply(tq.disable_observer)  # an enabled observer moves its scale on every forward, even in eval
+    return prepared
+
+
+def _calibrate(prepared: nn.Module, shape=(4, 1, 16, 16)) -> nn.Module:
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(2):
+            prepared(torch.randn(*shape, generator=gen))
+    return prepared.eval()
+
+
+def _eager(qat: bool, backend: str, groups: list[list[str]] = FUSED) -> nn.Module:
+    model = (tq.fuse_modules_qat if qat else tq.fuse_modules)(_float().train(qat), groups)
+    model.qconfig = (tq.get_default_qat_qconfig if qat else tq.get_default_qconfig)(backend)
+    prepared = (tq.prepare_qat if qat else tq.prepare)(model)
+    return _train(prepared) if qat else _calibrate(prepared)
+
+
+def _fx_qat(backend: str, x: torch.Tensor) -> nn.Module:
+    from torch.ao.quantization import get_default_qat_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    return _train(prepare_qat_fx(_float().train(), get_default_qat_qconfig_mapping(backend), (x,)))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The user's side: prepared torch models, their state_dicts, the float checkpoint, data."""
+    d = tmp_path_factory.mktemp("import")
+    x = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(5)
+    torch.save((torch.randn(8, 1, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)), d / "data.pt")
+    qdebug.save(_float().eval(), d / "float.pt", sample_inputs=x)
+    torch_models = {
+        "eager-qat-x86": _eager(True, "x86"),  # per-channel weights
+        "eager-qat-qnnpack": _eager(True, "qnnpack"),  # per-tensor weights, full-range activations
+        "eager-ptq-qnnpack": _eager(False, "qnnpack"),
+        "fx-qat-x86": _fx_qat("x86", x),
+    }
+    for name, model in torch_models.items():
+        torch.save(model.state_dict(), d / f"{name}.pt")
+    return {"dir": d, "x": x, "torch": torch_models}
+
+
+def _project(tmp_path: Path) -> None:
+    """The user's project config: the float model's kwargs (``--model`` names the class)."""
+    (tmp_path / "qdebug.toml").write_text(CONFIG)
+
+
+def _import(cli, files, name: str, *extra, output: str = "qat.pt"):
+    d = files["dir"]
+    backend = name.rsplit("-", 1)[1]
+    return cli("import", d / f"{name}.pt", "--from", "torch-ao", "--model", RESNET, "--data", d / "data.pt",
+               "--backend", backend, "-o", output, "--format", "json", *extra)
+
+
+def _leftovers(folder: Path, name: str) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(name) or p.name.startswith(f".{name}"))
+
+
+# -- the round trips -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["eager-qat-x86", "eager-qat-qnnpack"])
+def test_eager_qat_state_dict_imports_bit_identical(cli, tmp_path, files, name):
+    _project(tmp_path)
+    result = _import(cli, files, name)
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    meta = payload["meta"]
+    assert (meta["flow"], meta["qat"], meta["stage"]) == ("eager", True, "qat")
+    # Fusion read from the keys and the quantizers' ranges: what the user fused, no more.
+    assert meta["fusions"] == FUSED
+    quantizers = sum(isinstance(m, tq.FakeQuantizeBase) for m in files["torch"][name].modules())
+    assert meta["quantizers"] == quantizers and set(meta["statuses"]) <= {"exact", "moved"}, meta
+    assert "wrote qat.pt (stage qat" in result.err
+
+    net, info = qdebug.load(tmp_path / "qat.pt")
+    assert info.stage == "qat" and info.model == ModelSpec(RESNET, SMALL_RESNET)
+    assert info.meta["import_flow"] == "eager" and info.meta["import"] == payload["rows"]
+    source = files["torch"][name]
+    for seed in (1, 2):
+        x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert torch.equal(net(x), source(x)), seed
+    per_channel = name.endswith("x86")
+    weights = [r for r in payload["rows"] if r["kind"] == "weight"]
+    assert all(("per-channel" in r["spec"]) == per_channel for r in weights), weights
+
+    compared = cli("compare", files["dir"] / "float.pt", "qat.pt", "--data", files["dir"] / "data.pt",
+                   "--format", "json")
+    assert compared.code == 0, compared.err
+    layers = {row["layer"] for row in json.loads(compared.out)["rows"]}
+    assert {"conv1", "layer1.0.conv1", "layer2.0.conv2", "fc"} <= layers  # the float model's own names
+
+
+def test_eager_ptq_state_dict_imports_as_calibrated(cli, tmp_path, files):
+    _project(tmp_path)
+    result = _import(cli, files, "eager-ptq-qnnpack", "--format", "table")
+    assert result.code == 0, result.err
+    # torch's HistogramObserver has no engine twin: imported frozen, and said so, once per reason.
+    frozen = re.findall(r"^frozen: (\d+) quantizer\(s\), e\.g\. \S+: HistogramObserver has no engine observer",
+                        result.out, re.MULTILINE)
+    source = files["torch"]["eager-ptq-qnnpack"]
+    assert sum(map(int, frozen)) == sum(type(m).__name__ == "HistogramObserver" for m in source.modules()) > 0
+    assert "5 BatchNorm(s) torch folded into their convs" in result.out
+    net, info = qdebug.load(tmp_path / "qat.pt")
+    assert info.stage == "calibrated" and info.meta["import_flow"] == "eager"
+    # PTQ: torch's prepared model observes in float; the oracle is the import of that model itself.
+    x = files["x"]
+    direct = from_torch_ao(copy.deepcopy(source), x)
+    with torch.no_grad():
+        assert torch.equal(net(x), direct(x))
+        assert not torch.equal(net(x), source(x))  # the import quantizes where torch only observed
+    assert import_report(net) == import_report(direct)
+    folded = [r["source"] for r in import_report(net) if r["kind"] == "bn"]
+    assert sorted(folded) == sorted(group[1] for group in FUSED)
+    assert all(type(net.get_submodule(bn)) is nn.Identity for bn in folded)
+
+
+def test_fx_qat_state_dict_imports_bit_identical(cli, tmp_path, files):
+    _project(tmp_path)
+    result = _import(cli, files, "fx-qat-x86")
+    assert result.code == 0, result.err
+    meta = json.loads(result.out)["meta"]
+    assert (meta["flow"], meta["qat"], meta["fusions"]) == ("fx", True, [])
+    net, info = qdebug.load(tmp_path / "qat.pt")
+    assert info.stage == "qat" and info.meta["import_flow"] == "fx"
+    x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(net(x), files["torch"]["fx-qat-x86"](x))
+    compared = cli("compare", files["dir"] / "float.pt", "qat.pt", "--data", files["dir"] / "data.pt")
+    assert compared.code == 0, compared.err
+
+
+@pytest.mark.parametrize("stem", [["conv1", "bn1", "relu"], ["conv1", "bn1"]])
+def test_a_qat_relu_fusion_is_read_from_the_quantizer_range(files, stem):
+    """ConvBnReLU2d and ConvBn2d + ReLU save the same keys; only a quantizer before the ReLU
+    sees negative values.  The rebuilt model must be the user's, bit for bit."""
+    from qdebug.interop.state_dict import rebuild
+
+    source = _eager(True, "x86", [stem, *FUSED[1:]])
+    rebuilt = rebuild(source.state_dict(), _float(seed=9), files["x"], "x86")
+    assert rebuilt.fusions == [stem, *FUSED[1:]]
+    with torch.no_grad():
+        assert torch.equal(rebuilt.prepared(files["x"]), source(files["x"]))
+
+
+def test_table_fits_80_columns_and_names_modules(cli, tmp_path, files, monkeypatch):
+    from qdebug.cli.common import console
+
+    _project(tmp_path)
+    monkeypatch.setattr(console, "_width", 80)
+    result = _import(cli, files, "eager-qat-x86", "--format", "table")
+    assert result.code == 0, result.err
+    table = result.out.split("\n\n")[0].splitlines()
+    assert max(len(line.rstrip()) for line in table) <= 80
+    assert any(line.split()[:4] == ["layer1.0.conv1", "activation", "layer1.0.relu", "moved"] for line in table)
+
+
+# -- an unmapped quantizer: --strict, inspect ------------------------------------------------
+@pytest.fixture
+def eager_net(tmp_path):
+    """The user's package ``impnet`` (EAGER_NET) in the working directory, and a QAT state_dict of it."""
+    pkg = tmp_path / "impnet"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "net.py").write_text(EAGER_NET)
+    with clean_imports(tmp_path):
+        spec = importlib.util.spec_from_file_location("impnet_source", pkg / "net.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        model = tq.fuse_modules_qat(module.Net().train(), [["conv", "bn", "relu"]])
+        model.qconfig = tq.get_default_qat_qconfig("x86")
+        prepared = _train(tq.prepare_qat(model), shape=(4, 1, 8, 8))
+        torch.save(prepared.state_dict(), tmp_path / "net_state.pt")
+        torch.save(torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)), tmp_path / "x.pt")
+        yield prepared
+
+
+def test_strict_fails_on_an_unmapped_quantizer_and_inspect_warns(cli, tmp_path, eager_net):
+    args = ["import", "net_state.pt", "--from", "torch-ao", "--model", "impnet.net:Net", "--data", "x.pt"]
+    plain = cli(*args, "-o", "net.pt", "--format", "table")
+    assert plain.code == 0, plain.err
+    assert "unmapped: unused.activation_post_process (activation)" in plain.out
+    assert "frozen: 1 quantizer(s), e.g. sig.activation_post_process: FixedQParamsFakeQuantize" in plain.out
+    strict = cli(*args, "-o", "strict.pt", "--strict", "--format", "json")
+    assert strict.code == 1, strict.err
+    assert "--strict: 1 quantizer(s) of net_state.pt are unmapped" in strict.err
+    assert (tmp_path / "strict.pt").is_file()  # written all the same: the exit code is the check
+
+    net, _ = qdebug.load(tmp_path / "net.pt")
+    x = torch.load(tmp_path / "x.pt")
+    with torch.no_grad():
+        assert torch.equal(net(x), eager_net(x))
+
+    inspected = cli("inspect", "net.pt", "--format", "json", "--out", "report")
+    assert inspected.code == 0, inspected.err
+    payload = json.loads(inspected.out)
+    assert payload["import"] == json.loads(strict.out)["rows"]
+    warned = [c for c in payload["checks"] if c["check"] == "unmapped quantizer"]
+    assert [(c["severity"], c["layer"]) for c in warned] == [("warning", "unused.activation_post_process")]
+    assert "import" not in payload["meta"]["checkpoint_meta"]  # the rows are the "import" table, once
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
+        "inspect.csv", "inspect.json", "inspect_checks.csv", "inspect_import.csv"]
+    table = cli("inspect", "net.pt")
+    assert table.code == 0 and "import" in table.out and "imported from torch.ao eager: 10 quantizer(s)" in table.out
+
+
+def test_inspect_of_a_native_checkpoint_has_an_empty_import(cli, stages):
+    payload = json.loads(cli("inspect", stages.qat, "--format", "json").out)
+    assert payload["import"] == [] and not payload["meta"]["imported"]
+
+
+# -- refusals: one error line, exit 2, nothing written ----------------------------------------
+def _bad_sources(d: Path, files) -> dict[str, tuple[list, tuple[str, ...]]]:
+    (d / "corrupt.pt").write_bytes(b"PK\x03\x04 this is not a torch file")
+    torch.save(_float(), d / "whole.pt")
+    other = _float(widths=[4, 8]).train()
+    other = tq.fuse_modules_qat(other, FUSED)
+    other.qconfig = tq.get_default_qat_qconfig("x86")
+    torch.save(tq.prepare_qat(other).state_dict(), d / "other_widths.pt")
+    torch.save(_float().state_dict(), d / "float_state.pt")
+    src = files["dir"]
+    common = ["--data", src / "data.pt", "-o", "qat.pt"]
+    model = ["--model", RESNET]
+    return {
+        "missing file": (["nothere.pt", "--from", "torch-ao", *model, *common], ("no such file: nothere.pt",)),
+        "corrupt file": (["corrupt.pt", "--from", "torch-ao", *model, *common], ("is not a readable torch file",)),
+        "pickled whole model": (["whole.pt", "--from", "torch-ao", *model, *common],
+                                ("whole pickled model", "reads tensors only", "prepared.state_dict()")),
+        "another architecture": (["other_widths.pt", "--from", "torch-ao", *model, *common],
+                                 ("does not load into the rebuilt model: size mismatch for", "--model")),
+        "a float state_dict": (["float_state.pt", "--from", "torch-ao", *model, *common],
+                               ("holds no torch.ao quantizer",)),
+        "wrong backend": ([src / "eager-qat-x86.pt", "--from", "torch-ao", *model, "--backend", "qnnpack", *common],
+                          ("does not load into the rebuilt model", "--backend")),
+        "another backend's ranges": ([src / "eager-qat-qnnpack.pt", "--from", "torch-ao", *model, "--backend", "x86",
+                                      *common], ("but torch's x86 qconfig gives", "prepared with another qconfig")),
+        "wrong --from": ([src / "eager-qat-x86.pt", "--from", "onnx", *model, *common],
+                         ("--from 'onnx' is not one of torch-ao",)),
+        "a --model that does not import": ([src / "eager-qat-x86.pt", "--from", "torch-ao", "--model",
+                                            "nosuchpkg.net:Net", *common], ("nosuchpkg",)),
+        "no --model": ([src / "eager-qat-x86.pt", "--from", "torch-ao", *common], ("needs the float model's class",)),
+    }
+
+
+def test_bad_input_is_one_error_and_writes_nothing(cli, tmp_path, files):
+    _project(tmp_path)
+    for case, (args, fragments) in _bad_sources(tmp_path, files).items():
+        result = cli("import", *args)
+        try:
+            result.assert_error(*fragments)
+        except AssertionError as exc:
+            raise AssertionError(f"{case}: {exc}") from None
+        assert _leftovers(tmp_path, "qat.pt") == [], case
+
+
+def test_usage_errors_answer_before_torch_loads(tmp_path):
+    for args, fragment in ((["import", "a.pt", "--from", "onnx", "--model", "m:N", "--data", "d.pt", "-o", "q.pt"],
+                            "--from 'onnx' is not one of torch-ao"),
+                           (["import", "a.pt", "--from", "torch-ao", "--model", "m:N", "--data", "d.pt",
+                             "--backend", "arm", "-o", "q.pt"], "--backend 'arm' is not one of"),
+                           (["import", "a.pt", "--from", "torch-ao", "--model", "m:N", "-o", "q.pt"],
+                            "needs example inputs")):
+        out, err = exit_before_torch(args, tmp_path)
+        assert out.split() == ["2", "False"], (args, out, err)
+        assert fragment in err and "Traceback" not in err
+
+
+def test_help_has_an_example(cli):
+    result = cli("import", "--help")
+    assert result.code == 0 and "Example: qdebug import" in result.out and "--from" in result.out
+
+
+# -- the checkpoint keeps the report -----------------------------------------------------------
+def test_save_load_keeps_the_import_report(tmp_path, files):
+    source = files["torch"]["eager-qat-x86"]
+    qm = from_torch_ao(source, files["x"])
+    path = qdebug.save(qm, tmp_path / "imported.pt", model_spec=ModelSpec(RESNET, SMALL_RESNET), stage="qat")
+    net, info = qdebug.load(path)
+    assert import_report(net) == import_report(qm)
+    assert [row["source"] for row in info.meta["import"]] == [row["source"] for row in import_report(qm)]
+    again, _ = qdebug.load(qdebug.save(net, tmp_path / "again.pt"))  # a loaded model saves it again
+    assert import_report(again) == import_report(net)
+    converted = qdebug.engine.convert(net)  # the quantized stage keeps it too
+    quantized, qinfo = qdebug.load(qdebug.save(converted, tmp_path / "quantized.pt"))
+    assert qinfo.stage == "quantized" and import_report(quantized) == import_report(net)
+    native = qdebug.save(qdebug.load(files["dir"] / "float.pt")[0], tmp_path / "native.pt")
+    assert "import" not in torch.load(native, weights_only=True)["meta"]
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("rows", "meta 'import' is a str, not a list of rows"),
+    ([["not", "a", "row"]], "meta 'import' row 0 is a list, not a table"),
+    ([{"source": 3}], "meta 'import' row 0 has a int source; it is text"),
+    ([{"source": "a", "kind": "activation", "point": "", "status": "exact", "spec": "", "note": "",
+       "scale_min": "tiny", "scale_max": None}], "has a str scale_min; scales are numbers or null"),
+])
+def test_a_malformed_import_report_is_one_error(tmp_path, files, value, fragment):
+    qm = from_torch_ao(files["torch"]["eager-qat-x86"], files["x"])
+    path = qdebug.save(qm, tmp_path / "imported.pt", model_spec=ModelSpec(RESNET, SMALL_RESNET), stage="qat")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["meta"]["import"] = value
+    torch.save(ckpt, path)
+    with pytest.raises(QDebugError) as caught:
+        qdebug.load(path)
+    assert fragment in caught.value.message and caught.value.hint
+
+
+def test_a_folded_bn_the_model_lacks_is_refused(tmp_path, files):
+    qm = from_torch_ao(copy.deepcopy(files["torch"]["eager-ptq-qnnpack"]), files["x"])
+    path = qdebug.save(qm, tmp_path / "ptq.pt", model_spec=ModelSpec(RESNET, SMALL_RESNET))
+    ckpt = torch.load(path, weights_only=True)
+    assert sorted(ckpt["folded_bn"]) == sorted(group[1] for group in FUSED)
+    ckpt["folded_bn"] = ["fc"]
+    torch.save(ckpt, path)
+    with pytest.raises(QDebugError, match="'folded_bn' names 'fc', which is no BatchNorm"):
+        qdebug.load(path)
