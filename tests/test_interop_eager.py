@@ -7,8 +7,6 @@ bits on the same input, after QAT steps made the BN statistics, scales and weigh
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn as nn
@@ -22,8 +20,6 @@ from qdebug.zoo import ResNet
 from small_models import interop_zoo
 
 tq = pytest.importorskip("torch.ao.quantization")
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-warnings.filterwarnings("ignore", message=".*reduce_range will be deprecated.*")
 
 
 class EagerNet(nn.Module):

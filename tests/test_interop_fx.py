@@ -11,7 +11,6 @@ FX keeps no model class: ``float_model`` gives the engine the user's module path
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -25,8 +24,6 @@ from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
 
 tq = pytest.importorskip("torch.ao.quantization")
 quantize_fx = pytest.importorskip("torch.ao.quantization.quantize_fx")
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-warnings.filterwarnings("ignore", message=".*reduce_range will be deprecated.*")
 
 
 class InlineNet(nn.Module):
