@@ -218,6 +218,34 @@ def test_fx_qat_state_dict_imports_bit_identical(cli, tmp_path, files):
     assert compared.code == 0, compared.err
 
 
+def test_one_signed_weight_channels_are_no_false_alarm(cli, tmp_path, files):
+    """torch's fused per-channel weight fake quant gives a channel whose values are all positive
+    (or all negative) a zero point of -128 (127) and half the scale: not what its observer's
+    ``calculate_qparams`` gives.  A healthy x86 QAT model with such channels (MobileNetV2 grows
+    them in a few steps) imports, bit-identical; the backend check still holds for the rest."""
+    source = copy.deepcopy(files["torch"]["eager-qat-x86"])
+    conv = source.layer1[0].conv1
+    with torch.no_grad():
+        conv.weight[0] = conv.weight[0].abs() + 0.05
+        conv.weight[1] = -(conv.weight[1].abs() + 0.05)
+    conv.weight_fake_quant.activation_post_process.reset_min_max_vals()  # the new weight's range at once
+    source.apply(tq.enable_observer)
+    source.train()
+    source(torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(8)))
+    source.eval()
+    source.apply(tq.disable_observer)
+    assert conv.weight_fake_quant.zero_point[:2].tolist() == [-128, 127]  # torch's own choice
+    torch.save(source.state_dict(), files["dir"] / "onesided.pt")
+    _project(tmp_path)
+    result = cli("import", files["dir"] / "onesided.pt", "--from", "torch-ao", "--model", RESNET, "--data",
+                 files["dir"] / "data.pt", "-o", "qat.pt", "--format", "json")
+    assert result.code == 0, result.err
+    net, _ = qdebug.load(tmp_path / "qat.pt")
+    x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.equal(net(x), source(x))
+
+
 @pytest.mark.parametrize("stem", [["conv1", "bn1", "relu"], ["conv1", "bn1"]])
 def test_a_qat_relu_fusion_is_read_from_the_quantizer_range(files, stem):
     """ConvBnReLU2d and ConvBn2d + ReLU save the same keys; only a quantizer before the ReLU

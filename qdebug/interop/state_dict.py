@@ -283,15 +283,30 @@ def _check_ranges(prepared: nn.Module, source: str, backend: str) -> None:
             continue  # never observed: nothing to compare
         scale, zero_point = observer.calculate_qparams()
         saved_scale, saved_zero = module.scale.detach(), module.zero_point.detach()
-        same = scale.shape == saved_scale.shape and torch.allclose(scale.float(), saved_scale.float(), rtol=RANGE_RTOL) \
-            and bool(((zero_point.to(torch.int64) - saved_zero.to(torch.int64)).abs() <= 1).all())
-        if not same:
+        if not _agree(scale, zero_point, saved_scale, saved_zero):
             raise QDebugError(
                 f"{source}: {name} holds scale {_shown(saved_scale)} and zero point {_shown(saved_zero)}, but torch's "
                 f"{backend} qconfig gives {_shown(scale)} and {_shown(zero_point)} for its saved range: the model was "
                 "prepared with another qconfig",
                 "try the --backend it was prepared for (x86, fbgemm, qnnpack, onednn); a custom qconfig needs the "
                 "Python API: qdebug.interop.from_torch_ao(prepared, example_inputs) (docs/interop.md)")
+
+
+def _agree(scale: torch.Tensor, zero_point: torch.Tensor, saved_scale: torch.Tensor, saved_zero: torch.Tensor) -> bool:
+    """Whether saved qparams are the ones a qconfig computes from the saved range.
+
+    Per tensor: the scale within ``RANGE_RTOL``, the zero point within 1.  Per channel, most
+    channels: torch's fused per-channel fake quant (``FusedMovingAvgObsFakeQuantize``) picks
+    its own qparams for a channel whose range lies on one side of 0 (a zero point of 127 and
+    half the scale, seen after a few QAT steps on MobileNetV2), which its observer's
+    ``calculate_qparams`` does not reproduce.  Another backend's range or granularity moves
+    every channel (a 2x scale, another shape), so half of them agreeing rules it out.
+    """
+    if scale.shape != saved_scale.shape:
+        return False
+    close = torch.isclose(scale.float(), saved_scale.float(), rtol=RANGE_RTOL) & (
+        (zero_point.to(torch.int64) - saved_zero.to(torch.int64)).abs() <= 1)
+    return bool(close.all()) if close.numel() <= 1 else float(close.float().mean()) >= 0.5
 
 
 def _shown(t: torch.Tensor) -> str:
