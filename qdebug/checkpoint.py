@@ -616,22 +616,30 @@ def _kind(t: torch.Tensor) -> str:
     return "floating-point" if t.is_floating_point() else "integer"
 
 
+def key_mismatch(own: Any, state: Any, *, extra_ok: bool = False,
+                 missing_ok: set[str] | frozenset[str] = frozenset()) -> str:
+    """How the keys of ``state`` differ from a model's ``own``, in a few words ("missing 3 key(s)
+    e.g. a, b; unexpected 1 key(s) e.g. c"), or "" when they fit."""
+    missing = [k for k in own if k not in state and k not in missing_ok]
+    unexpected = [] if extra_ok else [k for k in state if k not in own]
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} key(s) e.g. {', '.join(missing[:4])}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)} key(s) e.g. {', '.join(unexpected[:4])}")
+    return "; ".join(parts)
+
+
 def _check_fit(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], path: str, *,
                extra_ok: bool = False, missing_ok: set[str] | frozenset[str] = frozenset()) -> None:
     """The state fits the model's own tensors ``own``: the same keys (or, before preparing,
     extra keys when ``extra_ok`` and absent ``missing_ok`` ones), each of the same kind of dtype
     (a float weight is not filled from integers, bools or complex numbers) and the same shape
     (quant points' tensors take their saved shapes; ``QuantPoint`` and its observer check them)."""
-    missing = [k for k in own if k not in state and k not in missing_ok]
-    unexpected = [] if extra_ok else [k for k in state if k not in own]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s) e.g. {', '.join(missing[:4])}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} key(s) e.g. {', '.join(unexpected[:4])}")
+    mismatch = key_mismatch(own, state, extra_ok=extra_ok, missing_ok=missing_ok)
+    if mismatch:
         raise QDebugError(
-            f"{path} does not match the model architecture: {'; '.join(parts)}",
+            f"{path} does not match the model architecture: {mismatch}",
             "is the checkpoint from this model (and these model kwargs)?",
         )
     for key, mine in own.items():

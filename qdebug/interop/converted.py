@@ -60,9 +60,9 @@ import torch.nn as nn
 
 from qdebug.engine.context import split_inputs
 from qdebug.engine.ops import function_category, module_category, tensors_in
-from qdebug.engine.plan import CallRecord, Plan, TraceHandler, trace_plan
+from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.errors import QDebugError
-from qdebug.interop.eager import _set, run_once, splice_identities, trace_float, unfuse
+from qdebug.interop.eager import _set, run_once, trace_float, unfuse
 from qdebug.interop.source import SourceModel, SourceQuantizer
 
 QUANTIZED_PREFIXES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")
@@ -528,22 +528,13 @@ def _read_fx(gm: nn.Module, example_inputs: Any, float_model: nn.Module) -> tupl
     for path in sorted(called):
         _load_fx_module(model, path, modules[path], source)
 
-    handler = TraceHandler()
-    views: list[str] = []
-    hooks = [model.get_submodule(bn).register_forward_hook(
-        lambda module, args, output: views.append(handler.producer.get(id(output), ""))) for _, bn in folded]
-    try:
-        plan = trace_plan(model, example_inputs, handler)
-    finally:
-        for handle in hooks:
-            handle.remove()
-    splice_identities(plan, handler.records, views)
+    plan, records, _ = trace_float(model, example_inputs, [bn for _, bn in folded])
 
     grids, inputs = _fx_grids(gm, example_inputs)
     float_modules = dict(model.named_modules())
     categories = {n: _fx_category(n, modules, float_modules) for n in gm.graph.nodes
                   if n.op in ("call_module", "call_function", "call_method")}
-    matched = _match_fx(gm, categories, plan, handler.records, inputs, example_inputs)
+    matched = _match_fx(gm, categories, plan, records, inputs, example_inputs)
     for node, category in categories.items():
         grid = grids.get(node)
         if grid is None:

@@ -585,6 +585,19 @@ def _add(source: SourceModel, module: nn.Module, name: str, kind: str, anchor: s
     source.unsupported.append((name, f"{type(module).__name__} has no scale to import ({why}): left float"))
 
 
+def _activation_anchor(value: torch.fx.Node, calls: "_GraphCalls", plan: Plan, quantizers: set,
+                       is_quantizer) -> tuple[str | None, str]:
+    """(the engine call a quantizer of ``value`` quantizes, or None; the note saying how)."""
+    producer, through = calls.produced(value, is_quantizer)
+    anchor, note = calls.anchor(producer, plan)
+    notes = [note] if note else []
+    if through:
+        notes.append(f"quantizes {producer.name!r} through {', '.join(through)}")
+    if anchor is not None and (edge := _edge_note(value, quantizers, calls)):
+        notes.append(edge)
+    return anchor, "; ".join(notes)
+
+
 def read_pt2e(prepared: torch.fx.GraphModule, example_inputs: Any, float_model: nn.Module) -> tuple[SourceModel, Plan]:
     """The ``SourceModel`` of a ``prepare_pt2e``/``prepare_qat_pt2e`` graph, and the plan of its float model."""
     _check(prepared, float_model)
@@ -607,14 +620,8 @@ def read_pt2e(prepared: torch.fx.GraphModule, example_inputs: Any, float_model: 
             note = "; ".join(n for n in (note, bn_notes.pop(layer, "")) if n)
             _add(source, module, node.name, "weight", layer, note)
             continue
-        producer, through = calls.produced(node.args[0], is_quantizer)
-        anchor, note = calls.anchor(producer, plan)
-        notes = [note] if note else []
-        if through:
-            notes.append(f"quantizes {producer.name!r} through {', '.join(through)}")
-        if anchor is not None and (edge := _edge_note(node.args[0], members, calls)):
-            notes.append(edge)
-        _add(source, module, node.name, "activation", anchor, "; ".join(notes))
+        anchor, note = _activation_anchor(node.args[0], calls, plan, members, is_quantizer)
+        _add(source, module, node.name, "activation", anchor, note)
     source.unsupported.extend(bn_notes.items())  # pairs whose weight torch does not quantize
     return source, plan
 
@@ -670,12 +677,6 @@ def read_pt2e_converted(converted: torch.fx.GraphModule, example_inputs: Any,
                 note = f"dequantizes the constant {node.args[0].name!r}, which feeds no conv/linear weight"
             source.quantizers.append(SourceQuantizer(node.name, "weight", layer, note=note, **fields))
             continue
-        producer, through = calls.produced(node.args[0], lambda n: False)
-        anchor, note = calls.anchor(producer, plan)
-        notes = [note] if note else []
-        if through:
-            notes.append(f"quantizes {producer.name!r} through {', '.join(through)}")
-        if anchor is not None and (edge := _edge_note(node.args[0], quantizes, calls)):
-            notes.append(edge)
-        source.quantizers.append(SourceQuantizer(node.name, "activation", anchor, note="; ".join(notes), **fields))
+        anchor, note = _activation_anchor(node.args[0], calls, plan, quantizes, lambda n: False)
+        source.quantizers.append(SourceQuantizer(node.name, "activation", anchor, note=note, **fields))
     return source, plan

@@ -40,7 +40,6 @@ from qdebug.errors import QDebugError
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 EAGER_MARKERS = ("activation_post_process", "weight_fake_quant")
 FX_QUANTIZER = re.compile(r"^activation_post_process_\d+\.")
-SHOWN_KEYS = 4  # differing keys named in an error
 # A saved scale vs the one its observer's range gives: torch's fused QAT kernel divides a
 # symmetric int8 range by 127 where the observer's calculate_qparams divides by 127.5 (0.4%);
 # another backend's range or granularity differs by about 2x, or in shape or zero point.
@@ -247,18 +246,13 @@ def _prepare_fx(float_model: nn.Module, example_inputs: Any, backend: str, qat: 
 
 def _load(prepared: nn.Module, state: dict, source: str, flow: str, qat: bool, backend: str) -> None:
     """``load_state_dict(strict=True)``, its refusals said in one line."""
-    own = prepared.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s) e.g. {', '.join(missing[:SHOWN_KEYS])}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} key(s) e.g. {', '.join(unexpected[:SHOWN_KEYS])}")
+    from qdebug.checkpoint import key_mismatch
+
+    mismatch = key_mismatch(prepared.state_dict(), state)
+    if mismatch:
         kind = "QAT" if qat else "PTQ"
         raise QDebugError(f"{source} does not fit the float model prepared for {flow} {kind} with the {backend} "
-                          f"qconfig: {'; '.join(parts)}", MISMATCH_HINT)
+                          f"qconfig: {mismatch}", MISMATCH_HINT)
     try:
         prepared.load_state_dict(state, strict=True)
     except RuntimeError as exc:  # sizes: "size mismatch for conv1.weight: copying a param with shape ..."
