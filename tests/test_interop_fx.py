@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qdebug
+from qdebug.engine import quant_points
 from qdebug.errors import QDebugError
 from qdebug.interop import from_torch_ao, import_report
 from qdebug.zoo import MobileNetV2, MultiTaskNet, ResNet, ShuffleNetV2
@@ -49,11 +50,14 @@ class InlineNet(nn.Module):
         return self.fc(t.mean((2, 3)))
 
 
+MOBILENET = {"num_classes": 10, "width_mult": 0.25, "setting": [[1, 16, 1, 1], [6, 24, 2, 2]], "last_channel": 64}
+
+
 def _mobilenet(dropout: bool = False) -> nn.Module:
-    model = MobileNetV2(num_classes=10, width_mult=0.25, setting=[[1, 16, 1, 1], [6, 24, 2, 2]], last_channel=64)
+    model = MobileNetV2(**MOBILENET)
     if not dropout:
-        # FX re-quantizes a Dropout's output on a grid of its own, which no engine point
-        # can hold (test_mobilenetv2_dropout_requantization_is_reported): deploy without it.
+        # An Identity where the Dropout was (FX observes its output too, on the same grid); the
+        # Dropout itself: test_mobilenetv2_dropout_requantization_gets_a_point_on_the_view.
         model.classifier.dropout = nn.Identity()
     return model
 
@@ -188,18 +192,32 @@ def test_qat_points_carry_the_float_models_names(tmp_path):
         assert torch.equal(reloaded(x), prepared(x))
 
 
-def test_mobilenetv2_dropout_requantization_is_reported():
+def test_mobilenetv2_dropout_requantization_gets_a_point_on_the_view(tmp_path):
+    """x86 FX re-quantizes the classifier's Dropout output on a grid of its own: the engine gives
+    that passthrough module call a point, and the import is bit-identical -- through a save and
+    load too (the plan carries the view's point)."""
     prepared, x = _qat("mobilenetv2-dropout")
     model = from_torch_ao(prepared, x, float_model=_mobilenet(dropout=True))
     rows = _rows(model)
     dropout = [t for t, n in _observer_nodes(prepared).items() if n.args[0].name == "classifier_dropout"]
-    assert [t for t, r in rows.items() if r["status"] == "unmapped"] == dropout
-    assert "another grid" in rows[dropout[0]]["note"]
-    # Everything else is exact: torch without that one re-quantization gives the engine's bits.
+    assert len(dropout) == 1 and rows[dropout[0]]["status"] == "exact"
+    assert rows[dropout[0]]["point"] == "classifier.dropout" and "grid of its own" in rows[dropout[0]]["note"]
+    assert not [t for t, r in rows.items() if r["status"] == "unmapped"]
+    point = quant_points(model)["classifier.dropout"]
+    assert float(point.scale) == float(getattr(prepared, dropout[0]).scale)
+    probe = torch.randn_like(x)
+    with torch.no_grad():
+        assert torch.equal(prepared(x), model(x)) and torch.equal(prepared(probe), model(probe))
+    saved = qdebug.save(model, tmp_path / "qat.pt", stage="qat", model_spec="qdebug.zoo.mobilenetv2:MobileNetV2",
+                        model_kwargs=MOBILENET, sample_inputs=x)
+    loaded, _ = qdebug.load(saved)
+    with torch.no_grad():
+        assert torch.equal(prepared(probe), loaded(probe))
+    # Without the view's point the outputs differ: the test can fail.
     bypassed = copy.deepcopy(prepared)
     setattr(bypassed, dropout[0], nn.Identity())
     with torch.no_grad():
-        assert torch.equal(bypassed(x), model(x))
+        assert not torch.equal(bypassed(x), model(x))
 
 
 def test_shufflenetv2_chunk_and_cat():

@@ -546,3 +546,46 @@ def test_forward_leaves_no_interceptor_behind_even_on_error():
     assert list(quant_points(qm)) == ["input", "fc.weight", "fc", "add"]
     with torch.no_grad():
         assert torch.equal(qm(torch.ones(2, 4)), model(torch.ones(2, 4)))
+
+
+def test_a_plan_can_give_a_passthrough_module_a_point_of_its_own():
+    """A view (a Dropout) some source re-quantizes on a grid of its own -- an FX model imported
+    from torch.ao -- is a call with a point when the plan says so: calibrated, fake-quantized,
+    the integer stage's next layer on its grid."""
+    from qdebug.engine.plan import CallRecord, trace_plan
+    from qdebug.engine.point import grid_of
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.drop = nn.Dropout(0.5)
+            self.fc = nn.Linear(4 * 6 * 6, 5)
+
+        def forward(self, x):
+            return self.fc(self.drop(self.conv(x)).flatten(1))
+
+    torch.manual_seed(0)
+    model, x = Head().eval(), torch.randn(2, 3, 8, 8)
+    plan = trace_plan(model, x)
+    assert "drop" not in plan.calls  # a view: no point by default
+    plan.calls["drop"] = CallRecord("drop", "passthrough", "Dropout", "drop", True, inputs=["conv"], point="drop",
+                                    output_point="drop")
+    qconfig = QConfig(overrides={"drop": {"activation": {"bits": 4}}})
+    qm = calibrate(prepare(model, qconfig, plan=plan), [x])
+    points = quant_points(qm)
+    assert set(points) == {"input", "conv.weight", "conv", "drop", "fc.weight", "fc"}
+    drop = points["drop"]
+    assert drop.spec.bits == 4 and drop.initialized
+    conv_out = {}
+    qm.conv.register_forward_hook(lambda m, a, out: conv_out.update(y=out))
+    with torch.no_grad():
+        out = qm(x)
+        expected = qm.fc(drop.apply(conv_out["y"]).flatten(1))
+    assert torch.equal(out, points["fc"].apply(expected))
+    seen = {}
+    integer = convert(qm)
+    integer.fc.register_forward_pre_hook(lambda m, a: seen.update(grid=grid_of(a[0])))
+    with torch.no_grad():
+        integer(x)
+    assert seen["grid"] is quant_points(integer)["drop"]

@@ -163,6 +163,9 @@ class ForwardContext(TorchFunctionMode):
         # Called with (call, output) after each passthrough module call (max-pool, flatten...):
         # no listener sees those, but a recording of the run for ``served`` needs them.
         self.on_passthrough_call: Callable[[Call, Any], None] | None = None
+        # The passthrough module call being handled (handlers' on_passthrough read its name): a
+        # view some importers re-quantize on a grid of its own (``qdebug.interop``).
+        self.view_call: Call | None = None
         self._handles: list[Any] = []
         self.closed = False
 
@@ -322,9 +325,14 @@ class ForwardContext(TorchFunctionMode):
         self.busy += 1
         try:
             if frame.call.category == "passthrough":
-                new = self.handler.on_passthrough(self, None, args, output)
+                self.view_call = frame.call
+                try:
+                    new = self.handler.on_passthrough(self, None, args, output)
+                finally:
+                    self.view_call = None
                 if self.on_passthrough_call is not None:
-                    self.on_passthrough_call(frame.call, new)
+                    # The module's own output: served again, it gets the handler's treatment again.
+                    self.on_passthrough_call(frame.call, output)
             else:
                 new = self.handler.on_module_output(self, frame.call, module, args, output)
         finally:

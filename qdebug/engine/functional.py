@@ -99,6 +99,11 @@ class QuantHandler(Handler):
         return self._apply(call, output)
 
     def on_passthrough(self, ctx, func, args, output):
+        view = ctx.view_call if func is None else None
+        if view is not None and view.name in self.state.points:
+            # A view the source model re-quantizes on a grid of its own (an imported FX model's
+            # observer after a Dropout): its point quantizes the output like any value call's.
+            return self._apply(view, output)
         sources = [t for t in tensors_in(args) if isinstance(t, torch.Tensor)]
         point = grid_of(sources[0]) if sources else None
         pending = pending_of(sources[0]) if sources and point is None else None

@@ -124,7 +124,9 @@ class TraceHandler(Handler):
         # by a synthetic node so consumers of the view are counted too.
         producers = [p for p in self._inputs(args) if p]
         name = f"~view{len(self.records)}"
-        rec = CallRecord(name, "passthrough", getattr(func, "__name__", "module"), "", func is None, producers)
+        # A passthrough module's call name as its owner (importers anchor re-quantizations there).
+        owner = ctx.view_call.name if func is None and ctx.view_call is not None else ""
+        rec = CallRecord(name, "passthrough", getattr(func, "__name__", "module"), owner, func is None, producers)
         self.records[name] = rec
         for p in producers:
             self.records[p].consumers.append(name)

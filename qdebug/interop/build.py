@@ -10,6 +10,8 @@ follow the source:
   the ReLU after it, the point moves onto the ReLU instead -- the same values, since
   relu(fq(x)) = fq(relu(x)) whenever 0 is on the grid, which every torch range ensures --
   and anything else fused is split apart;
+- a quantizer after a view module (FX's observer after a Dropout) on a grid of its own gets a
+  point on that module's call, which the plan otherwise never has;
 - every point the source does not quantize is float (an override ``None``);
 - the specs are a ``QConfig`` (the commonest weight and activation spec as defaults, exact
   point names as overrides), so a saved checkpoint re-creates the same points;
@@ -30,7 +32,7 @@ import torch.nn as nn
 
 from qdebug.engine.modules import _QWeighted
 
-from qdebug.engine.plan import Plan, resolve_outputs
+from qdebug.engine.plan import CallRecord, Plan, resolve_outputs
 from qdebug.engine.prepare import engine_state, prepare
 from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, default_weight_spec
 from qdebug.errors import QDebugError
@@ -137,16 +139,27 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
                 rows.append(_row(q.source, q.kind, "", UNMAPPED,
                                  f"the float model's forward has no call {q.anchor!r}"))
                 continue
-            name, moved = _place(calls, q.anchor, acts)
-            if moved:
-                status = MOVED if status == EXACT else status
-                notes.append(f"quantized after {name!r}, as the engine fuses it (the same values)")
             table = acts
+            landing = rec.output_point or q.anchor
+            if q.view is not None and not (landing in acts and _same_grid(acts[landing][0], q)):
+                # Re-quantized after a view (a Dropout) on a grid of its own: the view's call
+                # gets a point, which quantizes only what flows through the view.
+                name = _view_point(plan, source.float_model, q.view, q.anchor)
+                if name is None:
+                    rows.append(_row(q.source, q.kind, "", UNMAPPED,
+                                     "; ".join(notes + [f"{q.view!r} is no passthrough module call"])))
+                    continue
+                notes.append(f"re-quantizes the output of the view {name!r} on a grid of its own")
+            elif q.view is not None:
+                name = landing  # the same grid as the value under the view: nothing to add
+            else:
+                name, moved = _place(calls, q.anchor, acts)
+                if moved:
+                    status = MOVED if status == EXACT else status
+                    notes.append(f"quantized after {name!r}, as the engine fuses it (the same values)")
         if name in table:
             other = table[name][0]
-            same = torch.equal(other.scale.flatten(), q.scale.flatten()) and torch.equal(
-                other.zero_point.flatten(), q.zero_point.flatten()) and (other.quant_min, other.quant_max) == (
-                q.quant_min, q.quant_max)
+            same = _same_grid(other, q)
             # A second quantizer on the same values (FX shares observers) changes nothing when
             # its grid is the same one; a different grid after it has no engine place.
             why = (f"the same grid as {other.source!r}" if same else
@@ -167,6 +180,32 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
         if f"{path}.weight" not in weights:
             rows.append(_row("", "weight", f"{path}.weight", FLOAT, "the source keeps this weight in float"))
     return acts, weights
+
+
+def _same_grid(a: SourceQuantizer, b: SourceQuantizer) -> bool:
+    return torch.equal(a.scale.flatten(), b.scale.flatten()) and torch.equal(
+        a.zero_point.flatten(), b.zero_point.flatten()) and (a.quant_min, a.quant_max) == (b.quant_min, b.quant_max)
+
+
+def _view_point(plan: Plan, model: nn.Module, view: str, after: str) -> str | None:
+    """Give the passthrough module call ``view`` a point of its own in ``plan`` (listed right after
+    ``after``, the call it views); its name, or None when ``view`` is no passthrough module."""
+    from qdebug.engine.ops import module_category
+
+    try:
+        module = model.get_submodule(view.split("#")[0])
+    except AttributeError:
+        return None
+    if module_category(module) != "passthrough":
+        return None
+    if view not in plan.calls:
+        record = CallRecord(view, "passthrough", type(module).__name__, view.split("#")[0], True, inputs=[after],
+                            point=view, output_point=view)
+        calls = list(plan.calls.items())
+        at = next((i + 1 for i, (name, _) in enumerate(calls) if name == after), len(calls))
+        plan.calls.clear()  # the same dict, in order: callers hold it
+        plan.calls.update(calls[:at] + [(view, record)] + calls[at:])
+    return view
 
 
 def _place(calls: dict, anchor: str, taken: dict) -> tuple[str, bool]:

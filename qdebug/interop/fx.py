@@ -375,6 +375,16 @@ class _Anchors:
         return name, "", False
 
 
+    def view(self, node_name: str) -> str | None:
+        """The passthrough *module* call (a Dropout) that computes ``node_name``'s value, if one
+        does: a re-quantization there can get an engine point of its own (``build``)."""
+        chain = self.chains.get(node_name, [self.nodes.get(node_name)])
+        last = chain[-1] if chain and chain[-1] is not None else None
+        name = self.names.get(last.name, "") if last is not None else ""
+        record = self.records.get(name) if name.startswith("~") else None
+        return (record.owner or None) if record is not None and record.is_module else None
+
+
 def _describe(node: torch.fx.Node) -> str:
     """A node in the user's terms: a module path, else the op."""
     if node.op == "call_module":
@@ -441,10 +451,14 @@ def _activation_quantizers(prepared: torch.fx.GraphModule, anchors: _Anchors) ->
                 anchor, note = cat
         notes = [note, f"the same observer module as {shared!r}" if shared != node.target else ""]
         quantizer = read_quantizer(module, str(node.target), "activation", anchor, "; ".join(n for n in notes if n))
+        if later and anchor is not None and isinstance(observed, torch.fx.Node):
+            quantizer.view = anchors.view(observed.name)
         (secondary if later else direct).append(quantizer)
     taken = {q.anchor for q in direct if q.anchor}
     for q in secondary:
         rec = anchors.plan.calls.get(q.anchor) if q.anchor else None
+        if q.view is not None:
+            continue  # a point on the view quantizes that path alone (``build``)
         if rec is not None and q.anchor not in taken and len(rec.consumers) > 1:
             # torch quantizes this one path only; a point at the shared value would also
             # change what its other consumers see.

@@ -57,6 +57,9 @@ class SourceQuantizer:
     averaging_constant: float | None = None
     fake_quant_enabled: bool = True
     note: str = ""  # why it maps the way it does (filled by front ends and the builder)
+    # The passthrough module call (a Dropout) between ``anchor``'s output and this quantizer, if
+    # any: where the engine re-quantizes when this grid is not the anchor's own.
+    view: str | None = None
 
     @property
     def per_channel(self) -> bool:
