@@ -158,7 +158,9 @@ def build_meta(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, 
     factory = _factory(spec, from_user, trusted_modules)
     try:
         with _on_meta(max_modules):
-            return _construct(spec, factory)
+            # Not _construct: it turns every failure into a QDebugError, and a constructor that
+            # cannot run on meta (one loading pretrained weights) is no error: the real build follows.
+            model = factory(**spec.kwargs)
     except _TooLarge:
         raise QDebugError(
             f"model {spec.target} with the kwargs the checkpoint names has over {max_modules} modules and tensors, "
@@ -169,6 +171,7 @@ def build_meta(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, 
         raise
     except Exception:  # data-dependent construction: no meta build (a real one reports real errors)
         return None
+    return model if isinstance(model, nn.Module) else None
 
 
 @contextlib.contextmanager

@@ -431,3 +431,22 @@ def test_a_folded_bn_the_model_lacks_is_refused(tmp_path, files):
     torch.save(ckpt, path)
     with pytest.raises(QDebugError, match="'folded_bn' names 'fc', which is no BatchNorm"):
         qdebug.load(path)
+
+
+def test_the_backend_check_accepts_what_torchs_fused_per_channel_kernel_computes():
+    """Per channel, torch's fused weight fake quant gives a one-signed channel affine qparams
+    (zero point -128/127, half the scale), an all-zero channel scale 0.1 and floors tiny scales
+    at 2**-14; its observer's calculate_qparams gives none of these.  All are accepted, channel
+    by channel; a per-tensor file against a per-channel qconfig, or a 2x scale, is not."""
+    from qdebug.interop.state_dict import _agree
+
+    fq = tq.get_default_qat_qconfig("x86").weight()
+    w = torch.randn(6, 3, 3, 3, generator=torch.Generator().manual_seed(3))
+    w[1], w[2], w[3], w[4] = w[1].abs() + 0.1, -(w[2].abs() + 0.1), 0.0, w[4] * 1e-7
+    fq(w)
+    observer = fq.activation_post_process
+    scale, zero_point = observer.calculate_qparams()
+    assert fq.zero_point[1:3].tolist() == [-128, 127] and float(fq.scale[3]) == pytest.approx(0.1)
+    assert _agree(scale, zero_point, fq.scale, fq.zero_point, observer)
+    assert not _agree(scale, zero_point, fq.scale * 2, fq.zero_point, observer)
+    assert not _agree(scale, zero_point, fq.scale[:1], fq.zero_point[:1], observer)

@@ -305,3 +305,38 @@ def test_another_architecture_is_refused_cleanly(other):
         from_torch_ao(prepared, x, float_model=other())
     assert "\n" not in str(info.value) and info.value.__cause__ is None
     assert "prepared" in info.value.message
+
+
+def test_a_conv_subclass_fx_traces_into_is_its_layer():
+    """FX traces into a conv subclass with its own forward (TF SAME padding): its F.conv2d and
+    the observer on its weight's get_attr are the layer's conv and weight quantizer."""
+    import torch.nn.functional as F
+    from torch.ao.quantization import get_default_qat_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    class SamePadConv(nn.Conv2d):
+        def forward(self, x):
+            return F.conv2d(F.pad(x, (0, 1, 0, 1)), self.weight, self.bias, self.stride, 0, self.dilation,
+                            self.groups)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = SamePadConv(3, 8, 3, stride=2)
+            self.act = nn.ReLU6()
+            self.head = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            return self.head(self.act(self.stem(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    prepared = prepare_qat_fx(Net().train(), get_default_qat_qconfig_mapping("x86"), (x,))
+    prepared(x)
+    prepared.apply(torch.ao.quantization.disable_observer)
+    prepared.eval()
+    model = from_torch_ao(prepared, x, float_model=Net())
+    rows = _rows(model)
+    assert any(r["point"] == "stem.weight" and r["status"] == "exact" for r in rows.values())
+    with torch.no_grad():
+        assert torch.equal(prepared(x), model(x))

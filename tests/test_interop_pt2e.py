@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import qdebug
 from qdebug.errors import QDebugError
@@ -349,3 +350,34 @@ def test_the_quiet_import_silences_every_channel_torchao_uses(capfd, caplog, rec
     assert out == "" and err == "" and not caplog.records and not len(recwarn)
     os.write(2, b"after\n")  # and fd 2 is back
     assert capfd.readouterr().err == "after\n"
+
+
+class SamePadConv(nn.Conv2d):
+    """A TF "SAME" conv: a Conv2d subclass that pads in its own forward (EfficientNet-Lite's)."""
+
+    def forward(self, x):
+        return F.conv2d(F.pad(x, (0, 1, 0, 1)), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class SamePadNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = SamePadConv(3, 8, 3, stride=2)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.ReLU6()
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.bn(self.stem(x))))
+
+
+def test_an_op_inside_a_conv_subclass_is_not_the_conv_output():
+    """x86 PT2E quantizes the pad a SAME conv runs before its conv: that is the conv's *input*,
+    which the engine quantizes upstream -- never the conv's output (it once took the pad's scale
+    there and called it exact).  Against convert_pt2e: bit-identical."""
+    model, prepared, converted, x = _ptq(SamePadNet(), per_channel=True, strict=True)
+    engine = qdebug.from_torch_ao(prepared, x, float_model=model)
+    for torch_out, engine_out in _outputs(converted, engine):
+        assert torch.equal(torch_out, engine_out)
+    stem = [r for r in _rows(engine) if r["point"] == "stem" and r["kind"] == "activation"]
+    assert not stem or stem[0]["status"] != "exact" or "pad" not in stem[0]["note"]

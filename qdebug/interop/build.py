@@ -70,7 +70,7 @@ def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold
         point.freeze(True)
         point.mode = "fake" if quantizer.fake_quant_enabled else "float"
     for row in rows:
-        if row["point"] and row["point"] in state.points and row["status"] != FLOAT:
+        if row["kind"] != "bn" and row["point"] and row["point"] in state.points and row["status"] != FLOAT:
             point = state.points[row["point"]]
             row["spec"] = point.spec.describe()
             row["scale_min"] = float(point.scale.detach().min())
@@ -170,7 +170,8 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
         table[name] = (q, spec)
         rows.append(_row(q.source, q.kind, name, status, "; ".join(notes)))
     for conv, bn in source.folded_bn:
-        rows.append(_row(bn, "bn", "", EXACT, f"folded into {conv!r}'s weights by torch before quantization"))
+        # point: the conv whose output now carries the BN (compare compares it with the float BN's)
+        rows.append(_row(bn, "bn", conv, EXACT, f"folded into {conv!r}'s weights by torch before quantization"))
     for source_name, why in source.unsupported:
         rows.append(_row(source_name, "activation", "", UNMAPPED, why))
     for rec in calls.values():

@@ -361,6 +361,9 @@ class _Anchors:
         if not name:
             return None, f"{what} is not computed from the model's inputs by any engine call", False
         rec, ours = self.plan.calls.get(name), self.records.get(name)
+        layer = _layer_of(self.plan, ours) if rec is None and ours is not None else None
+        if layer is not None:
+            return layer, f"{what} in {layer!r}'s own forward: the layer's output", False
         if rec is None or ours is None or rec.category != ours.category:
             return None, (f"{what} is the engine call {name!r}, which the float model's forward does not make"
                           f"{' with the same op' if rec is not None else ''}"), False
@@ -383,6 +386,26 @@ class _Anchors:
         name = self.names.get(last.name, "") if last is not None else ""
         record = self.records.get(name) if name.startswith("~") else None
         return (record.owner or None) if record is not None and record.is_module else None
+
+
+def _layer_of(plan: Plan, record: Any) -> str | None:
+    """The conv/linear layer whose own forward runs ``record``'s conv/linear function: FX
+    traces into a layer subclass with a forward of its own (``Conv2dStaticSamePadding``: pad,
+    then ``F.conv2d(x, self.weight)``), which the engine calls as one layer; None otherwise."""
+    kind = {"conv1d": "conv", "conv2d": "conv", "linear": "linear"}.get(record.op)
+    layer = plan.calls.get(record.owner) if kind and not record.is_module else None
+    return record.owner if layer is not None and layer.is_module and layer.category == kind else None
+
+
+def _weight_of(plan: Plan, node: Any) -> str | None:
+    """The conv/linear layer whose ``weight`` the get_attr ``node`` reads: FX observes the weight
+    of a functional conv (a layer's own forward) like an activation, on that node."""
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    path, _, attr = str(node.target).rpartition(".")
+    layer = plan.calls.get(path)
+    return path if attr == "weight" and layer is not None and layer.is_module and \
+        layer.category in ("conv", "linear") else None
 
 
 def _describe(node: torch.fx.Node) -> str:
@@ -430,7 +453,7 @@ def _activation_quantizers(prepared: torch.fx.GraphModule, anchors: _Anchors) ->
     """One quantizer per observer node.  Those that re-quantize a value another observer
     quantizes (after a passthrough op, on a cat's input) go last, so the observer of the
     value itself is the one a shared point keeps (``build`` reports the others)."""
-    direct, secondary = [], []
+    direct, secondary, weights = [], [], []
     first_name: dict[int, str] = {}
     for node in prepared.graph.nodes:
         if not _is_observer_node(prepared, node):
@@ -440,6 +463,11 @@ def _activation_quantizers(prepared: torch.fx.GraphModule, anchors: _Anchors) ->
         while isinstance(observed, torch.fx.Node) and _is_observer_node(prepared, observed):
             observed = observed.args[0] if observed.args else None  # an observer of an observer
         shared = first_name.setdefault(id(module), str(node.target))
+        layer = _weight_of(anchors.plan, observed)
+        if layer is not None:
+            weights.append(read_quantizer(module, str(node.target), "weight", layer,
+                                          f"observes {layer!r}'s weight, which the layer's own forward reads"))
+            continue
         if not isinstance(observed, torch.fx.Node):
             anchor, note, later = None, "observes no graph value", False
         else:
@@ -467,7 +495,7 @@ def _activation_quantizers(prepared: torch.fx.GraphModule, anchors: _Anchors) ->
             q.anchor = None
         elif q.anchor:
             taken.add(q.anchor)
-    return direct + secondary
+    return direct + secondary + weights
 
 
 def _weight_quantizers(prepared: torch.fx.GraphModule, model: nn.Module, attrs: Any, qat: bool,

@@ -231,6 +231,12 @@ class _GraphCalls:
             if module is None:
                 break
             if path and (category := module_category(module)) is not None:
+                if category in _LAYERS and node.target not in _WEIGHTED:
+                    # An op a conv/linear subclass runs in its own forward before its conv (TF
+                    # SAME padding): not the layer's output, which only its conv computes; the
+                    # engine runs it inside the layer's call, so it is an op of its own here.
+                    owner = path
+                    continue
                 return path, category, key, path
             owner = path
         if not stack:

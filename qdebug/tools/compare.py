@@ -167,7 +167,21 @@ def _skips(ref: nn.Module, other: nn.Module, ref_label: str, label: str) -> dict
     for conv in ref_folded ^ other_folded:
         where = label if conv in other_folded else ref_label
         skip.setdefault(conv, f"BN folded into it in {where} only: compared at {pairs.get(conv, 'its BN')}")
+    ref_torch, other_torch = _torch_folded(ref), _torch_folded(other)
+    for conv in ref_torch.keys() ^ other_torch.keys():
+        where, bn = (label, other_torch[conv]) if conv in other_torch else (ref_label, ref_torch[conv])
+        skip.setdefault(conv, f"torch folded {bn!r} into it in {where} only: its output is the BN's")
     return skip
+
+
+def _torch_folded(model: nn.Module) -> dict[str, str]:
+    """conv -> BN of the BNs torch folded into their convs before quantizing, in a model imported
+    from torch.ao (the BN's place is an ``nn.Identity``; the import report's ``bn`` row names the conv)."""
+    from qdebug.interop.build import import_report
+
+    if not is_prepared(model):
+        return {}
+    return {row["point"]: row["source"] for row in import_report(model) if row["kind"] == "bn" and row["point"]}
 
 
 def _calls_without_output_point(model: nn.Module) -> set[str]:
