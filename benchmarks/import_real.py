@@ -308,35 +308,28 @@ class Cases:
     def eager_qat(self) -> list[Result]:
         """Eager prepare_qat of the published model: torch fuses nothing and swaps no SAME conv,
         so its convs stay float; it fake-quantizes BN, ReLU6 and _fc outputs and _fc's weight."""
-        import torch.ao.quantization as tq
-
-        float_model = efficientnet_lite0_float()
-        model = copy.deepcopy(float_model).train()
-        model.qconfig = tq.get_default_qat_qconfig("x86")
-        prepared = tq.prepare_qat(model)
-        train_steps(prepared, float_model, self.train)
-        _eval_off(prepared)
-        result, qm = import_and_compare("effnet eager-qat", prepared, prepared, self.eval, must=True,
-                                        against="torch prepared",
-                                        note="no Conv-BN fusion: fuse_modules_qat refuses Conv2dStaticSamePadding")
-        self.imports["eager-qat"], self.sources["eager-qat"] = qm, prepared
-        return [result]
+        return self._eager("eager-qat", efficientnet_lite0_float(), fuse=False,
+                           note="no Conv-BN fusion: fuse_modules_qat refuses Conv2dStaticSamePadding")
 
     def eager_qat_fused(self) -> list[Result]:
+        return self._eager("eager-qat-fused", efficientnet_lite0_fusable(), fuse=True,
+                           note="SAME convs split (pad + nn.Conv2d); {chains} Conv-BN fused")
+
+    def _eager(self, key: str, float_model: nn.Module, fuse: bool, note: str) -> list[Result]:
+        """Eager QAT of ``float_model`` (its Conv-BN chains fused when ``fuse``), imported."""
         import torch.ao.quantization as tq
 
-        float_model = efficientnet_lite0_fusable()
         model = copy.deepcopy(float_model).train()
-        chains = fusion_list(model)
-        model = tq.fuse_modules_qat(model, chains)
+        chains = fusion_list(model) if fuse else []
+        if chains:
+            model = tq.fuse_modules_qat(model, chains)
         model.qconfig = tq.get_default_qat_qconfig("x86")
         prepared = tq.prepare_qat(model)
         train_steps(prepared, float_model, self.train)
         _eval_off(prepared)
-        result, qm = import_and_compare("effnet eager-qat fused", prepared, prepared, self.eval, must=True,
-                                        against="torch prepared",
-                                        note=f"SAME convs split (pad + nn.Conv2d); {len(chains)} Conv-BN fused")
-        self.imports["eager-qat-fused"], self.sources["eager-qat-fused"] = qm, prepared
+        result, qm = import_and_compare(f"effnet {key.replace('-fused', ' fused')}", prepared, prepared, self.eval,
+                                        must=True, against="torch prepared", note=note.format(chains=len(chains)))
+        self.imports[key], self.sources[key] = qm, prepared
         return [result]
 
     def fx_qat(self) -> list[Result]:
