@@ -155,10 +155,9 @@ def save(
 
 def _import_rows(model: nn.Module) -> list[dict[str, Any]]:
     """The import report of a model imported from torch.ao (``qdebug.interop``) in JSON types, or []."""
-    from qdebug.interop.build import REPORT_ATTR, REPORT_COLUMNS
+    from qdebug.interop.build import REPORT_COLUMNS, import_report
 
-    rows = getattr(engine_state(model), REPORT_ATTR, None) or []
-    return [{col: _json_cell(row.get(col)) for col in REPORT_COLUMNS} for row in rows]
+    return [{col: _json_cell(row.get(col)) for col in REPORT_COLUMNS} for row in import_report(model)]
 
 
 def _json_cell(value: Any) -> Any:

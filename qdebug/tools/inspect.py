@@ -123,9 +123,10 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
 
 def _import_rows(model: nn.Module | None) -> pd.DataFrame:
     """The import report a model imported from torch.ao carries (``qdebug.interop.build``)."""
-    from qdebug.interop.build import REPORT_COLUMNS, import_report
+    from qdebug.interop import import_report
+    from qdebug.interop.build import REPORT_COLUMNS
 
-    return pd.DataFrame(import_report(model) if model is not None else [], columns=REPORT_COLUMNS)
+    return import_report(model) if model is not None else pd.DataFrame([], columns=REPORT_COLUMNS)
 
 
 def _import_checks(imports: pd.DataFrame, checks: list) -> None:
