@@ -450,3 +450,17 @@ def test_the_backend_check_accepts_what_torchs_fused_per_channel_kernel_computes
     assert _agree(scale, zero_point, fq.scale, fq.zero_point, observer)
     assert not _agree(scale, zero_point, fq.scale * 2, fq.zero_point, observer)
     assert not _agree(scale, zero_point, fq.scale[:1], fq.zero_point[:1], observer)
+
+
+def test_the_summary_under_the_table_fits_80_columns(cli, tmp_path, files, monkeypatch):
+    """Every line of the table view fits 80 columns when piped: a long fusion list is cut to a
+    few groups, one per line (JSON has them all)."""
+    from qdebug.cli.common import console
+
+    _project(tmp_path)
+    monkeypatch.setattr(console, "_width", 80)
+    result = _import(cli, files, "eager-qat-x86", "--format", "table")
+    assert result.code == 0, result.err
+    assert max(len(line.rstrip()) for line in result.out.splitlines()) <= 80
+    assert f"fused as torch did: {len(FUSED)} group(s), the first 3 (--format json: all)" in result.out
+    assert "  conv1 + bn1 + relu" in result.out

@@ -106,7 +106,8 @@ def import_(
         kind = "QAT" if meta["qat"] else "PTQ"
         title = f"{src}: torch.ao {meta['flow']} {kind} ({backend}) -> {output}"
         print_table(render_import(frame, title=title, width=table_width(wide)))
-        say(_summary(meta))
+        for line in _summary(meta):
+            say(line)
         for line in _exceptions(frame):
             say(line)
 
@@ -162,14 +163,21 @@ def _exceptions(frame) -> list[str]:
     return lines
 
 
-def _summary(meta: dict) -> str:
+FUSIONS_SHOWN = 3  # fusions named under the table; JSON's meta.fusions has them all
+
+
+def _summary(meta: dict) -> list[str]:
+    """The lines under the table: the counts, then (a few of) the fusions found."""
     counts = meta["statuses"]
     shown = ", ".join(f"{n} {status}" for status, n in counts.items())
-    line = f"{meta['quantizers']} torch quantizer(s): {shown or 'none'}"
+    lines = [f"{meta['quantizers']} torch quantizer(s): {shown or 'none'}"]
     if meta["float_points"]:
-        line += f"; {meta['float_points']} engine point(s) left float, as in torch"
+        lines.append(f"{meta['float_points']} engine point(s) left float, as in torch")
     if meta["folded_bn"]:
-        line += f"; {len(meta['folded_bn'])} BatchNorm(s) torch folded into their convs"
-    if meta["fusions"]:
-        line += f"; fused as torch did: {', '.join('+'.join(g) for g in meta['fusions'])}"
-    return line
+        lines.append(f"{len(meta['folded_bn'])} BatchNorm(s) torch folded into their convs")
+    fusions = meta["fusions"]
+    if fusions:
+        more = f", the first {FUSIONS_SHOWN} (--format json: all)" if len(fusions) > FUSIONS_SHOWN else ""
+        lines.append(f"fused as torch did: {len(fusions)} group(s){more}")
+        lines += [f"  {' + '.join(group)}" for group in fusions[:FUSIONS_SHOWN]]
+    return lines
