@@ -17,7 +17,58 @@ import torch.nn as nn
 
 from qdebug.checkpoint import load
 from qdebug.data import BatchSource, batches_from_inputs, batches_from_iterable, load_batches
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, shown
+
+
+# -- the arguments, checked at the entry as the command line checks its options ----------------
+# A wrong type or value is a QDebugError naming the argument, never a TypeError from deep inside.
+def _check_count(name: str, value: Any, low: int = 1) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise QDebugError(f"{name} must be a whole number >= {low}, got {shown(value)}", f"e.g. {name}=8")
+
+
+def _check_number(name: str, value: Any, hint: str) -> None:
+    """A finite int or float (a bool, a string "0.5", NaN or Inf is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e308 <= value <= 1e308:
+        raise QDebugError(f"{name} must be a finite number, got {shown(value)}", hint)
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise QDebugError(f"{name} must be True or False, got {shown(value)}", f"e.g. {name}=True")
+
+
+def _check_ratio(ratio: Any) -> None:
+    from qdebug.config import check_ratio_range
+
+    _check_number("ratio", ratio, "e.g. ratio=0.99")
+    check_ratio_range(ratio, "ratio", "e.g. ratio=0.99")
+
+
+def _check_metric(metric: Any) -> None:
+    if metric is not None and not isinstance(metric, str) and not callable(metric):
+        raise QDebugError(f"metric must be a name, a \"package.module:function\" or a function, got {shown(metric)}",
+                          'e.g. metric="top1", or metric=my_metric (called as metric(model, batches))')
+
+
+def _check_thresholds(thresholds: Any) -> None:
+    from collections.abc import Mapping
+
+    if thresholds is None:
+        return
+    if not isinstance(thresholds, Mapping):
+        raise QDebugError(f"thresholds must be a dict of metric -> number, got {shown(thresholds)}",
+                          'e.g. thresholds={"sqnr_db": 25}')
+    for name, value in thresholds.items():
+        _check_number(f"thresholds[{shown(name)}]", value, 'e.g. thresholds={"sqnr_db": 25}')
+
+
+def _check_data_args(data: Any, batches: Any, batch_size: Any) -> None:
+    _check_count("batches", batches)
+    _check_count("batch_size", batch_size)
+    if isinstance(data, (bytes, bytearray)):
+        raise QDebugError(f"data must be a data spec string or an iterable of batches, got {shown(data)}",
+                          'e.g. data="eval.pt", or a list of (inputs, target) pairs')
 
 
 def _as_model(item: Any, index: int) -> tuple[str, nn.Module, Any]:
@@ -45,6 +96,14 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
     from qdebug.checkpoint import infer_stage
     from qdebug.tools.compare import choose_reference, compare as run
 
+    if len(models) < 2:
+        raise QDebugError("compare needs at least two models", 'e.g. qdebug.compare("float.pt", "qat.pt")')
+    _check_data_args(data, batches, batch_size)
+    if ref is not None:
+        _check_count("ref", ref, low=0)
+    _check_thresholds(thresholds)
+    _check_flag("isolated", isolated)
+    _check_flag("kl_feature_maps", kl_feature_maps)
     loaded = [_as_model(m, i) for i, m in enumerate(models)]
     labels = [label for label, _, _ in loaded]
     for i, label in enumerate(labels):
@@ -80,6 +139,15 @@ def step(*checkpoints: Any, data: Any = None, batches: int | None = None, batch_
     from qdebug.tools.baseline import TaskRule
     from qdebug.tools.step import step as run
 
+    _check_ratio(ratio)
+    _check_count("depth", depth)
+    if not isinstance(module, str) and not (isinstance(module, (list, tuple))
+                                            and all(isinstance(m, str) for m in module)):
+        raise QDebugError(f"module must be a module path or a list of them, got {shown(module)}",
+                          'e.g. module="backbone" or module=["layer1", "layer2"]')
+    for name, value in (("mode", mode), ("kind", kind)):
+        if value is not None and not isinstance(value, str):
+            raise QDebugError(f"{name} must be a string, got {shown(value)}", "see help(qdebug.step)")
     reference, model, batch_list, metric_fn, name = _against_float("step", checkpoints, data, batches, batch_size, metric)
     modules = [module] if isinstance(module, str) else list(module)
     with _placed(device, [reference, model], checkpoints) as where:
@@ -104,6 +172,10 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
     from qdebug.tools.baseline import TaskRule
     from qdebug.tools.suggest import diagnoses_of, suggest as run
 
+    _check_ratio(ratio)
+    _check_number("min_sqnr", min_sqnr, "e.g. min_sqnr=30")
+    _check_count("bits", bits, low=2)
+
     reference, model, batch_list, metric_fn, name = _against_float("suggest", checkpoints, data, batches, batch_size,
                                                                   metric)
     with _placed(device, [reference, model], checkpoints) as where:
@@ -125,6 +197,8 @@ def _against_float(command: str, checkpoints: tuple, data: Any, batches: int | N
 
     if not 1 <= len(checkpoints) <= 2:
         raise QDebugError(f"{command} takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
+    _check_data_args(data, batches, batch_size)
+    _check_metric(metric)
     loaded = [_as_model(m, i) for i, m in enumerate(checkpoints)]
     _, model, info = loaded[-1]
     reference = loaded[0][1] if len(loaded) == 2 else None

@@ -9,9 +9,10 @@ Targets that are not plain files (the rules of docs/cli.md, "Output"):
 - a symbolic link is followed: the file it points to is replaced atomically and the link
   stays a link. A dangling link (or a loop) is refused: creating a file wherever a link points
   is how a planted link redirects output;
-- a character device or a FIFO (``/dev/null``, ``/dev/full``, a named pipe), and a link under
-  ``/dev`` or ``/proc`` (``/dev/stdout``: whatever stdout is), is written directly: a node is
-  never swapped for a file, and a device that refuses the bytes is an error;
+- a character device (``/dev/null``, ``/dev/full``), and a link under ``/dev`` or ``/proc``
+  (``/dev/stdout``: whatever stdout is), is written directly: a node is never swapped for a
+  file, and a device that refuses the bytes is an error;
+- a named pipe (FIFO) is refused, before any work: opening one with no reader blocks forever;
 - a directory, a block device or a socket is refused.
 
 A write that fails (a full disk, a file-size limit, a device that refuses) raises a
@@ -20,7 +21,9 @@ error, and an ``OSError`` for callers that catch those. The target keeps its old
 and neither the temp file nor a folder created for it is left behind.
 
 Folders (the ``--out DIR`` of every command) are ``qdebug.staged.StagedDir``'s, built on these
-rules.
+rules. A temp file is locked while its run writes it: one that a killed run left is removed by the
+next write of the same file (``qdebug.leftovers``). Inside ``qdebug.together.holding()`` the
+finished temp file waits to be renamed with the ``--out`` folder (both outputs, or neither).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Literal
 
-from qdebug.errors import QDebugError
+from qdebug import leftovers, together
+from qdebug.errors import QDebugError, checked_path
 
 Kind = Literal["file", "stream"]
 
@@ -61,9 +65,9 @@ class WriteError(QDebugError, OSError):
 # -- what a target is ------------------------------------------------------------------------
 def output_kind(path: str | os.PathLike) -> Kind:
     """How ``path`` is written: ``"file"`` (absent, or a regular file, maybe through a link:
-    temp file + rename) or ``"stream"`` (a device or FIFO: written directly). Anything else is
+    temp file + rename) or ``"stream"`` (a device: written directly). Anything else is
     refused with a ``QDebugError`` -- checked before the work starts, and again when writing."""
-    target = Path(path)
+    target = checked_path(path)
     try:
         link = stat.S_ISLNK(os.lstat(target).st_mode)
     except FileNotFoundError:
@@ -78,8 +82,11 @@ def output_kind(path: str | os.PathLike) -> Kind:
                               f"which {'does not exist' if exc.errno == errno.ENOENT else 'loops'}",
                               "remove the link, or create the file it points to first") from None
         raise _write_error(target, exc) from None
-    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode) or (link and _in_device_tree(target)):
+    if stat.S_ISCHR(mode) or (link and _in_device_tree(target)):
         return "stream"
+    if stat.S_ISFIFO(mode):  # no reader: open() would wait forever; a reader: it is no file to replace
+        raise QDebugError(f"cannot write {shown(target)}: it is a named pipe (FIFO)",
+                          "give the path of a regular file (qdebug does not write into named pipes)")
     if stat.S_ISREG(mode):
         return "file"
     what = "a directory" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else "not a regular file"
@@ -187,22 +194,37 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     made: list[Path] = []
     try:
         made = make_dirs(real.parent)
-        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+        lock, tmp = _locked_temp(real)
     except OSError as exc:
         remove_dirs(made)
         raise _write_error(target, exc) from None
-    os.close(fd)
     tmp_path = Path(tmp)
     try:
         with write_errors(target):
             yield tmp_path
             os.chmod(tmp_path, mode_for(real))
+            if together.held(tmp_path, real, target, lock, made):  # a second output: renamed with --out's
+                return
             os.replace(tmp_path, real)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         remove_dirs(made)
+        leftovers.release(lock)
         raise
+    leftovers.release(lock)
+
+
+def _locked_temp(real: Path) -> tuple[int | None, str]:
+    """A new temp file beside ``real``, locked while this run writes it; the temp files of ``real``
+    that a killed run left are removed first (``qdebug.leftovers``). In a staging folder of this
+    run (new, and locked by it) there is nothing to sweep."""
+    if real.parent in SHOWN:
+        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+        os.close(fd)
+        return None, tmp
+    lock, tmp_path = leftovers.new_temp_file(real.parent, real.name)
+    return lock, str(tmp_path)
 
 
 @contextlib.contextmanager

@@ -43,21 +43,26 @@ import torch
 import torch.nn as nn
 
 import qdebug
-from qdebug.atomic import atomic_path
+from qdebug.atomic import atomic_path, output_kind
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.point import MODES as POINT_MODES
 from qdebug.engine.prepare import POINTS_ATTR, QAT_MODES, refresh_weight_qparams
-from qdebug.errors import QDebugError
-from qdebug.modelspec import ModelSpec, build, build_meta, remember, spec_of
+from qdebug.errors import QDebugError, shown
+from qdebug.modelspec import ModelSpec, build, build_meta, is_model_class, remember, spec_of
 from qdebug.torchfile import read_file
 
 FORMAT = "qdebug-checkpoint"
 VERSION = 1
 STAGES = ("float", "calibrated", "qat", "quantized")
 SAMPLE_LIMIT = 64  # sample_inputs rows kept from a file (docs/checkpoints.md)
+SAMPLE_BYTES = 64 << 20  # ... and bytes: a few rows of a crafted file may be huge
 SIZE_SLACK = 2**20  # bytes a model may hold beyond what its file's state stores
+# The smallest scale a file may hold: below it 1/s overflows float32 (qdebug floors its own at eps).
+SCALE_TINY = float(torch.finfo(torch.float32).tiny)
+FLOAT_MAX = float(torch.finfo(torch.float64).max)
+MAX_NESTING = 64  # levels of lists/dicts in a file's meta: qdebug writes 3
 MODULES_PER_ENTRY, MODULES_BASE = 8, 1000  # modules + tensors a model may register per state entry, + a base
 DAMAGED = "the file is damaged or not from qdebug.save: re-save it"
 ARCHITECTURE = "the checkpoint belongs to another architecture or other model kwargs"
@@ -92,6 +97,11 @@ def save(
     meta: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` as a checkpoint of ``stage`` (inferred when omitted; prepared models default to calibrated)."""
+    if not isinstance(model, nn.Module):
+        raise QDebugError(f"save takes an nn.Module, not a {type(model).__name__}", "pass the model itself")
+    if meta is not None and not isinstance(meta, dict):
+        raise QDebugError(f"meta must be a dict, got {shown(meta)}", 'e.g. meta={"run": "exp-3"}')
+    output_kind(path)  # a named pipe, a directory, a dangling link: refused before any work
     actual = infer_stage(model)
     stage = stage or actual
     if stage not in STAGES:
@@ -222,9 +232,14 @@ def load(
     """Load a checkpoint of any stage as a model ready to run (eval mode).
 
     ``model`` names the architecture (``package.module:Class`` or factory) and
-    overrides the file's.  ``default_model`` (e.g. from the project config) is
-    used only for plain state_dict files, which name no architecture.
+    overrides the file's; it is built with ``model_kwargs``, except that a class
+    (an ``nn.Module`` subclass) the file names too, given no kwargs, takes the
+    file's -- a factory function never does.  ``default_model`` (e.g. from the
+    project config) is used only for plain state_dict files, which name no architecture.
     """
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise QDebugError(f"model_kwargs must be a dict of keyword arguments, got {type(model_kwargs).__name__}",
+                          "e.g. model_kwargs={'num_classes': 10}")
     obj = read_file(path, unsafe=unsafe)
     user_spec = None
     if model is not None:
@@ -272,7 +287,7 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     _check_version(obj.get("version"), path)
     stage = obj.get("stage")
     if stage not in STAGES:
-        raise QDebugError(f"{path} has an unknown stage {stage!r}",
+        raise QDebugError(f"{path} has an unknown stage {shown(stage)}",
                           "stages: float, calibrated, qat, quantized; save with qdebug.save(model, path, stage=...)")
     for key in ("model", "state"):
         if key not in obj:
@@ -282,8 +297,8 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     meta = _checked_table(obj.get("meta"), "meta", path)
     points = _checked_points(obj.get("points"), path)
     qat_mode = obj.get("qat_mode")
-    if qat_mode is not None and qat_mode not in QAT_MODES:
-        raise QDebugError(f"{path} has an unknown qat_mode {qat_mode!r}", f"QAT modes: {', '.join(QAT_MODES)}")
+    if qat_mode is not None and (not isinstance(qat_mode, str) or qat_mode not in QAT_MODES):
+        raise QDebugError(f"{path} has an unknown qat_mode {shown(qat_mode)}", f"QAT modes: {', '.join(QAT_MODES)}")
     absorbed = _checked_paths(obj.get("absorbed"), "absorbed", path)
     frozen_bn = _checked_paths(obj.get("frozen_bn"), "frozen_bn", path)
     folded_bn = _checked_paths(obj.get("folded_bn"), "folded_bn", path)
@@ -294,8 +309,11 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     except QDebugError as exc:
         raise QDebugError(f"{path}: {exc.message}", exc.hint) from None
     sized_by_file = user_spec is None
-    if user_spec is not None and user_spec.target == file_spec.target and not user_spec.kwargs:
-        user_spec = ModelSpec(user_spec.target, dict(file_spec.kwargs))  # same class: keep the file's kwargs
+    if (user_spec is not None and user_spec.target == file_spec.target and not user_spec.kwargs
+            and is_model_class(user_spec.target)):
+        # The class the user named is the file's: it gets the file's kwargs.  A function the user
+        # named (a factory, or os:system a crafted file suggests) gets the user's kwargs only.
+        user_spec = ModelSpec(user_spec.target, dict(file_spec.kwargs))
         sized_by_file = True
     spec = user_spec or file_spec
     qconfig = plan = None
@@ -349,10 +367,10 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
 # -- validation: every field of a file is checked here, once, before it is used -----------
 def _check_version(version: Any, path: str) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise QDebugError(f"{path} has an invalid checkpoint version {version!r}; versions are whole numbers from 1",
+        raise QDebugError(f"{path} has an invalid checkpoint version {shown(version)}; versions are whole numbers from 1",
                           DAMAGED)
     if version > VERSION:
-        raise QDebugError(f"{path} has checkpoint version {version!r}; this qdebug reads up to {VERSION}",
+        raise QDebugError(f"{path} has checkpoint version {shown(version)}; this qdebug reads up to {VERSION}",
                           "upgrade qdebug")
 
 
@@ -391,8 +409,24 @@ def _checked_table(value: Any, key: str, path: str) -> dict:
         raise QDebugError(f"{path}: {key!r} is a {type(value).__name__}, not a table", DAMAGED)
     bad = next((k for k in value if not isinstance(k, str)), None)
     if bad is not None:
-        raise QDebugError(f"{path}: {key!r} has a key {bad!r} that is not a string", DAMAGED)
+        raise QDebugError(f"{path}: {key!r} has a key {shown(bad)} that is not a string", DAMAGED)
+    _check_nesting(value, key, path)
     return dict(value)
+
+
+def _check_nesting(value: Any, key: str, path: str) -> None:
+    """``value`` nests lists, tuples and dicts at most MAX_NESTING deep: whatever walks it later
+    (inspect, JSON output, the import report) recurses, and a file nesting 100,000 deep would
+    end that walk in a RecursionError.  Walked with a stack of its own, so the check cannot."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise QDebugError(f"{path}: {key!r} nests more than {MAX_NESTING} levels deep", DAMAGED)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
 
 
 def _checked_points(value: Any, path: str) -> dict[str, dict]:
@@ -444,7 +478,9 @@ def _checked_import(meta: dict, path: str) -> list[dict[str, Any]]:
         clean = {}
         for col in REPORT_COLUMNS:
             value = row.get(col)
-            number = col in numbers and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)))
+            # A huge int is no scale either: float() would overflow on it.
+            number = col in numbers and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                           and abs(value) <= FLOAT_MAX))
             if not (number or (col not in numbers and isinstance(value, str))):
                 raise QDebugError(f"{path}: meta 'import' row {i} has a {type(value).__name__} {col}; "
                                   f"{'scales are numbers or null' if col in numbers else 'it is text'}", DAMAGED)
@@ -454,20 +490,49 @@ def _checked_import(meta: dict, path: str) -> list[dict[str, Any]]:
 
 
 def _checked_samples(value: Any, path: str) -> Any:
-    """``sample_inputs`` with at most SAMPLE_LIMIT samples: a batch (a tensor, or a tuple or dict
-    of them) keeps the first rows of each tensor, a list of batches (``data.batches_from_inputs``)
-    its first batches; every tensor kept may hold no more memory than the file stores for it
-    (``_check_stored``).  Slicing makes views: nothing is copied."""
+    """``sample_inputs`` with at most SAMPLE_LIMIT samples and SAMPLE_BYTES bytes: a batch (a
+    tensor, or a tuple or dict of them) keeps the first rows of each tensor, a list of batches
+    (``data.batches_from_inputs``) its first batches -- a batch counts at least one sample, and
+    its bytes each time it is listed (a file may list one large tensor many times); every tensor
+    kept may hold no more memory than the file stores for it (``_check_stored``).  Slicing makes
+    views: nothing is copied."""
     if not isinstance(value, list):
-        return _capped(value, SAMPLE_LIMIT, path)
-    kept, left = [], SAMPLE_LIMIT
+        return _within_bytes(value, SAMPLE_LIMIT, SAMPLE_BYTES, path)
+    kept, left, room = [], SAMPLE_LIMIT, SAMPLE_BYTES
     for batch in value:
-        if left <= 0:
+        if left <= 0 or room <= 0:
             break
-        batch = _capped(batch, left, path)
+        batch = _within_bytes(batch, left, room, path, first=not kept)
+        if batch is None:
+            break
         kept.append(batch)
-        left -= _rows(batch)
+        left -= max(_rows(batch), 1)
+        room -= _bytes(batch)
     return kept
+
+
+def _within_bytes(batch: Any, rows: int, room: int, path: str, first: bool = True) -> Any:
+    """``batch`` cut to at most ``rows`` samples and ``room`` bytes; None when not even one sample
+    fits (an error for the first batch: a single sample over SAMPLE_BYTES is no example input)."""
+    kept = _capped(batch, rows, path)
+    size = _bytes(kept)
+    if size <= room:
+        return kept
+    fit = min(room // max(size // max(_rows(kept), 1), 1), _rows(kept) - 1)  # fewer rows each time
+    if fit >= 1:
+        return _within_bytes(batch, int(fit), room, path, first)
+    if not first:
+        return None
+    raise QDebugError(f"{path}: 'sample_inputs' holds a sample of {size} bytes; at most {SAMPLE_BYTES >> 20} MiB "
+                      "of sample inputs are read", "save a small example batch (sample_inputs=x[:8]), or pass --data")
+
+
+def _bytes(batch: Any) -> int:
+    """Bytes of the tensors in ``batch`` (a tensor listed twice counts twice: each is used)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    return sum(_bytes(p) for p in parts)
 
 
 def _capped(item: Any, rows: int, path: str, depth: int = 0) -> Any:
@@ -516,7 +581,7 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
     modules = dict(net.named_modules())
     for call in calls:
         if not isinstance(call, dict) or set(call) - set(types) or required - set(call):
-            raise bad(f"has a malformed call {str(call)[:80]}")
+            raise bad(f"has a malformed call {shown(call, 80)}")
         wrong = next((k for k, v in call.items() if not isinstance(v, types[k])), None)
         if wrong is not None:
             raise bad(f"call {call['name']!r} has a {type(call[wrong]).__name__} {wrong}")
@@ -525,7 +590,7 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
         name = call["name"]
         if not all(isinstance(n, str) for n in [*call.get("inputs", []), *call.get("consumers", [])]):
             raise bad(f"call {name!r} has inputs or consumers that are not names")
-        if call.get("fused_into") not in (None, *names):
+        if call.get("fused_into") is not None and call["fused_into"] not in names:  # a set: linear, not quadratic
             raise bad(f"call {name!r} is fused into {call['fused_into']!r}, a call the plan does not have")
         if call.get("fused_activation") not in (None, *FUSED_ACTIVATIONS):
             raise bad(f"call {name!r} has an unknown fused activation {call['fused_activation']!r}")
@@ -536,7 +601,7 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
                                   f"module {module!r}, which it does not have", ARCHITECTURE)
     for pair in pairs:
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
-            raise bad(f"has a malformed Conv-BN pair {str(pair)[:80]}")
+            raise bad(f"has a malformed Conv-BN pair {shown(pair, 80)}")
         conv, bn = (modules.get(n) for n in pair)
         if not isinstance(conv, (nn.Conv1d, nn.Conv2d)) or not isinstance(bn, nn.modules.batchnorm._BatchNorm):
             raise QDebugError(f"{path}: the saved plan does not fit model {spec.target}: it pairs {pair[0]!r} with "
@@ -674,8 +739,10 @@ def _apply_points(net: nn.Module, points: dict[str, dict], path: str) -> None:
 
 
 def _check_quantization(net: nn.Module, path: str) -> None:
-    """The loaded quantization is one qdebug could have saved: no scale is negative (zero, NaN
-    and Inf are data a diverged run leaves, which inspect and nan-trace report); a per-channel
+    """The loaded quantization is one qdebug could have saved: no scale is negative, zero (-0.0
+    too) or below float32's smallest normal number -- x / s would overflow to Inf where no
+    data did, and qdebug's own scales never go below eps -- (NaN and Inf are data a diverged
+    run leaves, which inspect and nan-trace report); a per-channel
     weight scale has one value per channel of its weight; integer weight codes (``weight_int``,
     quantized stage) have the weight's shape, an integer dtype and values within what q - z
     can be for the point's spec.  (Each point checks its own saved shapes and zero points as
@@ -685,6 +752,11 @@ def _check_quantization(net: nn.Module, path: str) -> None:
         if bool((scale < 0).any()):
             raise QDebugError(f"{path}: quant point {point.name!r} has a negative scale ({float(scale.min()):g}); "
                               "scales are > 0", DAMAGED)
+        if bool((scale < SCALE_TINY).any()):
+            low = float(scale.min())
+            what = "a zero scale" if low == 0 else f"a subnormal scale ({low:g})"
+            raise QDebugError(f"{path}: quant point {point.name!r} has {what}; scales are at least "
+                              f"{SCALE_TINY:g} (float32's smallest normal number)", DAMAGED)
     for name, layer in net.named_modules():
         if not isinstance(layer, _QWeighted) or layer.weight_point is None:
             continue

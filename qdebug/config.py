@@ -1,7 +1,9 @@
 """Project configuration: ``qdebug.toml`` or ``[tool.qdebug]`` in ``pyproject.toml``.
 
 Found from the working directory upward (the first directory holding either
-file wins; ``qdebug.toml`` before ``pyproject.toml``), or named with
+file wins; ``qdebug.toml`` before ``pyproject.toml``; the search stops at the
+project's root, the home folder and a file-system boundary, and a file another
+user owns or may write is ignored: ``find_config``), or named with
 ``--config PATH``.  Relative paths in it are relative to the file's directory.
 CLI flags override it.  Keys (docs/config.md):
 
@@ -13,12 +15,13 @@ CLI flags override it.  Keys (docs/config.md):
     mode                        QAT mode for calibrate (fuse_bn, with_bn, with_bn_reverse_fold)
     qconfig                     {weight, activation, overrides}
     device, out                 torch device; output directory
-    unsafe_load                 allow pickled whole-module files (executes code)
+    unsafe_load                 ignored with a warning: only --unsafe-load or QDEBUG_UNSAFE_LOAD=1
     trust                       packages whose nn.Module classes a checkpoint may name
 
-The directory of the file read is also where modules the user names (``model``,
-``metric``, ``data``, ``trust``) are looked for after the current directory
-(``config_root``; see qdebug.modelspec).
+The directory of the file read is also where modules are looked for: those the
+config names (``model``, ``metric``, ``data``, ``trust``) there only, those named
+on the command line after the current directory (``config_root``,
+``config_packages``; see qdebug.usercode).
 
 Only ``[tool.qdebug]`` of a ``pyproject.toml`` matters: one met on the way up that
 cannot be read or parsed (another tool's file, a bad ``[tool.black]``) is skipped
@@ -28,7 +31,9 @@ with a warning on stderr, unless it declares ``[tool.qdebug]``; a file named wit
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 PATH_KEYS = ("float", "calibrated", "qat", "quantized", "out")
 VALID_KEYS = {
@@ -66,6 +72,7 @@ RATIO_RANGE = (0.0, 1.5)  # baseline's ratio, exclusive of 0: quantized >= ratio
 DECLARES_QDEBUG = re.compile(rb"^[ \t]*\[[ \t]*tool[ \t]*\.[ \t]*qdebug[ \t]*[\].]", re.MULTILINE)
 
 _config_root: Path | None = None  # the directory of the config file read last
+UNSAFE_ENV = "QDEBUG_UNSAFE_LOAD"  # =1: --unsafe-load for every command (never from a config file)
 
 
 def config_root() -> Path | None:
@@ -86,16 +93,85 @@ class Config:
         return override if override is not None else self.values.get(key)
 
 
+PROJECT_MARKERS = (".git", "pyproject.toml", "qdebug.toml")  # a folder holding one ends the search upward
+
+
 def find_config(start: Path | None = None) -> Path | None:
+    """The config in effect in ``start`` (default: the current directory), as git finds its
+    repository: the first ``qdebug.toml`` (or ``pyproject.toml`` with ``[tool.qdebug]``) upward,
+    the search ending at the first folder holding ``.git``, ``pyproject.toml`` or ``qdebug.toml``
+    (the project's root), at the user's home and at a file-system boundary -- so a config
+    planted in a shared folder above (a CI workspace, /tmp) is never met.  A config found but
+    owned by another user or writable by others is ignored with a warning (``unsafe_problem``)."""
     directory = (start or Path.cwd()).resolve()
+    home, device = _home(), _device(directory)
     for folder in (directory, *directory.parents):
-        toml = folder / "qdebug.toml"
-        if toml.is_file():
-            return toml
-        pyproject = folder / "pyproject.toml"
-        if pyproject.is_file() and _pyproject_table(pyproject) is not None:
-            return pyproject
+        if _device(folder) != device:
+            break  # another file system (a mount): git's GIT_DISCOVERY_ACROSS_FILESYSTEM
+        found = _config_in(folder)
+        if found is not None:
+            return found if _safe_to_read(found) else None
+        if folder == home or any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            break
     return None
+
+
+def _config_in(folder: Path) -> Path | None:
+    toml = folder / "qdebug.toml"
+    if toml.is_file():
+        return toml
+    pyproject = folder / "pyproject.toml"
+    if pyproject.is_file() and _pyproject_table(pyproject) is not None:
+        return pyproject
+    return None
+
+
+def _home() -> Path | None:
+    try:
+        return Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):
+        return None
+
+
+def _device(folder: Path) -> int | None:
+    try:
+        return folder.stat().st_dev
+    except OSError:
+        return None
+
+
+def unsafe_problem(path: Path) -> str | None:
+    """Why a config found upward must not be read -- it or its folder is owned by another user,
+    or writable by others (as git's ``safe.directory`` check, root included) -- or None."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    for item in (path, path.parent):
+        try:
+            st = item.stat()
+        except OSError as exc:
+            return f"cannot stat {item}: {exc.strerror or exc}"
+        what = "it" if item == path else f"its folder {item}"
+        if uid is not None and st.st_uid != uid:
+            return f"{what} is owned by another user (uid {st.st_uid})"
+        if st.st_mode & stat.S_IWOTH:
+            return f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _safe_to_read(path: Path) -> bool:
+    problem = unsafe_problem(path)
+    if problem is None:
+        return True
+    _warn_once(f"warning: ignoring config {path}: {problem} (fix its owner or mode, or name it with --config)")
+    return False
+
+
+def _warn_once(line: str) -> None:
+    if line not in _warned_lines:
+        _warned_lines.add(line)
+        sys.stderr.write(escaped(line) + "\n")  # a path's ESC or newline is shown, not sent
+
+
+_warned_lines: set[str] = set()
 
 
 _warned: set[Path] = set()
@@ -113,17 +189,40 @@ def _pyproject_table(path: Path) -> dict[str, Any] | None:
             raise
         if path not in _warned:
             _warned.add(path)
-            sys.stderr.write(f"warning: {exc.message}: skipped (only a [tool.qdebug] table in it matters to qdebug)\n")
+            sys.stderr.write(escaped(f"warning: {exc.message}: skipped (only a [tool.qdebug] table in it matters to qdebug)") + "\n")
         return None
     return qdebug_table(document, path)
 
 
 def _declares_qdebug(path: Path) -> bool:
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             return DECLARES_QDEBUG.search(fh.read(MAX_FILE_BYTES)) is not None
     except OSError:
         return False
+
+
+def open_regular(path: Path):
+    """``open(path, "rb")`` that never waits: opened without blocking (a named pipe with no writer
+    would hold ``open`` forever) and refused, with an ``OSError`` saying what it is, unless it is
+    a regular file (a pipe or a device: ``/dev/zero`` never ends)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"it is {_node_kind(mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _node_kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "no regular file")
 
 
 def qdebug_table(document: dict[str, Any], path: Path) -> dict[str, Any] | None:
@@ -144,7 +243,7 @@ def read_text(path: Path, what: str = "config file") -> str:
     """A config or qconfig file's text: at most ``MAX_FILE_BYTES`` read, UTF-8 (as TOML and JSON
     are), each failure one error naming the file."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise QDebugError(f"cannot read {path}: {exc.strerror or exc}",
@@ -175,7 +274,7 @@ def load_config(path: str | Path | None = None, *, start: Path | None = None) ->
     _config_root = None
     if path is not None:
         cfg_path = Path(path)
-        if not cfg_path.is_file():
+        if not cfg_path.exists():  # one that is there but no file: read_text says what it is
             raise QDebugError(f"config file not found: {cfg_path}", "check the --config path")
     else:
         cfg_path = find_config(start)
@@ -186,7 +285,25 @@ def load_config(path: str | Path | None = None, *, start: Path | None = None) ->
         data = qdebug_table(data, cfg_path) or {}
     config = Config(validate(data, cfg_path), cfg_path.resolve())
     _config_root = config.path.parent
+    _config_packages.clear()
+    _config_packages.update(_packages_named(config))
     return config
+
+
+def config_packages() -> set[str]:
+    """The top-level packages the config read last names (``trust``, ``model``, ``metric``,
+    ``data``): they are found from the config's folder only (``qdebug.usercode``)."""
+    return set(_config_packages) if _config_root is not None else set()
+
+
+def _packages_named(config: Config) -> set[str]:
+    names = list(config.get("trust") or ())
+    names += [config.get(key).partition(":")[0] for key in ("model", "metric", "data")
+              if isinstance(config.get(key), str) and ":" in config.get(key)]
+    return {name.partition(".")[0] for name in names if MODULE_NAME.fullmatch(name)}
+
+
+_config_packages: set[str] = set()
 
 
 def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -208,6 +325,9 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
             raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, got {type(value).__name__}",
                               "fix the value in the config (docs/config.md lists every key and its type)")
         values[key] = value
+    if values.pop("unsafe_load", False):
+        _warn_once(f"warning: {source}: unsafe_load is ignored: a config file cannot switch on loading pickled code "
+                   f"(pass --unsafe-load, or set {UNSAFE_ENV}=1, for the one run that needs it)")
     if "ratio" in values:
         check_ratio_range(values["ratio"], f"{source}: ratio", "e.g. ratio = 0.99")
     if "mode" in values:
@@ -300,16 +420,30 @@ def toml_value(value: Any) -> str:
     return _toml_str(str(value))
 
 
+def toml_key(key: str) -> str:
+    """``key`` as a TOML key: bare when TOML allows it, else a quoted (escaped) string."""
+    return key if BARE_KEY.fullmatch(key) else _toml_str(key)
+
+
+BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _toml_str(text: str) -> str:
-    """``text`` as a TOML basic string."""
+    """``text`` as a TOML basic string that ``tomllib`` reads back exactly.  Quotes and
+    backslashes are escaped, and so is every character ``str.isprintable`` refuses (controls,
+    C1, bidi overrides, line separators: ``\\u001b``, ``\\u202e``), so a file holding a crafted
+    name neither breaks the TOML nor drives the terminal it is ``cat``-ed on."""
     out = []
     for ch in text:
         if ch in '"\\':
             out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
+        elif ch.isprintable():
             out.append(ch)
+        elif 0xD800 <= ord(ch) <= 0xDFFF:  # TOML holds Unicode scalar values only
+            raise QDebugError(f"{escaped(text)} cannot be written as TOML: it holds a lone surrogate",
+                              "rename it to valid Unicode text")
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
     return '"' + "".join(out) + '"'
 
 

@@ -140,18 +140,59 @@ def _scan(lines: list[str], source: Path) -> list[_Item]:
             items.append(_Item("header", i, i + 1, _header_path(stripped)))
             i += 1
             continue
-        for j in range(i + 1, len(lines) + 1):
-            try:
-                parsed = tomllib.loads("".join(lines[i:j]))
-                break
-            except tomllib.TOMLDecodeError:
-                continue
-        else:
-            raise QDebugError(f"cannot read the assignment on line {i + 1} of {source}",
-                              "fix the file (or move it away), then run qdebug init again")
+        j, parsed = _assignment(lines, i, source)
         items.append(_Item("assign", i, j, tuple(parsed)[:1]))
         i = j
     return items
+
+
+def _assignment(lines: list[str], i: int, source: Path) -> tuple[int, dict]:
+    """The assignment starting on line ``i``: (one past its last line, its parsed value).  Its
+    end is where its brackets close outside any string (``_value_end``), checked by parsing it
+    once: linear in its lines.  Should that check fail, the shortest prefix that parses is
+    searched, from there on (quadratic, but only for a layout the scanner misjudges)."""
+    for j in range(_value_end(lines, i), len(lines) + 1):
+        try:
+            return j, tomllib.loads("".join(lines[i:j]))
+        except tomllib.TOMLDecodeError:
+            continue
+    raise QDebugError(f"cannot read the assignment on line {i + 1} of {source}",
+                      "fix the file (or move it away), then run qdebug init again")
+
+
+def _value_end(lines: list[str], i: int) -> int:
+    """One past the first line, from ``i`` on, that ends outside every string, bracket and brace
+    (len(lines) when there is none): where the TOML assignment starting on line ``i`` ends."""
+    depth, quote = 0, ""  # quote: the open string's delimiter (', ", ''' or """), "" outside
+    for n in range(i, len(lines)):
+        line, k = lines[n], 0
+        while k < len(line):
+            if quote:
+                if quote[0] == '"' and line[k] == "\\":
+                    k += 2  # an escape (in a multi-line string, "\\" at the end joins lines)
+                    continue
+                if line.startswith(quote, k):
+                    run = len(quote)  # a multi-line string may end in up to 2 more quotes ('''''')
+                    while len(quote) == 3 and run < 5 and line[k + run:k + run + 1] == quote[0]:
+                        run += 1
+                    k, quote = k + run, ""
+                    continue
+                if len(quote) == 1 and line[k] in "\r\n":
+                    quote = ""  # a one-line string left open: the parse check reports it
+                k += 1
+                continue
+            char = line[k]
+            if char == "#":
+                break
+            if char in "\"'":
+                quote = line[k:k + 3] if line.startswith(char * 3, k) else char
+                k += len(quote)
+                continue
+            depth += (char in "[{") - (char in "]}")
+            k += 1
+        if not quote and depth <= 0:
+            return n + 1
+    return len(lines)
 
 
 def _header_path(line: str) -> tuple[str, ...]:

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_RANDOM_BATCHES = 4
-MAX_BATCHES = 100_000  # the most batches a random: spec makes or a data function may yield
+MAX_BATCHES = 100_000  # the most batches a random: spec makes, a data function may yield or a file may hold
+MAX_BATCH_BYTES = 8 << 30  # the most one batch of a data file may hold (decoded), at most memory_limit()
 SEED_RANGE = (-(2**63), 2**64 - 1)  # the seeds torch.manual_seed and Generator.manual_seed take
 RANDOM_SPEC = re.compile(r"random:(\d+(?:x\d+)*)(?::seed=(\d+))?")
 RANDOM_HINT = "write it like random:8x3x224x224 or random:8x3x32x32:seed=1"
@@ -133,7 +134,12 @@ def memory_limit() -> int:
     return total // 2
 
 
-def _gib(count: int) -> str:
+def batch_bytes_limit() -> int:
+    """Bytes one batch of a data file may hold: ``MAX_BATCH_BYTES``, or ``memory_limit()`` when less."""
+    return min(MAX_BATCH_BYTES, memory_limit())
+
+
+def gib(count: int) -> str:
     return f"{count / 2**30:.3g} GiB"
 
 
@@ -164,7 +170,7 @@ def parse_random(spec: str, batches: int | None) -> tuple[list[int], int, int]:
     for dim in shape:
         size *= dim
     if size > memory_limit():
-        raise QDebugError(f"random data {spec!r} x {count} batch(es) is {_gib(size)}, over the {_gib(memory_limit())} "
+        raise QDebugError(f"random data {spec!r} x {count} batch(es) is {gib(size)}, over the {gib(memory_limit())} "
                           "qdebug may hold (half this machine's memory)",
                           "use a smaller shape or fewer --batches")
     return shape, seed, count
@@ -311,7 +317,7 @@ def _from_function(spec: str, batches: int | None) -> Origin:
 def _user_data_errors(spec: str, what: str | None = None) -> Iterator[None]:
     """The data function raising (or calling ``sys.exit``), while called or iterated, as one
     error naming it (``what``: how, by default ``data function SPEC``) and the user's line."""
-    from qdebug.usercode import exit_error, first_line, where_raised
+    from qdebug.usercode import exit_error, first_line, raised_by_user_code, where_raised
 
     what = what or f"data function {spec}"
     try:
@@ -320,7 +326,9 @@ def _user_data_errors(spec: str, what: str | None = None) -> Iterator[None]:
         raise
     except SystemExit as exc:
         raise exit_error(exc, what) from exc
-    except Exception as exc:
+    except BaseException as exc:
+        if not raised_by_user_code(exc):
+            raise
         where = where_raised(exc)
         raise QDebugError(f"{what} raised {type(exc).__name__}: {first_line(exc)}"
                           + (f", at {where}" if where else ""), FUNCTION_HINT) from exc

@@ -14,6 +14,13 @@ A legacy (non-zip) file cannot be mapped: it is read whole, once, and held.
 
 The file must stay as it is while a command runs: one whose size, modification time or inode
 changed between passes is an error, never a silent mix of two datasets.
+
+What a file describes is bounded when it is opened, on shapes, before any batch is made (a
+few KB may describe terabytes; docs/cli.md, "Data"): every tensor is dense and no larger
+than what the file stores for it (``qdebug.torchfile.check_dense``: no expanded views); at
+most ``MAX_BATCHES`` batches are read; one batch may hold at most ``batch_bytes_limit()``
+bytes once decoded; and a list's batches together at most ``REUSE_FACTOR`` times the file's
+size plus ``REUSE_SLACK`` (torch.save stores a tensor listed 20,000 times once).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from qdebug.batch_source import Origin
 from qdebug.errors import QDebugError
 
 REMAP_BYTES = 32 << 20  # batches taken from one map of the file before it is mapped again
+REUSE_FACTOR, REUSE_SLACK = 4, 256 << 20  # a list's batches hold at most 4 x its file's bytes + 256 MiB
 
 
 class FileOrigin(Origin):
@@ -46,13 +54,17 @@ class FileOrigin(Origin):
                 "save a tensor, a tuple (inputs, targets), a dict {'inputs', 'targets'} or a list of batches",
             )
         if isinstance(obj, list):
-            for item in obj:
-                to_batch(item)
-            count = len(obj)
+            self.total = _checked_count(len(obj), limit, path, None)
+            sizes = [_nbytes(_checked(to_batch(item), f"batch {index}", path))
+                     for index, item in enumerate(obj[:self.total])]
+            if sizes:
+                biggest = max(range(len(sizes)), key=sizes.__getitem__)
+                _check_batch_bytes(sizes[biggest], biggest, path, None)
+            _check_reuse(sum(sizes), path)
         else:
-            inputs = _dataset(obj, self.name)[0]
-            count = -(-int(inputs.shape[0]) // batch_size)
-        self.total = count if limit is None else min(limit, count)
+            inputs, target, codes = _dataset(obj, self.name)
+            self.total = _checked_count(-(-int(inputs.shape[0]) // batch_size), limit, path, batch_size)
+            _check_batch_bytes(_first_batch_bytes(inputs, target, codes, batch_size), 0, path, batch_size)
         self._held = None if zipfile.is_zipfile(path) else obj  # a legacy file cannot be mapped: kept whole
 
     def items(self, rank: int, world: int) -> Iterator[tuple[int, Any]]:
@@ -113,9 +125,80 @@ def _dataset(obj: Any, source: str) -> tuple[Any, Any, dict]:
         inputs, target = _first(obj, INPUT_KEYS), _first(obj, TARGET_KEYS)
         codes = {key: obj[key] for key in ("input_scale", "input_offset") if key in obj}
     _check_dataset(inputs, target, source)
+    for what, value in (("the input tensor", inputs), ("the target tensor", target), *codes.items()):
+        _checked(value, what, source)
     if codes:
         _check_codes(inputs, codes, source)
     return inputs, target, codes
+
+
+# -- limits: what a small file may describe ---------------------------------------------------
+def _checked(obj: Any, where: str, source: Any) -> Any:
+    """``obj`` with each of its tensors checked dense, no larger than what the file stores for
+    it (``qdebug.torchfile.check_dense``: a 1 KB expanded view may describe 10**12 samples)."""
+    import torch
+
+    from qdebug.torchfile import check_dense
+
+    if isinstance(obj, torch.Tensor):
+        check_dense(obj, where, source)
+    elif isinstance(obj, (tuple, list)):
+        names = getattr(obj, "_fields", None) and ("input", "target")  # a Batch
+        for i, item in enumerate(obj):
+            _checked(item, f"{where}'s {names[i]}" if names else f"{where}[{i}]", source)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _checked(value, f"{where}[{key!r}]", source)
+    return obj
+
+
+def _checked_count(count: int, limit: int | None, path: Path, batch_size: int | None) -> int:
+    """The batches a pass reads (``count``, at most ``limit``), refused past ``MAX_BATCHES``."""
+    from qdebug.data import MAX_BATCHES
+
+    total = count if limit is None else min(limit, count)
+    if total > MAX_BATCHES:
+        what = f"is cut into {count} batches of {batch_size}" if batch_size else f"lists {count} batches"
+        raise QDebugError(f"{path} {what}; qdebug reads at most {MAX_BATCHES} batches of a file",
+                          f"pass --batches N to read the first N{' (or a larger --batch-size)' if batch_size else ''}")
+    return total
+
+
+def _check_reuse(described: int, path: Path) -> None:
+    """A list's batches hold at most ``REUSE_FACTOR`` times the file's bytes, plus ``REUSE_SLACK``:
+    torch.save stores a tensor listed many times once, so a small file may list one tensor
+    20,000 times -- hours of work from a few KB.  Honest batches hold their own tensors (a
+    small one shared by all, a mask or the targets, fits in the slack)."""
+    from qdebug.data import gib
+
+    stored = os.stat(path).st_size
+    if described > REUSE_FACTOR * stored + REUSE_SLACK:
+        raise QDebugError(f"{path}: its batches hold {gib(described)} from {stored} bytes on disk: "
+                          "it lists the same tensors again and again",
+                          "save each batch's own tensors (or pass --batches N to read the first N)")
+
+
+def _first_batch_bytes(inputs: Any, target: Any, codes: dict, batch_size: int) -> int:
+    """Bytes of a dataset's biggest batch (its first), as decoded (float32 when it is decoded)."""
+    import torch
+
+    n = int(inputs.shape[0])
+    rows = min(batch_size, n)
+    decoded = 4 if codes or inputs.dtype in (torch.float16, torch.bfloat16) else inputs.element_size()
+    size = rows * (inputs.numel() // max(n, 1)) * decoded
+    for value in (target.values() if isinstance(target, dict) else [target] if target is not None else []):
+        size += rows * (value.numel() // max(n, 1)) * value.element_size()
+    return size
+
+
+def _check_batch_bytes(size: int, index: int, path: Path, batch_size: int | None) -> None:
+    """One batch is held in memory whole: past ``batch_bytes_limit()`` it is refused, not allocated."""
+    from qdebug.data import batch_bytes_limit, gib
+
+    if size > batch_bytes_limit():
+        raise QDebugError(f"{path}: batch {index} is {gib(size)}, "
+                          f"over the {gib(batch_bytes_limit())} one batch may hold",
+                          "use a smaller --batch-size" if batch_size else "save the data in smaller batches")
 
 
 def _check_codes(inputs: Any, codes: dict, source: str) -> None:

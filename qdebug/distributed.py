@@ -36,7 +36,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, shown
 
 if TYPE_CHECKING:
     import torch
@@ -71,18 +71,22 @@ def timeout_seconds(configured: Any = None) -> float:
     value: Any = text if text is not None else configured
     if value is None:
         return DEFAULT_TIMEOUT_S
-    where = f"{TIMEOUT_ENV}={text!r}" if text is not None else f"timeout {configured!r}"
+    where = f"{TIMEOUT_ENV}={shown(text)}" if text is not None else f"timeout {shown(configured)}"
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise QDebugError(f"{where} is not a number of seconds", "e.g. QDEBUG_DIST_TIMEOUT=600") from None
+    # NaN fails the comparison; inf and the absurd are refused too: timedelta overflows past ~10^14 s.
     if not 0 < seconds < 10**7 or isinstance(value, bool):
-        raise QDebugError(f"{where} must be a number of seconds > 0", "e.g. QDEBUG_DIST_TIMEOUT=600")
+        raise QDebugError(f"{where} must be a number of seconds, more than 0 and less than 10^7",
+                          "e.g. QDEBUG_DIST_TIMEOUT=600")
     return seconds
 
 
 class PeerFailure(QDebugError):
     """Another rank (or this one) failed: the same error on every rank."""
+
+    shared = False  # True when every rank raised it at the same status round: rank 0 alone says it
 
 
 @dataclass
@@ -170,7 +174,9 @@ class Group:
         reports = [unpack(part) for part in self._exchange(message)]
         first = failing[0]
         report = reports[first] or {"message": "failed", "hint": ""}
-        raise PeerFailure(f"rank {first}: {report['message']}", report.get("hint") or "")
+        failure = PeerFailure(f"rank {first}: {report['message']}", report.get("hint") or "")
+        failure.shared = True
+        raise failure
 
     def _exchange(self, payload: bytes) -> list[bytes]:
         """Every rank's bytes (lengths first, then the padded bytes)."""
@@ -271,7 +277,10 @@ def finish(error: QDebugError | None = None) -> QDebugError | None:
         return error
     if alone and _GROUP is None:
         return error
-    group = current()
+    try:
+        group = current()
+    except QDebugError as exc:  # this rank could not join (a bad QDEBUG_DIST_TIMEOUT, no MASTER_ADDR): no round
+        return error or exc
     if error is not None:
         return group.fail(error)
     try:

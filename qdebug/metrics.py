@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, message_of
 
 Metric = Callable[..., Any]
 
@@ -215,7 +215,11 @@ def call_metric(metric: Metric, model, batches, reference, name: str):
         from qdebug.usercode import exit_error
 
         raise exit_error(exc, f"metric {getattr(metric, '__name__', name)}") from exc
-    except Exception as exc:
+    except BaseException as exc:
+        from qdebug.usercode import raised_by_user_code
+
+        if not raised_by_user_code(exc):
+            raise
         raise metric_error(metric, exc, name) from exc
     finally:
         model.train(was_training)
@@ -252,14 +256,14 @@ PROTOCOL = (
 )
 
 
-def metric_error(metric: Metric, exc: Exception, name: str = "metric") -> QDebugError:
+def metric_error(metric: Metric, exc: BaseException, name: str = "metric") -> QDebugError:
     """A raising metric as one error: the metric, the exception and the user's line that raised
     it; the hint states the protocol (a built-in metric fails on the model or the data instead)."""
     from qdebug.usercode import first_line, where_raised
 
     label = getattr(metric, "__name__", name)
     where = where_raised(exc)
-    detail = f": {first_line(exc)}" if str(exc).strip() else ""
+    detail = f": {first_line(exc)}" if message_of(exc).strip() else ""
     message = f"metric {label} raised {type(exc).__name__}{detail}" + (f", at {where}" if where else "")
     caller = _line_in(metric, exc)
     if caller and where and where.split(" (")[0] != caller:

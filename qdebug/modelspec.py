@@ -6,8 +6,11 @@ named attribute must be an ``nn.Module`` subclass (never a function: ``os:system
 or ``builtins:eval`` are refused before anything is called), and its module
 must be qdebug's own zoo, already imported, or trusted by the user (``--model``,
 the config's ``model``, or the config's ``trust`` list: ``trust = ["mypkg"]``
-trusts ``mypkg`` and ``mypkg.*``, never ``mypkgevil``).  A spec the *user* names
-may also be a factory function, since the user chose to run it.
+trusts ``mypkg`` and ``mypkg.*``, never ``mypkgevil``).  A file's spec is looked up
+without running code (no module ``__getattr__``, no lazy submodule import), and a refusal's
+hint names ``--model`` with the file's name only when that name's source defines a class.
+A spec the *user* names may also be a factory function, since the user chose to run it --
+with the user's own kwargs only, never the file's (``qdebug.checkpoint.load``).
 
 A file's spec is also bounded: its kwargs are JSON-typed (None, bool, int, float, str,
 lists, tables with string keys; at most ``KWARGS_NODES`` values, ``KWARGS_DEPTH`` deep),
@@ -29,8 +32,8 @@ from typing import Any, Iterator
 
 import torch.nn as nn
 
-from qdebug.errors import QDebugError
-from qdebug.usercode import first_line, import_user_module, where_raised
+from qdebug.errors import QDebugError, shown
+from qdebug.usercode import first_line, import_user_module, raised_by_user_code, where_raised
 
 SPEC_ATTR = "qdebug_model"  # set on models built here so save() can record them
 ALWAYS_TRUSTED_PREFIXES = ("qdebug.zoo",)
@@ -42,6 +45,14 @@ KWARGS_DEPTH = 32
 class ModelSpec:
     target: str  # "package.module:Attr"
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # the Python API's callers may pass anything
+        if not isinstance(self.target, str):
+            raise QDebugError(f"a model is named as a string, got {shown(self.target)}",
+                              'e.g. model="mypkg.models:Net"')
+        if not isinstance(self.kwargs, dict):
+            raise QDebugError(f"model kwargs must be a dict, got {shown(self.kwargs)}",
+                              'e.g. model_kwargs={"num_classes": 10}')
 
     def to_dict(self) -> dict[str, Any]:
         return {"class": self.target, "kwargs": dict(self.kwargs)}
@@ -93,6 +104,31 @@ def check_json_kwargs(kwargs: dict) -> None:
                               "are numbers, strings, lists and tables", hint)
 
 
+def parse_model_kwargs(text: str, flag: str = "--model-kwargs") -> dict[str, Any]:
+    """``--model-kwargs`` text as a table: a JSON object (``{"num_classes": 10}``) or a TOML
+    inline table (``{num_classes = 10}``, the config's ``model_kwargs`` syntax)."""
+    import json
+    import tomllib
+
+    hint = f"e.g. {flag} '{{\"num_classes\": 10}}' (JSON) or {flag} '{{num_classes = 10}}' (TOML)"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        try:
+            value = tomllib.loads(f"kwargs = {text}")["kwargs"]
+        except (tomllib.TOMLDecodeError, RecursionError, KeyError):
+            raise QDebugError(f"{flag} {text[:80]!r} is neither a JSON object nor a TOML inline table", hint) from None
+    if not isinstance(value, dict):
+        raise QDebugError(f"{flag} {text[:80]!r} is not a table of keyword arguments", hint)
+    try:
+        check_json_kwargs(value)
+    except QDebugError as exc:
+        message = exc.message.replace("the checkpoint's model kwargs", flag).replace("the checkpoint's model kwarg",
+                                                                                       f"{flag}'s")
+        raise QDebugError(message, hint) from None
+    return value
+
+
 def split_target(target: str) -> tuple[str, str]:
     module, sep, attr = target.partition(":")
     if not sep or not module or not attr:
@@ -109,31 +145,120 @@ def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = 
     """The object named by ``target``, with the safety rules of the module docstring.
     ``what`` names the spec in messages ("model spec", "metric")."""
     module_name, attr = split_target(target)
-    allowed = (
-        from_user
-        or module_name in sys.modules
-        or is_trusted(module_name, tuple(trusted_modules) + ALWAYS_TRUSTED_PREFIXES)
-    )
-    if not allowed:
-        top = module_name.partition(".")[0]
+    if from_user:
+        return _getattr_path(import_user_module(module_name), module_name, attr, what)
+    trusted = is_trusted(module_name, tuple(trusted_modules) + ALWAYS_TRUSTED_PREFIXES)
+    if not trusted and module_name not in sys.modules:
+        raise _untrusted(target, module_name, attr)
+    module = import_user_module(module_name) if trusted else sys.modules[module_name]
+    obj = _static_attr_path(module, module_name, attr)
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
         raise QDebugError(
-            f"the checkpoint names model class {target}; qdebug does not import modules named by a file "
-            f"unless you trust them, and {top!r} is not trusted",
-            f'if you trust it, add  trust = ["{top}"]  to qdebug.toml (qdebug init --trust {top} writes it), '
-            f"or pass --model {target}",
+            f"refusing to call {target!r} named by a file: it is not an nn.Module subclass",
+            "a checkpoint may only name model classes; to build the model with a factory of yours, pass "
+            "--model package.module:function and its --model-kwargs",
         )
-    module = import_user_module(module_name)
+    return obj
+
+
+def _getattr_path(module: Any, module_name: str, attr: str, what: str) -> Any:
+    """``module.attr`` (dotted) for a name the user gave: an ordinary getattr walk."""
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             raise QDebugError(f"{module_name!r} has no attribute {attr!r}", f"check the spelling of the {what}")
-    if not from_user and not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
-        raise QDebugError(
-            f"refusing to call {target!r} named by a file: it is not an nn.Module subclass",
-            "a checkpoint may only name model classes; pass --model to name a factory yourself",
-        )
     return obj
+
+
+def _static_attr_path(module: Any, module_name: str, attr: str) -> Any:
+    """``module.attr`` (dotted) for a name a *file* gave, looked up without running code: in the
+    module's ``__dict__`` and classes' own dicts (``inspect.getattr_static``), never a module's
+    ``__getattr__`` -- ``torch:_dynamo.OptimizedModule`` would import ``torch._dynamo`` (and
+    ``torch._inductor``) that way -- and only through modules already imported."""
+    obj = module
+    walked = module_name
+    for part in attr.split("."):
+        try:
+            found = vars(obj)[part] if inspect.ismodule(obj) else inspect.getattr_static(obj, part)
+        except (KeyError, AttributeError, TypeError):
+            raise QDebugError(
+                f"the checkpoint names {module_name}:{attr}, but {walked!r} defines no {part!r} "
+                "(qdebug does not import modules a file names lazily)",
+                "a checkpoint names a model class where it is defined, as package.module:Class",
+            ) from None
+        if inspect.ismodule(found) and sys.modules.get(found.__name__) is not found:
+            raise QDebugError(f"the checkpoint names {module_name}:{attr}, through module {found.__name__!r}, "
+                              "which is not imported", "a checkpoint names a model class where it is defined, "
+                              "as package.module:Class")
+        obj = found
+        walked = f"{walked}.{part}"
+    return obj
+
+
+def _untrusted(target: str, module_name: str, attr: str) -> QDebugError:
+    """The refusal of a file naming a module nobody trusted.  Its hint suggests trusting the
+    package, and ``--model`` with the file's name only when that module's source (read, not
+    run) defines a class of that name: never a function (``pty:spawn``), whose call with the
+    user's say-so the hint must not invite."""
+    top = module_name.partition(".")[0]
+    if top in sys.stdlib_module_names:
+        return QDebugError(f"the checkpoint names {target}, in the standard library, which holds no model classes",
+                           "the file is damaged or crafted; load only checkpoints saved by qdebug.save from "
+                           "sources you trust")
+    also = f", or pass --model {target}" if suggestable(module_name, attr) else ""
+    return QDebugError(
+        f"the checkpoint names model class {target}; qdebug does not import modules named by a file "
+        f"unless you trust them, and {top!r} is not trusted",
+        f'if you trust it, add  trust = ["{top}"]  to qdebug.toml (qdebug init --trust {top} writes it){also}',
+    )
+
+
+SOURCE_LIMIT = 4 << 20  # bytes of a module's source read to find a class name in it
+
+
+def _defines_class(module_name: str, attr: str) -> bool:
+    """Whether the source of ``module_name`` -- found as an import would find it, but read with
+    ``ast``, never imported -- defines a top-level class ``attr`` with base classes."""
+    if "." in attr:
+        return False
+    import ast
+    from importlib.machinery import PathFinder
+
+    from qdebug.usercode import import_roots
+
+    search: Any = [*sys.path, *(str(root) for root in import_roots())]
+    parts = module_name.split(".")
+    try:
+        for i in range(len(parts)):
+            spec = PathFinder.find_spec(".".join(parts[: i + 1]), search)
+            if spec is None:
+                return False
+            search = spec.submodule_search_locations
+            if search is None and i < len(parts) - 1:
+                return False
+        if not spec.origin or not spec.origin.endswith(".py"):
+            return False
+        with open(spec.origin, "rb") as fh:
+            tree = ast.parse(fh.read(SOURCE_LIMIT + 1)[:SOURCE_LIMIT])
+    except (ImportError, OSError, SyntaxError, ValueError, RecursionError):
+        return False
+    return any(isinstance(node, ast.ClassDef) and node.name == attr and node.bases for node in tree.body)
+
+
+def suggestable(module_name: str, attr: str) -> bool:
+    """Whether a hint may tell the user to pass ``--model module_name:attr``, a name read from a
+    file: only when it is no standard-library name and its module's source (read, never run)
+    defines a class of that name -- never a function (``posix:system``, ``pty:spawn``)."""
+    return module_name.partition(".")[0] not in sys.stdlib_module_names and _defines_class(module_name, attr)
+
+
+def is_model_class(target: str) -> bool:
+    """Whether ``target``, a name the user gave (``--model``), is an ``nn.Module`` subclass: the
+    one kind of name a checkpoint's own kwargs may go to (``qdebug.checkpoint.load``).  A
+    factory function gets the user's kwargs only."""
+    obj = resolve(target, from_user=True)
+    return inspect.isclass(obj) and issubclass(obj, nn.Module)
 
 
 def build(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, ...] = ()) -> nn.Module:
@@ -169,7 +294,9 @@ def build_meta(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, 
         ) from None
     except QDebugError:
         raise
-    except Exception:  # data-dependent construction: no meta build (a real one reports real errors)
+    except BaseException as exc:  # data-dependent construction: no meta build (a real one reports real errors)
+        if not raised_by_user_code(exc):  # Ctrl-C
+            raise
         return None
     return model if isinstance(model, nn.Module) else None
 
@@ -222,9 +349,11 @@ def _construct(spec: ModelSpec, factory: Any) -> nn.Module:
     except (QDebugError, _TooLarge):
         raise
     except TypeError as exc:
-        raise QDebugError(f"cannot build {spec.target} with kwargs {spec.kwargs}: {exc}",
-                          "check the model kwargs") from None
-    except Exception as exc:  # the constructor refused its kwargs (ValueError, RuntimeError, ...)
+        raise QDebugError(f"cannot build {spec.target} with kwargs {spec.kwargs}: {first_line(exc)}",
+                          "check the model kwargs (--model-kwargs, or model_kwargs in qdebug.toml)") from None
+    except BaseException as exc:  # the constructor refused its kwargs (ValueError, RuntimeError, ...)
+        if not raised_by_user_code(exc):
+            raise
         where = where_raised(exc)
         raise QDebugError(
             f"cannot build {spec.target} with kwargs {spec.kwargs}: {type(exc).__name__}: {first_line(exc)}"

@@ -3,7 +3,8 @@
 The files of a run are written into a hidden staging folder and moved into place together at
 the end, under a lock, so that a failed run changes nothing and two runs on the same folder
 never mix their files.  Each file moves by the rules of ``qdebug.atomic`` (through a link, into
-a device).
+a device).  The staging folder is locked while its run lives, so the next run removes one that a
+killed run left, and only such a one (``qdebug.leftovers``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +28,7 @@ from qdebug.atomic import (
     umask_now,
     write_errors,
 )
+from qdebug import leftovers
 from qdebug.errors import QDebugError
 
 
@@ -49,6 +50,7 @@ class StagedDir:
         self._made: list[Path] = []
         self._stale: set[str] = set()
         self._cleanup: weakref.finalize | None = None
+        self._lock: int | None = None  # the staging folder's lock while this run uses it (qdebug.leftovers)
 
     def file(self, name: str) -> Path:
         """Where to write the file ``name`` of this folder now."""
@@ -80,7 +82,8 @@ class StagedDir:
     def discard(self) -> None:
         """Remove whatever this run staged; the folder itself is left as it was. Safe to repeat."""
         if self._cleanup is not None:
-            self._cleanup()
+            self._cleanup()  # releases the lock too
+            self._lock = None
         self._forget()
 
     def _staging_dir(self) -> Path:
@@ -93,15 +96,14 @@ class StagedDir:
         inside = real.is_dir()
         try:
             self._made = [] if inside else make_dirs(real.parent)
-            staging = Path(tempfile.mkdtemp(prefix=f".{real.name}.qdebug-", suffix=".partial",
-                                            dir=real if inside else real.parent))
+            staging, self._lock = _new_staging(real, inside)
         except OSError as exc:
             remove_dirs(self._made)
             raise WriteError(f"cannot create output directory {self.final}: {exc.strerror or exc}",
                              "choose a directory you can write to", code=exc.errno) from None
         self._staging = staging
         SHOWN[staging] = self.final
-        self._cleanup = weakref.finalize(self, _remove_staging, staging, list(self._made))
+        self._cleanup = weakref.finalize(self, _remove_staging, staging, list(self._made), self._lock)
         return staging
 
     def _merge_into(self, folder: Path) -> None:
@@ -123,7 +125,8 @@ class StagedDir:
             SHOWN.pop(self._staging, None)
         if self._cleanup is not None:
             self._cleanup.detach()
-        self._staging, self._cleanup, self._made, self._stale = None, None, [], set()
+        leftovers.release(self._lock)
+        self._staging, self._cleanup, self._made, self._stale, self._lock = None, None, [], set(), None
 
 
 def _place(src: Path, dst: Path) -> None:
@@ -139,11 +142,22 @@ def _place(src: Path, dst: Path) -> None:
         os.replace(src, real)
 
 
-def _remove_staging(staging: Path, made: list[Path]) -> None:
+def _remove_staging(staging: Path, made: list[Path], lock: int | None = None) -> None:
     """The staging folder and the parents made for it, gone (a failed or abandoned run)."""
     SHOWN.pop(staging, None)
     shutil.rmtree(staging, ignore_errors=True)
     remove_dirs(made)
+    leftovers.release(lock)
+
+
+def _new_staging(real: Path, inside: bool) -> tuple[Path, int | None]:
+    """A new staging folder for the folder ``real``, locked while this run uses it: inside it when it
+    exists, else beside it. The staging folders of ``real`` that a killed run left (in either place)
+    are removed first (``qdebug.leftovers``)."""
+    if inside:  # one left beside it, when the folder did not exist yet
+        leftovers.sweep(real.parent, leftovers.staging_pattern(real.name))
+    lock, staging = leftovers.new_staging_dir(real if inside else real.parent, real.name)
+    return staging, lock
 
 
 @contextlib.contextmanager

@@ -16,6 +16,10 @@ an intact pickle that names a Python class is said to hold pickled objects, with
 
 ``read_file(path, mmap=True)`` maps a zip archive's tensors rather than reading them, after the
 same checks: a data file is then sliced batch by batch (``qdebug.data_file``).
+
+``check_dense`` is the rule every tensor read from a file obeys before it is used: dense, and
+holding no more values than its storage (an expanded, stride-0 or overlapping view of a few
+stored bytes would describe terabytes).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, checked_path
 from qdebug.usercode import first_line
 
 
@@ -42,7 +46,7 @@ def read_file(path: str | Path, *, unsafe: bool = False, mmap: bool = False) -> 
     ``mmap``: map the file's tensors instead of reading them (a zip archive only; a legacy
     file is read whole): a tensor's pages are read when touched, and they leave the
     process's memory when the last tensor of the file is dropped."""
-    p = Path(path)
+    p = checked_path(path)
     check_readable(p)
     try:
         return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(p))
@@ -60,6 +64,22 @@ def read_file(path: str | Path, *, unsafe: bool = False, mmap: bool = False) -> 
     except Exception as exc:  # damaged bytes reach many reader error paths (RuntimeError, EOFError, KeyError, ...)
         raise _damaged(p, f"{type(exc).__name__}: {_first_line(exc)}") from None
     return _unsafe_load(p, whole, named)
+
+
+EXPANDED_HINT = "save real tensors (x.contiguous().clone()), not expanded views"
+
+
+def check_dense(tensor: torch.Tensor, what: str, source: str | Path) -> None:
+    """``tensor`` (read from ``source``) is dense and holds no more values than its storage
+    stores: an expanded (stride-0) or overlapping view is refused before it is copied or used,
+    so nothing read from a file grows past its size on disk."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise QDebugError(f"{source}: {what} is a {tensor.layout} {tensor.dtype} tensor; qdebug reads dense tensors",
+                          "save dense tensors (x.to_dense(), x.dequantize())")
+    stored = tensor.untyped_storage().nbytes()
+    if tensor.numel() * tensor.element_size() > stored:
+        raise QDebugError(f"{source}: {what} is an expanded view: {list(tensor.shape)} ({tensor.numel()} values) "
+                          f"over {stored // max(tensor.element_size(), 1)} stored", EXPANDED_HINT)
 
 
 def _damaged(p: Path, detail: str) -> QDebugError:
@@ -212,11 +232,17 @@ def _pickle_refusal(p: Path, whole: str | None, named: str | None) -> QDebugErro
                 f"in that script, save torch.save(model.state_dict(), path), move {name} into a module of "
                 f"your project (e.g. mypkg/net.py) and pass --model mypkg.net:{name}",
             )
+        from qdebug.modelspec import suggestable
+
+        # The class name is the file's: suggested only when its source defines such a class
+        # (a crafted pickle's top object may be posix.system).
+        named_class = (f"--model {module}:{name} (or model = \"{module}:{name}\" in qdebug.toml)"
+                       if suggestable(module, name) else "--model package.module:Class")
         return QDebugError(
             f"{p} is a whole pickled model (torch.save(model)) of class {whole}: loading it would run code "
             "from the file, so qdebug refuses",
-            f"re-save it with torch.save(model.state_dict(), path) and name the class with --model {module}:{name} "
-            f'(or model = "{module}:{name}" in qdebug.toml), or pass --unsafe-load if you trust the file',
+            f"re-save it with torch.save(model.state_dict(), path) and name the class with {named_class}, "
+            "or pass --unsafe-load if you trust the file",
         )
     what = f" (e.g. {named})" if named else ""
     return QDebugError(

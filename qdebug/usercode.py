@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, message_of
 
 
 def import_user_module(module_name: str) -> Any:
@@ -34,7 +34,7 @@ def import_user_module(module_name: str) -> Any:
         top = module_name.partition(".")[0]
         missing = exc.name or top
         if module_name == missing or module_name.startswith(missing + "."):
-            searched = ", ".join(str(r) for r in import_roots())
+            searched = ", ".join(str(r) for r in import_roots(module_name))
             raise QDebugError(
                 f"cannot import {module_name!r}: no module {missing!r} in {searched} or on sys.path",
                 f"run qdebug from the directory that holds {top}/ (or {top}.py), or install your package "
@@ -51,7 +51,9 @@ def import_user_module(module_name: str) -> Any:
     except SystemExit as exc:  # sys.exit() at the module's top level
         raise exit_error(exc, f"importing {module_name!r}",
                          "guard the module's script code with if __name__ == '__main__': (qdebug imports it)") from exc
-    except Exception as exc:  # a syntax error or an exception while the user's module runs
+    except BaseException as exc:  # a syntax error or an exception while the user's module runs
+        if not raised_by_user_code(exc):
+            raise
         where = where_raised(exc)
         raise QDebugError(
             f"importing {module_name!r} raised {type(exc).__name__}: {first_line(exc)}"
@@ -81,16 +83,33 @@ def exit_error(exc: SystemExit, what: str, hint: str = EXIT_HINT) -> QDebugError
     imported) as an error naming it: let through, it would end qdebug silently with the
     exit code the user's code chose -- often 0, a pass with no verdict."""
     where = where_raised(exc)
-    return QDebugError(f"{what} called sys.exit({exc.code!r})" + (f", at {where}" if where else ""), hint)
+    called = getattr(exc, "called", "sys.exit")  # os._exit: qdebug.early_exit
+    return QDebugError(f"{what} called {called}({exc.code!r})" + (f", at {where}" if where else ""), hint)
 
 
-def import_roots() -> list[Path]:
+def raised_by_user_code(exc: BaseException) -> bool:
+    """Whether ``exc``, caught around a call into the user's code, is that code's failure to
+    report as one error naming it: any exception but Ctrl-C (KeyboardInterrupt: "interrupted")
+    and qdebug's own (a QDebugError, a NonFiniteError, a signal qdebug raises to stop a run).
+    A ``BaseException`` subclass of the user's, or a stray ``GeneratorExit``, counts: let
+    through, it would end qdebug with a traceback and exit 1, the code of "a check failed"."""
+    if isinstance(exc, KeyboardInterrupt):
+        return False
+    return not type(exc).__module__.startswith("qdebug.")
+
+
+def import_roots(module_name: str = "") -> list[Path]:
     """Where modules the user names are looked for beyond ``sys.path``: the current
-    directory (as ``python -m`` puts it first), then the directory of the config file."""
-    from qdebug.config import config_root
+    directory (as ``python -m`` puts it first), then the directory of the config file --
+    only the latter for a package the config itself names (its ``trust``, ``model``,
+    ``metric``, ``data``): a config's names resolve against its own folder, never against
+    whatever folder qdebug runs in."""
+    from qdebug.config import config_packages, config_root
 
-    roots = [Path.cwd()]
     root = config_root()
+    if root is not None and module_name.partition(".")[0] in config_packages():
+        return [root]
+    roots = [Path.cwd()]
     if root is not None and root not in roots:
         roots.append(root)
     return roots
@@ -108,7 +127,7 @@ def make_findable(module_name: str) -> bool:
             return False
     except (ImportError, ValueError):
         return False
-    for root in import_roots():
+    for root in import_roots(top):
         if (root / top).is_dir() or (root / f"{top}.py").is_file():
             if str(root) not in sys.path:
                 # Appended, not prepended: the root adds the user's package without
@@ -122,7 +141,7 @@ def make_findable(module_name: str) -> bool:
 def first_line(exc: BaseException, empty: str | None = None) -> str:
     """The first non-empty line of an exception's message (some, e.g. EOFError, have none:
     then ``empty``, or the type's name)."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in message_of(exc).splitlines() if line.strip()]
     return lines[0].strip()[:200] if lines else (empty or type(exc).__name__)
 
 

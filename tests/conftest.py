@@ -116,7 +116,8 @@ class CliResult:
     err: str
 
     def error_lines(self) -> list[str]:
-        return [line for line in self.err.splitlines() if line.strip()]
+        """stderr's lines, less the ``config: PATH`` line a command using a config starts with."""
+        return [line for line in self.err.splitlines() if line.strip() and not line.startswith("config: ")]
 
     def assert_error(self, *fragments: str) -> str:
         """Exit 2, exactly one ``error:`` line (plus an optional ``hint:`` line), no traceback."""

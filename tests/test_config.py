@@ -31,14 +31,17 @@ def test_qdebug_toml_found_from_a_subdirectory(tmp_path):
     assert config.get("float") == str((tmp_path / "proj" / "ckpt" / "float.pt").resolve())
 
 
-def test_pyproject_tool_qdebug_found_and_other_pyprojects_skipped(tmp_path):
+def test_pyproject_tool_qdebug_found_and_other_pyprojects_end_the_search(tmp_path):
     outer = _write(tmp_path / "pyproject.toml", '[project]\nname = "x"\n[tool.qdebug]\nmetric = "top5"\nqat = "q.pt"\n')
-    _write(tmp_path / "pkg" / "pyproject.toml", '[project]\nname = "inner"\n[tool.other]\nx = 1\n')
-    start = tmp_path / "pkg" / "src"
+    start = tmp_path / "src"
     start.mkdir()
     assert find_config(start) == outer
     config = load_config(start=start)
     assert config.values == {"metric": "top5", "qat": str((tmp_path / "q.pt").resolve())}
+    # a pyproject.toml without [tool.qdebug] is another project's root: the search stops there, as git's at .git
+    _write(tmp_path / "pkg" / "pyproject.toml", '[project]\nname = "inner"\n[tool.other]\nx = 1\n')
+    (tmp_path / "pkg" / "src").mkdir()
+    assert find_config(tmp_path / "pkg" / "src") is None
 
 
 def test_qdebug_toml_wins_over_pyproject_in_the_same_directory(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -214,13 +215,13 @@ def test_a_failing_rank_fails_every_rank_with_the_same_error(stages, tmp_path):
     ranked = cli_ranks(compare, ema, cwd=str(tmp_path), env={"FAIL": "raise"})
     for per_rank, words in zip(ranked, (["rank 1: data function faulty.data:batches raised ValueError",
                                          "batch 1 is unreadable"], ["ema observer cannot be calibrated"])):
-        errors = {err for _, _, err in per_rank}
-        assert len(errors) == 1, errors  # the same error on every rank
-        for code, out, err in per_rank:
-            assert code == 2 and out == "" and "Traceback" not in err
-            lines = err.strip().splitlines()
-            assert lines[0].startswith("error: ") and lines[1].startswith("hint: ") and len(lines) == 2, err
-            assert all(w in err for w in words), err
+        assert [code for code, _, _ in per_rank] == [2, 2]  # the same error on every rank
+        assert per_rank[1][1:] == ("", "")  # said once, by rank 0, not once per rank
+        code, out, err = per_rank[0]
+        assert out == "" and "Traceback" not in err
+        lines = err.strip().splitlines()
+        assert lines[0].startswith("error: ") and lines[1].startswith("hint: ") and len(lines) == 2, err
+        assert all(w in err for w in words), err
     assert not (tmp_path / "out").exists() and not (tmp_path / "cal.pt").exists()
 
 
@@ -241,3 +242,58 @@ def test_cuda_under_torchrun_is_each_ranks_own_gpu(monkeypatch):
     assert _rank_gpu("cuda") == "cuda:3" and _rank_gpu("cuda:1") == "cuda:1" and _rank_gpu("cpu") == "cpu"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert _rank_gpu("cuda") == "cuda"
+
+
+# -- python -m qdebug.launch: torchrun with qdebug's exit codes ------------------------------
+def test_the_launcher_gives_one_process_exit_codes():
+    from qdebug.launch import exit_code
+
+    assert exit_code([0, 0]) == 0
+    assert exit_code([1, 1]) == 1 and exit_code([0, 1]) == 1  # a failed check
+    assert exit_code([2, -15]) == 2 and exit_code([143, 2]) == 2 and exit_code([1, 2]) == 2  # an input error wins
+    assert exit_code([-15, 0]) == 143 and exit_code([-9]) == 137  # killed: what a shell reports
+
+
+def _processes_with(marker: str) -> list[int]:
+    """The pids of the processes whose environment holds ``marker`` (a /proc scan: no psutil)."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if marker.encode() in fh.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_a_hung_rank_under_the_launcher_ends_2_with_one_error_and_no_orphans(stages, tmp_path):
+    """Rank 1 hangs in its data: rank 0's exchange times out (exit 2, one error, no torchrun
+    traceback), torchrun's agent stops rank 1, and no worker outlives the launcher."""
+    import os
+    import subprocess
+    import time
+    import uuid
+    from pathlib import Path
+
+    write_data(tmp_path, "hung")
+    marker = f"QDEBUG_TEST_RUN={uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parent.parent), FAIL="600", QDEBUG_DIST_TIMEOUT="3",
+               OMP_NUM_THREADS="1", QDEBUG_TEST_RUN=marker.split("=", 1)[1])
+    proc = subprocess.run([sys.executable, "-m", "qdebug.launch", "--nproc-per-node", "2", "compare",
+                           str(stages.float), str(stages.qat), "--data", "hung.data:batches"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "did not answer within 3 s" in errors[0], proc.stderr
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []

@@ -233,10 +233,11 @@ def test_bad_histogram_state_is_refused(histogram_checkpoint, cli, tmp_path, buf
     cli("inspect", tmp_path / "x.pt").assert_error(fragment)
 
 
-def test_a_zero_scale_is_data_not_damage(stages, cli, tmp_path):
-    """A scale a diverged run left at 0 (nan-trace's repro bundles hold the state before the
-    failure) loads; inspect reports it."""
-    path = _edited(stages, "qat", _state("qdebug_points.input.scale", torch.tensor(0.0)), tmp_path)
+def test_a_scale_at_its_floor_is_data_not_damage(stages, cli, tmp_path):
+    """A scale at qdebug's floor (eps: an empty or constant-zero range) loads; inspect reports
+    it.  (A zero or subnormal scale is refused: tests/test_clean_failures.py.)"""
+    eps = torch.finfo(torch.float32).eps
+    path = _edited(stages, "qat", _state("qdebug_points.input.scale", torch.tensor(eps)), tmp_path)
     result = cli("inspect", path)
     assert result.code in (0, 1) and "zero scale" in result.out and "error:" not in result.err, result
 

@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok, 1 a check failed, 2 usage or input error (one ``error:`` line
 plus a ``hint:`` line on stderr; ``--debug`` shows the traceback instead), 130
-interrupted.
+interrupted (Ctrl-C), 143 terminated (SIGTERM).
 
 Only typer, rich's console and qdebug's light modules load here: ``--help``,
 ``--version`` and usage errors never wait for torch or pandas, which each command
@@ -11,16 +11,19 @@ imports when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
 from qdebug.cli import INTERRUPTED
+from qdebug.cli.interrupts import TERMINATED, Terminated
+from qdebug.early_exit import EarlyExit
 from qdebug.cli.common import STATE, err_console
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, message_of
 
 app = typer.Typer(
     name="qdebug",
@@ -28,8 +31,9 @@ app = typer.Typer(
         "Precision debugging for quantized PyTorch models: where accuracy is lost, which layer "
         "is to blame and why.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt\n\n"
-        "Data-parallel (compare, step, suggest, baseline, calibrate): torchrun --nproc-per-node 2 -m qdebug "
-        "compare fixtures/demo/float.pt fixtures/demo/qat.pt --data fixtures/demo/eval.pt; see docs/scale.md.\n\n"
+        "Data-parallel (compare, step, suggest, baseline, calibrate): python -m qdebug.launch --nproc-per-node 2 "
+        "compare fixtures/demo/float.pt fixtures/demo/qat.pt --data fixtures/demo/eval.pt (torchrun's options, "
+        "qdebug's exit codes); see docs/scale.md.\n\n"
         "Every command takes --format table|json|csv and --out DIR; see docs/cli.md."
     ),
     no_args_is_help=True,
@@ -84,6 +88,11 @@ def _click_exceptions(name: str) -> tuple[type, ...]:
 
 
 def _say(line: str) -> None:
+    from qdebug.safe_text import escaped
+
+    # A message may quote a file's or user code's text: no control character, bidi override or
+    # newline of it reaches the terminal (one error is one line; qdebug's own lines have none).
+    line = escaped(line)
     if err_console.quiet:  # a rank other than 0 under torchrun: its errors are still said
         sys.stderr.write(line + "\n")
         return
@@ -92,6 +101,8 @@ def _say(line: str) -> None:
 
 
 def _say_error(error: QDebugError) -> None:
+    if err_console.quiet and getattr(error, "shared", False):  # every rank has it: rank 0 says it, once
+        return
     _say(f"error: {error.message}")
     if error.hint:
         _say(f"hint: {error.hint}")
@@ -117,12 +128,42 @@ def _across_ranks(error: QDebugError | None) -> QDebugError | None:
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line; every outcome ends in ``sys.exit`` with the house's exit codes."""
+    from qdebug.early_exit import os_exit_raises
+
     args = sys.argv[1:] if argv is None else argv
     try:
-        _run(args)
+        with os_exit_raises(), _escaped_warnings():  # os._exit(0) in a metric: an error, not a silent pass
+            _run(args)
     finally:
         _release_aborted_forwards()
         _release_device_settings()
+
+
+@contextlib.contextmanager
+def _escaped_warnings() -> Iterator[None]:
+    """Python warnings (the user's code, torch, a model's) reach stderr through the one rule of
+    ``qdebug.safe_text``: a warning quoting a file's layer name is one inert line, as an error is."""
+    import linecache
+    import warnings
+
+    from qdebug.safe_text import escaped
+
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' own signature)
+        head = warnings.formatwarning(message, category, filename, lineno, "").rstrip("\n")  # "" : no code line
+        source = (line if line is not None else linecache.getline(str(filename), lineno)).strip()
+        out = file if file is not None else sys.stderr
+        try:
+            out.write(escaped(head) + "\n" + (f"  {escaped(source)}\n" if source else ""))
+        except OSError:  # stderr gone (a closed pipe): a warning is not worth a crash
+            pass
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original
 
 
 def _release_aborted_forwards() -> None:
@@ -157,14 +198,22 @@ def _run(args: list[str]) -> None:
     except QDebugError as exc:
         if debug:
             traceback.print_exc()
-        exc = _across_ranks(exc)
-        _say(f"error: {exc.message}")
-        if exc.hint:
-            _say(f"hint: {exc.hint}")
+        _say_error(_across_ranks(exc))
+        sys.exit(2)
+    except EarlyExit as exc:  # os._exit outside the user-code guards (qdebug.early_exit)
+        if debug:
+            traceback.print_exc()
+        _say_error(_across_ranks(QDebugError(f"os._exit({exc.code!r}) was called while qdebug ran, before its verdict",
+                                             "find the os._exit call in your metric, data function or model; "
+                                             "run again with --debug to see where")))
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         _say("error: interrupted")
         sys.exit(INTERRUPTED)
+    except Terminated:  # SIGTERM (qdebug.cli.interrupts): the cleanup has run on the way here
+        if not err_console.quiet:  # under torchrun rank 0 says it for the job
+            _say("error: terminated")
+        sys.exit(TERMINATED)
     except OSError as exc:  # the file system refused (a full disk, a read-only mount, permissions)
         if debug:
             traceback.print_exc()
@@ -177,6 +226,8 @@ def _run(args: list[str]) -> None:
             sys.stdout.write(exc.format_message().rstrip("\n") + "\n")
             sys.exit(2)
         if isinstance(exc, _click_exceptions("UsageError")):
+            if err_console.quiet:  # every rank has the same command line: rank 0 says it, once
+                sys.exit(2)
             _say(f"error: {exc.format_message()}")
             where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "qdebug"
             _say(f"hint: see {where} --help")
@@ -186,7 +237,8 @@ def _run(args: list[str]) -> None:
             sys.exit(exc.exit_code)
         if debug:
             traceback.print_exc()
-        first = str(exc).splitlines()[0] if str(exc) else ""
+        text = message_of(exc)  # an exception's own __str__ may raise: the report must not
+        first = text.splitlines()[0] if text else ""
         _say_error(_across_ranks(QDebugError(f"internal error: {type(exc).__name__}: {first}",
                                              "run again with --debug and report the traceback")))
         sys.exit(2)

@@ -12,15 +12,17 @@ import typer
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, ratio_in_force, task_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
+    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
     check_counts, check_data, err_console, load_checkpoint, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
-    table_width,
+    table_width, with_out,
 )
 from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 FLIPPED_SHOWN = 8  # sample indices on the terminal; JSON's meta.flipped_samples has them all
 SHOWN = ["task", "float", "quantized", "score", "ratio", "required", "margin", "verdict"]
@@ -66,6 +68,13 @@ def _precomputed(checkpoints: Optional[list[str]], numbers: tuple, files: tuple)
         raise QDebugError("give both --float-json and --quant-json",
                           "e.g. --float-json float.json --quant-json quant.json")
     return given_numbers or given_files
+
+
+def _plain(text: str):
+    """``text`` for a spinner: text, not markup (a path may hold "[bold]"), its controls escaped."""
+    from rich.text import Text
+
+    return Text(escaped(text))
 
 
 def _rename(values: dict, task: str) -> dict:
@@ -119,6 +128,7 @@ def baseline(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -171,9 +181,9 @@ def baseline(
         quant_model, _ = load_checkpoint(paths[1], model=model, unsafe=unsafe_load, command="baseline")
         batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
         on = f" on {batch_list.count} batch(es)" if batch_list.count is not None else ""  # a generator's: after a pass
-        with err_console.status(f"evaluating {paths[0]}{on}"):
+        with err_console.status(_plain(f"evaluating {paths[0]}{on}")):
             float_values, float_samples = evaluate(metric_fn, float_model, batch_list, reference=float_model)
-        with err_console.status(f"evaluating {paths[1]} on {batch_list.count} batch(es)"):
+        with err_console.status(_plain(f"evaluating {paths[1]} on {batch_list.count} batch(es)")):
             quant_values, quant_samples = evaluate(metric_fn, quant_model, batch_list, reference=float_model)
         # A single-number metric is the task named after the metric, so [tasks.top1] applies to it.
         task_name = spec.rsplit(":", 1)[-1]
@@ -203,7 +213,8 @@ def baseline(
         from qdebug.report.junit import write_junit
 
         if is_rank_zero():
-            write_junit(junit, frame)
+            with with_out(out):  # with --out: both appear, or neither
+                write_junit(junit, frame)
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path and is_rank_zero():
         from qdebug.report.markdown import markdown_table
@@ -225,6 +236,6 @@ def baseline(
         where = (f"{paths[0]} {paths[1]}" + (f" --data {data}" if data else "")) if paths else "FLOAT.pt QUANT.pt --data EVAL"
         named = metric or cfg.get("metric")
         fix = f"qdebug suggest {where}" + (f" --metric {named}" if named and paths else "")
-        err_console.print(f"hint: find where accuracy is lost: qdebug compare {where}; the fix: {fix}",
+        err_console.print(escaped(f"hint: find where accuracy is lost: qdebug compare {where}; the fix: {fix}"),
                           markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)

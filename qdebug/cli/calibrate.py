@@ -10,13 +10,13 @@ import typer
 from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, check_data, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
 )
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
-    prepare_out, print_table, say, table_width,
+    prepare_out, print_table, say, table_width, with_out,
 )
 from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
@@ -107,6 +107,7 @@ def calibrate(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -138,8 +139,9 @@ def calibrate(
     with progress_bar("calibrating", batch_list.count) as advance, model_errors("calibrating", batch_list):
         run_calibration(qm, (b.inputs for b in batch_list), progress=advance)  # lazily: one batch at a time
     if is_rank_zero():  # under torchrun rank 0 alone writes (every rank froze the same scales)
-        save(qm, output, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(first.inputs),
-             meta={"calibration_batches": len(batch_list), "source": str(path)})
+        with with_out(out):  # with --out: both appear, or neither
+            save(qm, output, stage="calibrated", model_spec=info.model, sample_inputs=_first_samples(first.inputs),
+                 meta={"calibration_batches": len(batch_list), "source": str(path)})
     result = inspect_model(qm, stage="calibrated")
     with progress_bar("checking", None), model_errors("checking the calibrated model", batch_list):
         check = check_calibration(qm, (b.inputs for b in batch_list))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from qdebug.config import Config, load_config
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:  # the heavy modules load inside the commands that need them (a fast --help)
     import torch.nn as nn
@@ -32,7 +34,24 @@ BATCH_SIZE_OPTION = typer.Option(None, "--batch-size", metavar="N", help="Batch 
 MODEL_OPTION = typer.Option(None, "--model", metavar="PKG.MODULE:CLASS",
                             help="The model's class (or factory), for state_dict files or your own classes.")
 UNSAFE_LOAD_OPTION = typer.Option(
-    False, "--unsafe-load", help="Allow a pickled whole-module file (executes code from it)."
+    False, "--unsafe-load", help="Allow a pickled whole-module file (executes code from it; or QDEBUG_UNSAFE_LOAD=1)."
+)
+
+
+def _record_model_kwargs(value: Optional[str]) -> Optional[str]:
+    # Parsed and checked at once (a usage error before torch loads), kept in STATE for
+    # load_checkpoint, which every command taking --model calls.
+    if value is not None:
+        from qdebug.modelspec import parse_model_kwargs
+
+        STATE.model_kwargs_option = parse_model_kwargs(value, "--model-kwargs")
+    return value
+
+
+MODEL_KWARGS_OPTION = typer.Option(
+    None, "--model-kwargs", metavar="TABLE", callback=_record_model_kwargs,
+    help="--model's keyword arguments: a JSON object or TOML inline table, e.g. '{\"num_classes\": 10}' "
+    "(default: the config's model_kwargs; a checkpoint's own kwargs go only to the class it names).",
 )
 DATA_HELP = "Data: a .pt file, package.module:function or random:8x3x224x224."
 
@@ -59,12 +78,17 @@ class _State:
     debug: bool = False
     _config: Optional[Config] = None
     device_option: Optional[str] = None  # --device as given (``DEVICE_OPTION``)
+    model_kwargs_option: Optional[dict] = None  # --model-kwargs, parsed (``MODEL_KWARGS_OPTION``)
     _device: Any = None  # the device resolved from it (or the config), once: ``run_device``
     _device_resolved: bool = False
 
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path)
+            if self._config.path is not None:  # once per command: which file's settings apply
+                from qdebug.usercode import shown_path
+
+                sys.stderr.write(f"config: {escaped(shown_path(str(self._config.path)))}\n")
         return self._config
 
 
@@ -77,6 +101,7 @@ def reset_state() -> None:
     STATE.debug = False
     STATE._config = None
     STATE.device_option, STATE._device, STATE._device_resolved = None, None, False
+    STATE.model_kwargs_option = None
     if "qdebug.device" in sys.modules:  # settings a CUDA run held (``run_device``)
         sys.modules["qdebug.device"].release_held()
 
@@ -106,13 +131,16 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
     cfg = STATE.config()
     device = run_device()
     default = cfg.get("model")
+    if STATE.model_kwargs_option is not None and not (model or default):
+        raise QDebugError("--model-kwargs needs --model (or model = ... in qdebug.toml): a checkpoint's own "
+                          "kwargs go only to the class it names", "pass --model package.module:Name with it")
     trusted = tuple(s.split(":")[0] for s in (model, default) if s) + tuple(cfg.get("trust") or ())
     net, info = load(
         path,
         model=model,
-        model_kwargs=cfg.get("model_kwargs"),
+        model_kwargs=user_model_kwargs(),
         default_model=default,
-        unsafe=unsafe or bool(cfg.get("unsafe_load")),
+        unsafe=unsafe or unsafe_from_env(),
         trusted_modules=trusted,
     )
     if expect and info.stage not in expect:
@@ -126,6 +154,26 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
         with out_of_memory(f"moving {path} to {device}"):
             net = net.to(device)
     return net, info
+
+
+def user_model_kwargs() -> Optional[dict]:
+    """The user's kwargs for --model: --model-kwargs, else the config's model_kwargs."""
+    if STATE.model_kwargs_option is not None:
+        return STATE.model_kwargs_option
+    return STATE.config().get("model_kwargs")
+
+
+def unsafe_from_env() -> bool:
+    """``QDEBUG_UNSAFE_LOAD=1``: --unsafe-load for every command of a session -- the user's own
+    environment, the one place besides the flag that may allow it (never a config file)."""
+    from qdebug.config import UNSAFE_ENV
+
+    value = os.environ.get(UNSAFE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise QDebugError(f"{UNSAFE_ENV}={os.environ[UNSAFE_ENV]!r} is not 1 or 0", f"set {UNSAFE_ENV}=1 or unset it")
 
 
 def run_device() -> Any:
@@ -224,8 +272,8 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
         found = batches_from_inputs(info.sample_inputs, limit)
         samples = sum(b.size() for b in found)
         if announce:
-            err_console.print(f"note: no --data given: using the {samples} sample input(s) stored in {info.path} "
-                              "(pass --data for a real evaluation)", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(escaped(f"note: no --data given: using the {samples} sample input(s) stored in {info.path} "
+                                      "(pass --data for a real evaluation)"), markup=False, highlight=False, soft_wrap=True)
         return on_run_device(found)
     if required:
         raise QDebugError("no data given and the checkpoint has no sample inputs",
@@ -257,7 +305,7 @@ def model_errors(what: str, batch: Batch | BatchSource | None = None) -> Iterato
     ``batch``: the data (its first batch's input shape is named), a BatchSource or one batch."""
     from qdebug.batch_source import BatchSource, first_input_shape
     from qdebug.device import out_of_memory
-    from qdebug.usercode import exit_error, first_line, where_raised
+    from qdebug.usercode import exit_error, first_line, raised_by_user_code, where_raised
 
     try:
         with out_of_memory(what):  # the GPU's memory ran out, not the data that is wrong
@@ -266,13 +314,15 @@ def model_errors(what: str, batch: Batch | BatchSource | None = None) -> Iterato
         raise
     except SystemExit as exc:
         raise exit_error(exc, f"the model, while {what},") from exc
-    except Exception as exc:
+    except BaseException as exc:
+        if not raised_by_user_code(exc):
+            raise
         where = where_raised(exc, user_only=True)
         if where is None and not isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError)):
             raise
         found = batch.input_shape if isinstance(batch, BatchSource) else first_input_shape(batch) if batch else None
         shape = f" (input shape {found})" if found is not None else ""
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = first_line(exc)
         if where is not None:
             detail = f"{type(exc).__name__}: {first_line(exc)}, at {where}"
         raise QDebugError(f"the model failed while {what}{shape}: {detail}",
@@ -294,7 +344,30 @@ def writable_dir(path: Path) -> Path:
     if problem:
         verb = "write to" if path.is_dir() else "create"
         raise QDebugError(f"cannot {verb} output directory {path}: {problem}", "choose a directory you can write to")
+    _refuse_pipes_in(path)
     return path
+
+
+OUT_SUFFIXES = (".csv", ".json", ".png", ".toml", ".pt")  # the kinds of file commands write into --out DIR
+
+
+def _refuse_pipes_in(folder: Path) -> None:
+    """A named pipe in the --out folder where a command may write one of its files is refused now,
+    before the work: writing into it would block until a reader comes (``qdebug.atomic``)."""
+    if not folder.is_dir():
+        return
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if not entry.name.endswith(OUT_SUFFIXES):
+                continue
+            try:
+                is_pipe = stat.S_ISFIFO(entry.stat().st_mode)  # through a link too
+            except OSError:
+                continue
+            if is_pipe:
+                raise QDebugError(f"cannot write into output directory {folder}: "
+                                  f"{entry.name} there is a named pipe (FIFO)",
+                                  "remove it, or choose another --out directory")
 
 
 def writable_file(path: Path) -> Path:
@@ -331,7 +404,7 @@ def load_qconfig_file(path: Optional[Path]) -> dict[str, Any]:
 
     if path is None:
         return {}
-    if not path.is_file():
+    if not path.exists():  # one that is there but no file (a named pipe): read_text says what it is
         raise QDebugError(f"qconfig file not found: {path}", "check the --qconfig path")
     text = read_text(path, "qconfig file")
     try:

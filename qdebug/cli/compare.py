@@ -11,7 +11,7 @@ import typer
 from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, check_data, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
@@ -19,6 +19,7 @@ from qdebug.cli.output import (
     table_width,
 )
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -186,6 +187,7 @@ def compare(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -225,7 +227,7 @@ def compare(
             )
     ref_index, warning = choose_reference([info.stage for info in infos], asked, names=paths)
     if warning:
-        err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(escaped(f"warning: {warning}"), markup=False, highlight=False, soft_wrap=True)
     batch_list = resolve_batches(data, batches, infos[ref_index], batch_size=batch_size)
     pairs = [(label, net) for label, (net, _) in zip(labels, loaded)]
     with progress_bar("comparing", batch_list.count) as advance, model_errors("comparing", batch_list):

@@ -9,12 +9,12 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, load_checkpoint, stage_path, writable_file,
+    DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, load_checkpoint, stage_path, writable_file,
 )
 from qdebug.cli.inspect import render_layers
 from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
-    prepare_out, print_table, table_width,
+    prepare_out, print_table, table_width, with_out,
 )
 
 
@@ -35,6 +35,7 @@ def convert(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -50,8 +51,9 @@ def convert(
     from qdebug.tools.inspect import inspect_model
 
     quantized = run_convert(net)
-    save(quantized, output, stage="quantized", model_spec=info.model, sample_inputs=info.sample_inputs,
-         meta={"source": str(path), "source_stage": info.stage})
+    with with_out(out):  # with --out: both appear, or neither
+        save(quantized, output, stage="quantized", model_spec=info.model, sample_inputs=info.sample_inputs,
+             meta={"source": str(path), "source_stage": info.stage})
     result = inspect_model(quantized, stage="quantized")
     meta = {**result.meta, "output": str(output), "source": path}
 

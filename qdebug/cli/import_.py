@@ -14,11 +14,13 @@ from typing import Optional
 import typer
 
 from qdebug.cli.app import app
-from qdebug.cli.common import STATE, DATA_HELP, check_data, model_errors, resolve_batches, writable_file
+from qdebug.cli.common import (
+    STATE, DATA_HELP, MODEL_KWARGS_OPTION, check_data, model_errors, resolve_batches, user_model_kwargs, writable_file,
+)
 from qdebug.cli.inspect import render_import
 from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
-    prepare_out, print_table, say, table_width,
+    prepare_out, print_table, say, table_width, with_out,
 )
 from qdebug.errors import QDebugError
 
@@ -66,7 +68,8 @@ def import_(
     source: str = typer.Option(..., "--from", metavar="torch-ao", help="What made SRC: torch-ao."),
     model: Optional[str] = typer.Option(None, "--model", metavar="PKG.MODULE:CLASS",
                                         help="Your float model's class or factory (default: the config's model; "
-                                        "its kwargs: the config's model_kwargs)."),
+                                        "its kwargs: --model-kwargs, else the config's model_kwargs)."),
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by user_model_kwargs
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC",
                                        help="Example inputs to trace the model (its first batch). " + DATA_HELP),
     backend: str = typer.Option("x86", "--backend", metavar="x86|fbgemm|qnnpack|onednn",
@@ -99,7 +102,8 @@ def import_(
     from qdebug.interop.state_dict import read_state_dict
 
     state = read_state_dict(src)
-    frame, meta = _import(state, src, target, data, backend, qat_mode, output)
+    with with_out(out):  # with --out: both appear, or neither
+        frame, meta = _import(state, src, target, data, backend, qat_mode, output)
     unmapped = meta["statuses"].get("unmapped", 0)
 
     def render() -> None:
@@ -129,7 +133,7 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
     from qdebug.interop.state_dict import rebuild
     from qdebug.modelspec import ModelSpec, build
 
-    spec = ModelSpec(target, dict(STATE.config().get("model_kwargs") or {}))
+    spec = ModelSpec(target, dict(user_model_kwargs() or {}))
     float_model = build(spec, from_user=True)
     first = resolve_batches(data, 1, None, announce=False)[0]
     with model_errors("rebuilding the torch.ao model", first):

@@ -29,7 +29,7 @@ PATH_OPTIONS = ("float", "calibrated", "qat", "quantized")
 
 def _target() -> tuple[Path, bool]:
     """(the config file to write, whether it exists)."""
-    from qdebug.config import find_config
+    from qdebug.config import find_config, unsafe_problem
 
     if STATE.config_path is not None:
         path = Path(STATE.config_path)
@@ -37,7 +37,11 @@ def _target() -> tuple[Path, bool]:
     found = find_config()
     if found is not None:
         return found, True
-    return Path("qdebug.toml"), False
+    here = Path("qdebug.toml")
+    if here.is_file():  # there, but ignored as unsafe: never overwritten with a starter, never adopted
+        raise QDebugError(f"qdebug.toml here is not read as a config: {unsafe_problem(here.resolve())}",
+                          "fix its owner or mode (chmod o-w), or name it with qdebug --config qdebug.toml init")
+    return here, False
 
 
 def _relative_to(value: str, folder: Path) -> str:

@@ -10,7 +10,7 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, console,
+    DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, console,
     load_checkpoint, model_errors, resolve_batches, stage_path,
 )
 from qdebug.cli.output import (
@@ -105,6 +105,7 @@ def inspect(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -127,14 +128,19 @@ def inspect(
     imports = result.imports
 
     def render() -> None:
-        from rich.markup import escape
+        from rich.markup import escape as markup_escape
         from rich.panel import Panel
+
+        from qdebug.safe_text import escaped
+
+        def escape(text: str) -> str:  # the file's text is neither markup nor terminal control
+            return markup_escape(escaped(text))
 
         qcfg = info.qconfig
         lines = [
-            f"[bold]{escape(path)}[/]  stage: [bold]{info.stage}[/]",
+            f"[bold]{escape(path)}[/]  stage: [bold]{escape(info.stage)}[/]",
             escape(f"model: {info.model.target} {info.model.kwargs or ''}"),
-            f"qat mode: {meta['qat_mode'] or '-'}   quant points: {meta['quant_points']}",
+            f"qat mode: {escape(str(meta['qat_mode'] or '-'))}   quant points: {meta['quant_points']}",
         ]
         if qcfg is not None:
             lines += [f"weights: {qcfg.weight.describe()}", f"activations: {qcfg.activation.describe()}"]

@@ -10,7 +10,7 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     check_data, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path,
 )
 from qdebug.cli.output import (
@@ -109,8 +109,7 @@ def _trainer(spec: Optional[str]):
     if not spec:
         return None
     from qdebug.modelspec import resolve
-    from qdebug.tools.nan_watch import NonFiniteError
-    from qdebug.usercode import first_line, where_raised
+    from qdebug.usercode import first_line, raised_by_user_code, where_raised
 
     fn = resolve(spec, from_user=True, what="train function")
     if not callable(fn):
@@ -119,9 +118,9 @@ def _trainer(spec: Optional[str]):
     def train(model, batch):
         try:
             return fn(model, batch)
-        except (QDebugError, NonFiniteError, KeyboardInterrupt):
-            raise
         except BaseException as exc:  # SystemExit too: a training step has no business ending qdebug
+            if not raised_by_user_code(exc):  # Ctrl-C, a NonFiniteError, a QDebugError
+                raise
             where = where_raised(exc)
             raise QDebugError(f"the --train function {spec} raised {type(exc).__name__}: {first_line(exc)}"
                               + (f", at {where}" if where else ""),
@@ -147,8 +146,6 @@ def _float_model(net, info, float_path: Optional[str], model: Optional[str], uns
 def _bundle(info, path: str) -> dict:
     """The repro settings a before.pt carries (empty for other checkpoints), checked: a file
     is not trusted to hold the types the replay feeds to float(), int() and the optimizer."""
-    import math
-
     import torch
 
     from qdebug.data import SEED_RANGE
@@ -159,7 +156,8 @@ def _bundle(info, path: str) -> dict:
     checks = {
         "optimizer": lambda v: isinstance(v, str),
         "loss": lambda v: isinstance(v, str),
-        "lr": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+        # Compared, not float()ed: a huge int would overflow; NaN fails the comparison.
+        "lr": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= FLOAT32_MAX,
         "seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and SEED_RANGE[0] <= v <= SEED_RANGE[1],
         "optimizer_state": lambda v: isinstance(v, dict) and set(v) <= {"state", "param_groups"},
         "rng_state": lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1,
@@ -215,6 +213,7 @@ def nan_trace(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:

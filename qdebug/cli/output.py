@@ -4,6 +4,8 @@
 - ``--out DIR``: also write the results as a folder of files: ``<command>.csv`` (one
   per table), ``<command>.json`` and the command's plots, all appearing at once at the end
   (``qdebug.atomic.StagedDir``): a failed run leaves the folder as it was;
+- a command's other output (``-o FILE``, ``--junit FILE``) written inside ``with_out(out)``
+  appears with the ``--out`` folder or not at all (``qdebug.together``);
 - ``--wide``: the table with every column at its natural width;
 - notes ("wrote ...", warnings) go to stderr, so stdout stays one table or one document.
 
@@ -22,6 +24,7 @@ import typer
 from qdebug.cli.common import console, err_console, writable_dir
 from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -79,10 +82,28 @@ def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional["Staged
     return staged
 
 
+def with_out(out: Optional["StagedDir"]):
+    """The context to write the command's other output in (``-o FILE``, ``--junit FILE``): with
+    ``--out``, the file is renamed into place by ``emit`` together with the folder -- both or
+    neither (``qdebug.together``); without, as it is written."""
+    import contextlib
+
+    if out is None:
+        return contextlib.nullcontext()
+    from qdebug import together
+
+    _when_the_command_ends(together.discard)
+    return together.holding()
+
+
 def _discard_when_the_command_ends(staged: "StagedDir") -> None:
     """Whatever way the command ends (an error, Ctrl-C, a failed check after ``emit``), what it
     staged but did not commit is removed: registered on the running command's context (the click
     typer vendors, or click itself). Outside a command, the folder's own finalizer does it."""
+    _when_the_command_ends(staged.discard)
+
+
+def _when_the_command_ends(callback: Callable[[], None]) -> None:
     import importlib
 
     for module in ("typer._click.globals", "click.globals"):
@@ -91,7 +112,7 @@ def _discard_when_the_command_ends(staged: "StagedDir") -> None:
         except (ImportError, AttributeError):
             continue
         if ctx is not None:
-            ctx.call_on_close(staged.discard)
+            ctx.call_on_close(callback)
             return
 
 
@@ -120,7 +141,7 @@ def print_table(table: "Table") -> None:
 def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[[], None]) -> None:
     """Write ``--out`` files and move them into place with the command's own (``report.files``),
     then stdout in ``fmt``; ``render`` prints the table view."""
-    from qdebug.report.output import records, to_json, write_csv, write_json
+    from qdebug.report.output import records, to_csv, to_json, write_csv, write_json
 
     if not is_rank_zero():  # under torchrun rank 0 alone prints and writes (qdebug.distributed)
         return
@@ -133,12 +154,14 @@ def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[
         written.append(write_json(out.file(f"{report.command}.json"), report.frame, report.meta,
                                   rows_key=report.rows_key, **extra))
         written = [out.shown(p) for p in written]
-        out.commit()  # every file of the run appears at once, before anything says it was written
+        from qdebug import together
+
+        together.commit_with(out.commit)  # every file of the run appears at once (-o/--junit's too)
     if fmt == "json":
         extra = {**{name: records(frame) for name, frame in report.tables.items()}, **report.json_extra}
         _stdout(to_json(report.frame, report.meta, rows_key=report.rows_key, **extra))
     elif fmt == "csv":
-        _stdout(report.frame.to_csv(index=False).rstrip("\n"))
+        _stdout(to_csv(report.frame).rstrip("\n"))
     else:
         render()
     if written:
@@ -146,13 +169,15 @@ def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[
 
 
 def say(text: str) -> None:
-    """A line of the table view's text (summary, next command), on stdout."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    """A line of the table view's text (summary, next command), on stdout; what it quotes from
+    files or user code is shown escaped (``qdebug.safe_text``)."""
+    console.print(escaped(text), markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def note(text: str) -> None:
-    """A line for the person at the terminal, on stderr (stdout stays machine-readable)."""
-    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+    """A line for the person at the terminal, on stderr (stdout stays machine-readable), shown
+    escaped as ``say`` shows it."""
+    err_console.print(escaped(text), markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def _stdout(payload: str) -> None:

@@ -12,7 +12,8 @@ from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
+    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
     check_data, err_console, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
@@ -20,6 +21,7 @@ from qdebug.cli.output import (
     table_width,
 )
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -133,6 +135,7 @@ def step(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -175,8 +178,8 @@ def step(
                           progress=lambda done, total: advance(done, total))
     frame = result.frame
     if sort is not None and sort not in frame:  # a column of the model's outputs or tasks, named only as it ran
-        err_console.print(f"warning: cannot sort by {sort!r}: the rows stay in step order (columns: "
-                          f"{', '.join(frame.columns)})", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(escaped(f"warning: cannot sort by {sort!r}: the rows stay in step order (columns: "
+                                  f"{', '.join(map(str, frame.columns))})"), markup=False, highlight=False, soft_wrap=True)
         sort = None
     options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
         ("--metric", metric), ("--data", data), ("--batches", batches), ("--batch-size", batch_size),

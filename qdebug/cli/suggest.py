@@ -13,12 +13,13 @@ from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
-    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
+    BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
+    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
     check_data, model_errors, progress_bar, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
-    table_width,
+    table_width, with_out,
 )
 from qdebug.errors import QDebugError
 
@@ -53,14 +54,17 @@ def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = 
 def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
     """The plan as a qconfig file ``qdebug calibrate --qconfig`` applies as it is: the
     checkpoint's own weight/activation settings and overrides, then the plan's."""
-    from qdebug.config import toml_value
+    from qdebug.config import toml_key, toml_value
+    from qdebug.safe_text import escaped
 
+    # Every string is TOML-escaped, every key quoted unless bare, and a comment (which TOML
+    # cannot escape) is shown escaped: a name's newline or quote never breaks out of its place.
     lines = [f"# qdebug suggest: {len(meta['plan']['points'])} point(s) at {meta['bits']} bits, "
              f"verified in {meta['plan']['evaluations']} evaluation(s)",
-             f"# apply: {command}", ""]
+             f"# apply: {escaped(command)}", ""]
     for kind in ("weight", "activation"):
         lines.append(f"[{kind}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in (qconfig.get(kind) or {}).items()]
+        lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in (qconfig.get(kind) or {}).items()]
         lines.append("")
     overrides = dict(qconfig.get("overrides") or {})
     skipped = [g for g, e in overrides.items() if any(v is None for v in e.values())]
@@ -68,11 +72,11 @@ def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
         if glob in skipped and entry is overrides.get(glob):
             continue
         lines.append(f"[overrides.{toml_value(glob)}]")
-        lines += [f"{kind} = {{{', '.join(f'{k} = {toml_value(v)}' for k, v in spec.items())}}}"
+        lines += [f"{toml_key(kind)} = {{{', '.join(f'{toml_key(k)} = {toml_value(v)}' for k, v in spec.items())}}}"
                   for kind, spec in entry.items() if spec is not None]
         lines.append("")
     if skipped:
-        lines.insert(2, f"# kept from the project config's qconfig (TOML has no null): float overrides {skipped}")
+        lines.insert(2, f"# kept from the project config's qconfig (TOML has no null): float overrides {escaped(skipped)}")
     return "\n".join(lines)
 
 
@@ -137,6 +141,7 @@ def suggest(
     out: Optional[Path] = OUT_OPTION,
     wide: bool = WIDE_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
 ) -> None:
@@ -214,7 +219,8 @@ def suggest(
             out.drop_stale("suggest.png")
     applied = False
     if output is not None and plan_ok:
-        _apply(found, result.plan.candidates, meta["plan"]["overrides"], bits, output)
+        with with_out(out):  # with --out: both appear, or neither
+            _apply(found, result.plan.candidates, meta["plan"]["overrides"], bits, output)
         files.append(output)
         applied = True
     plan = meta.pop("plan")

@@ -23,6 +23,7 @@ from qdebug.engine.context import Call, ForwardContext, Handler
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.point import QuantPoint, grid_of, on_grid, pending_of, tag, tag_pending
+from qdebug.safe_text import escaped
 
 
 # A rounded mean within this many float64 ulp below a half-integer is the tie (``_rescale_average``):
@@ -212,7 +213,7 @@ def warn_fallbacks(names: list[str]) -> None:
     if names:
         warnings.warn(
             f"qdebug: {len(names)} op(s) have no integer/quantized kernel and run in float, re-quantized at "
-            f"their output: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+            f"their output: {', '.join(escaped(name) for name in names[:8])}{' ...' if len(names) > 8 else ''}",
             stacklevel=3,
         )
 

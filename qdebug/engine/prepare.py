@@ -34,6 +34,7 @@ from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.engine.point import MODES, QuantPoint
 from qdebug.engine.spec import QConfig
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 QAT_MODES = dict(zip(vocab.QAT_MODES, ("fused", "with_bn", "reverse_fold")))  # mode -> Conv-BN wrapper's bn_mode
 STATE_ATTR = "_qdebug_state"
@@ -250,7 +251,7 @@ def prepare(
         warnings.warn(
             "qdebug: no quantized kernel for these ops; they run in float (weights too) and are re-quantized at "
             "their output: "
-            + ", ".join(fallbacks[:10])
+            + ", ".join(escaped(name) for name in fallbacks[:10])  # layer names: shown, never sent raw
             + (" ..." if len(fallbacks) > 10 else ""),
             stacklevel=2,
         )

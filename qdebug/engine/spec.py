@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, shown
 from qdebug.vocab import OBSERVERS  # one list, shared with the command line
 
 ESTIMATORS = ("ste", "clipped_ste", "qte", "alpha_blend", "lsq")
@@ -30,6 +30,17 @@ SCALE_EPS = float(torch.finfo(torch.float32).eps)
 # Histogram observers keep channels x bins int64 counts: 2^16 bins is 32x the default and
 # a per-channel histogram of 1024 channels at 512 MB; more is a file asking for memory.
 MAX_BINS = 1 << 16
+
+
+def _names(keys: Any) -> str:
+    """Keys from a file, sorted and joined for a message (one that is no string, shown as such)."""
+    return ", ".join(k if isinstance(k, str) else shown(k) for k in sorted(keys, key=str))
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, as TOML and JSON write numbers: a bool, a string ("0.5") or a table
+    is not one (``float()`` would take the string silently and fail on the rest)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -62,27 +73,30 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not MIN_BITS <= self.bits <= MAX_BITS:
-            raise QDebugError(f"bits={self.bits!r} is not supported", f"use an integer from {MIN_BITS} to {MAX_BITS}")
+            raise QDebugError(f"bits={shown(self.bits)} is not supported", f"use an integer from {MIN_BITS} to {MAX_BITS}")
         for name in ("signed", "symmetric", "per_channel", "narrow_range"):
             if not isinstance(getattr(self, name), bool):
-                raise QDebugError(f"{name}={getattr(self, name)!r} must be true or false", "write true or false")
+                raise QDebugError(f"{name}={shown(getattr(self, name))} must be true or false", "write true or false")
         if self.narrow_range and not self.signed:
             raise QDebugError("narrow_range needs a signed range", "set signed = true, or narrow_range = false")
         if self.observer not in OBSERVERS:
-            raise QDebugError(f"unknown observer {self.observer!r}", f"choose one of {', '.join(OBSERVERS)}")
+            raise QDebugError(f"unknown observer {shown(self.observer)}", f"choose one of {', '.join(OBSERVERS)}")
         if self.estimator not in ESTIMATORS:
-            raise QDebugError(f"unknown estimator {self.estimator!r}", f"choose one of {', '.join(ESTIMATORS)}")
-        if isinstance(self.ch_axis, bool) or not isinstance(self.ch_axis, int):
-            raise QDebugError(f"ch_axis={self.ch_axis!r} must be an integer axis",
+            raise QDebugError(f"unknown estimator {shown(self.estimator)}", f"choose one of {', '.join(ESTIMATORS)}")
+        if isinstance(self.ch_axis, bool) or not isinstance(self.ch_axis, int) or not -64 <= self.ch_axis < 64:
+            # Bounded (no weight has 64 dimensions): a file's axis of 10^30 is refused here, not
+            # carried to the per-channel lookups and messages that use it as it is.
+            raise QDebugError(f"ch_axis={shown(self.ch_axis)} must be an integer axis",
                               "e.g. ch_axis = 0 (the output channels of a weight)")
-        if not 0.0 < float(self.averaging_constant) <= 1.0:
-            raise QDebugError(f"averaging_constant={self.averaging_constant} must be in (0, 1]",
+        if not _is_number(self.averaging_constant) or not 0.0 < self.averaging_constant <= 1.0:
+            raise QDebugError(f"averaging_constant={shown(self.averaging_constant)} must be a number in (0, 1]",
                               "e.g. averaging_constant = 0.01")
-        if not 50.0 < float(self.percentile) <= 100.0:
-            raise QDebugError(f"percentile={self.percentile} must be in (50, 100]", "e.g. percentile = 99.99")
+        if not _is_number(self.percentile) or not 50.0 < self.percentile <= 100.0:
+            raise QDebugError(f"percentile={shown(self.percentile)} must be a number in (50, 100]",
+                              "e.g. percentile = 99.99")
         if isinstance(self.bins, bool) or not isinstance(self.bins, int) or not 16 <= self.bins <= MAX_BINS:
             # The cap: a histogram holds channels x bins int64 counts, and a file names bins.
-            raise QDebugError(f"bins={self.bins!r} must be an integer in [16, {MAX_BINS}]", "e.g. bins = 2048")
+            raise QDebugError(f"bins={shown(self.bins)} must be an integer in [16, {MAX_BINS}]", "e.g. bins = 2048")
 
     @property
     def qmin(self) -> int:
@@ -115,9 +129,9 @@ class QuantSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QuantSpec":
         if data is not None and not isinstance(data, Mapping):
-            raise QDebugError(f"a quant spec must be a table of settings, got {data!r}",
+            raise QDebugError(f"a quant spec must be a table of settings, got {shown(data)}",
                               'e.g. {bits = 8, observer = "ema"}')
-        return cls().replace(**dict(data or {}))
+        return _refined(cls(), data or {})
 
     def replace(self, **changes: Any) -> "QuantSpec":
         valid = {f.name for f in fields(self)}
@@ -127,6 +141,16 @@ class QuantSpec:
                 f"unknown quant spec key(s): {', '.join(unknown)}", f"valid keys: {', '.join(sorted(valid))}"
             )
         return dataclasses.replace(self, **changes)
+
+
+def _refined(spec: QuantSpec, table: Mapping[Any, Any]) -> QuantSpec:
+    """``spec`` with the settings of ``table`` (from a file: its keys are checked before they
+    become keyword arguments, which must be strings)."""
+    odd = [k for k in table if not isinstance(k, str)]
+    if odd:
+        raise QDebugError(f"unknown quant spec key(s): {_names(odd)}",
+                          f"valid keys: {', '.join(sorted(f.name for f in fields(QuantSpec)))}")
+    return spec.replace(**table)
 
 
 def default_weight_spec() -> QuantSpec:
@@ -166,23 +190,26 @@ class QConfig:
             raise QDebugError("QConfig overrides must be a table mapping module globs to settings",
                               'e.g. overrides = {"layer1.*" = {activation = {bits = 16}}}')
         for glob, entry in self.overrides.items():
+            if not isinstance(glob, str):
+                raise QDebugError(f"override key {shown(glob)} must be a module glob (a string)",
+                                  'e.g. overrides = {"layer1.*" = {activation = {bits = 16}}}')
             if not isinstance(entry, Mapping):
                 raise QDebugError(f"override {glob!r} must be a table of weight/activation settings",
                                   'e.g. overrides = {"layer1.*" = {activation = {bits = 16}}}')
-            unknown = sorted(set(entry) - set(_OVERRIDE_KINDS))
+            unknown = set(entry) - set(_OVERRIDE_KINDS)
             if unknown:
                 raise QDebugError(
-                    f"override {glob!r} has unknown key(s) {', '.join(unknown)}", "use 'weight' and/or 'activation'"
+                    f"override {glob!r} has unknown key(s) {_names(unknown)}", "use 'weight' and/or 'activation'"
                 )
             for kind in _OVERRIDE_KINDS:
                 if entry.get(kind) is not None and not isinstance(entry[kind], Mapping):
                     raise QDebugError(
-                        f"override {glob!r} {kind} must be a table of quant spec settings, got {entry[kind]!r}",
+                        f"override {glob!r} {kind} must be a table of quant spec settings, got {shown(entry[kind])}",
                         "use a table of QuantSpec keys such as {bits = 4}",
                     )
                 if entry.get(kind) is not None:
                     # Validate eagerly: a typo must fail at load, not mid-run.
-                    getattr(self, kind).replace(**dict(entry[kind]))
+                    _refined(getattr(self, kind), entry[kind])
 
     def spec_for(self, kind: str, names: tuple[str, ...]) -> QuantSpec | None:
         """The spec of a ``kind`` quant point known by ``names``; None means float."""
@@ -195,7 +222,7 @@ class QConfig:
                 spec = None
             else:
                 # Cascade: a later glob refines what earlier ones set (from the default after a None).
-                spec = (spec or getattr(self, kind)).replace(**dict(entry[kind]))
+                spec = _refined(spec or getattr(self, kind), entry[kind])
         return spec
 
     def matching_globs(self, names: tuple[str, ...]) -> list[str]:
@@ -213,21 +240,21 @@ class QConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QConfig":
         if data is not None and not isinstance(data, Mapping):
-            raise QDebugError(f"a qconfig must be a table of settings, got {data!r}",
+            raise QDebugError(f"a qconfig must be a table of settings, got {shown(data)}",
                               'e.g. {weight = {bits = 8}, activation = {observer = "ema"}}')
         data = dict(data or {})
         for key in ("weight", "activation", "overrides"):
             if data.get(key) is not None and not isinstance(data[key], Mapping):
-                raise QDebugError(f"qconfig {key} must be a table of settings, got {data[key]!r}",
+                raise QDebugError(f"qconfig {key} must be a table of settings, got {shown(data[key])}",
                                   "e.g. weight = {bits = 8, per_channel = true}")
-        unknown = sorted(set(data) - {"weight", "activation", "overrides"})
+        unknown = set(data) - {"weight", "activation", "overrides"}
         if unknown:
             raise QDebugError(
-                f"unknown qconfig key(s): {', '.join(unknown)}", "valid keys: weight, activation, overrides"
+                f"unknown qconfig key(s): {_names(unknown)}", "valid keys: weight, activation, overrides"
             )
         return cls(
-            weight=default_weight_spec().replace(**dict(data.get("weight") or {})),
-            activation=default_activation_spec().replace(**dict(data.get("activation") or {})),
+            weight=_refined(default_weight_spec(), data.get("weight") or {}),
+            activation=_refined(default_activation_spec(), data.get("activation") or {}),
             overrides={
                 g: (dict(e) if isinstance(e, Mapping) else e) for g, e in dict(data.get("overrides") or {}).items()
             },

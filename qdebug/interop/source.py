@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.spec import MAX_BITS, MIN_BITS, QuantSpec
+from qdebug.errors import QDebugError
 
 # Status of one report row (docs/interop.md).
 EXACT = "exact"  # the engine point computes what the source quantizer computes
@@ -127,13 +128,19 @@ def spec_of(q: SourceQuantizer, base: QuantSpec) -> tuple[QuantSpec | None, str]
     return spec, "; ".join(notes)
 
 
-def torch_qparams(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A FakeQuantize's current (scale, zero point), or an observer's computed ones."""
+def torch_qparams(module: nn.Module, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """A FakeQuantize's current (scale, zero point), or an observer's computed ones (``name``:
+    the module's, for the error when its range gives none)."""
     scale = getattr(module, "scale", None)
     zero_point = getattr(module, "zero_point", None)
     if isinstance(scale, torch.Tensor) and isinstance(zero_point, torch.Tensor):
         return scale.detach().clone().float(), zero_point.detach().clone().to(torch.int32)
-    scale, zero_point = module.calculate_qparams()
+    try:
+        scale, zero_point = module.calculate_qparams()
+    except (AssertionError, RuntimeError, ValueError) as exc:  # a loaded range torch never observes: min > max
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise QDebugError(f"the observer {name or type(module).__name__} gives no scale from its range: {detail}",
+                          "its min_val / max_val are damaged: save prepared.state_dict() again") from None
     return scale.detach().clone().float(), zero_point.detach().clone().to(torch.int32)
 
 
@@ -163,7 +170,7 @@ def quantizer_settings(module: nn.Module) -> dict[str, Any]:
 
 def read_quantizer(module: nn.Module, source: str, kind: str, anchor: str | None, note: str = "") -> SourceQuantizer:
     """A ``SourceQuantizer`` from a torch FakeQuantize/observer module."""
-    scale, zero_point = torch_qparams(module)
+    scale, zero_point = torch_qparams(module, source)
     settings = quantizer_settings(module)
     if not _observed(module):
         note = "; ".join(n for n in (note, "the source never observed data: its scale is torch's initial value") if n)

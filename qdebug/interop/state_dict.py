@@ -275,7 +275,14 @@ def _check_ranges(prepared: nn.Module, source: str, backend: str) -> None:
         if not isinstance(low, torch.Tensor) or low.numel() == 0 or not bool(torch.isfinite(low).all()) or \
                 not bool(torch.isfinite(high).all()):
             continue  # never observed: nothing to compare
-        scale, zero_point = observer.calculate_qparams()
+        if low.shape != high.shape or bool((low > high).any()):  # torch's calculate_qparams asserts on it
+            raise QDebugError(f"{source}: {name} holds an observed range whose min is above its max (or whose "
+                              "min and max differ in shape): torch never saves one", RESAVE_HINT)
+        try:
+            scale, zero_point = observer.calculate_qparams()
+        except (AssertionError, RuntimeError, ValueError) as exc:  # values torch's observer cannot take
+            raise QDebugError(f"{source}: {name}'s saved range gives no scale: {type(exc).__name__}: "
+                              f"{_first_line(exc)}", RESAVE_HINT) from None
         saved_scale, saved_zero = module.scale.detach(), module.zero_point.detach()
         if not _agree(scale, zero_point, saved_scale, saved_zero, observer):
             raise QDebugError(

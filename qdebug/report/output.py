@@ -1,4 +1,10 @@
-"""Machine output: ``{"meta": ..., "rows": [...]}`` JSON and CSV, written atomically."""
+"""Machine output: ``{"meta": ..., "rows": [...]}`` JSON and CSV, written atomically.
+
+JSON carries every string exactly, escaped by JSON itself (``ensure_ascii``: a control
+character or a bidi override is written ``\\u001b``, ``\\u202e``, keys included).  CSV has no
+escape of its own and is read with ``cat``: its cells and column names go through
+``qdebug.safe_text.escaped``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from qdebug.atomic import atomic_open
+from qdebug.safe_text import escaped
 
 
 def _clean(value: Any) -> Any:
@@ -42,7 +49,7 @@ def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
 def to_json(frame: pd.DataFrame, meta: dict[str, Any], *, rows_key: str = "rows", **extra: Any) -> str:
     payload = {"meta": _clean(meta), rows_key: records(frame)}
     payload.update({k: _clean(v) for k, v in extra.items()})
-    return json.dumps(payload, indent=2)
+    return json.dumps(payload, indent=2, ensure_ascii=True)  # ASCII only: nothing in it drives a terminal
 
 
 def write_json(path: str | Path, frame: pd.DataFrame, meta: dict[str, Any], *, rows_key: str = "rows",
@@ -52,7 +59,24 @@ def write_json(path: str | Path, frame: pd.DataFrame, meta: dict[str, Any], *, r
     return Path(path)
 
 
+def escaped_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with every string cell and column name as ``escaped`` writes it (numbers as they are)."""
+    def cell(value: Any) -> Any:
+        return escaped(value) if isinstance(value, str) else value
+
+    out = frame.rename(columns=lambda c: escaped(c) if isinstance(c, str) else c)
+    for i, dtype in enumerate(out.dtypes):
+        if dtype == object or pd.api.types.is_string_dtype(dtype):
+            out.isetitem(i, out.iloc[:, i].map(cell))
+    return out
+
+
+def to_csv(frame: pd.DataFrame) -> str:
+    """``frame`` as CSV text, its strings shown (a name's ESC or newline never reaches ``cat``)."""
+    return escaped_frame(frame).to_csv(index=False)
+
+
 def write_csv(path: str | Path, frame: pd.DataFrame) -> Path:
     with atomic_open(path, "w", newline="") as fh:
-        frame.to_csv(fh, index=False)
+        fh.write(to_csv(frame))
     return Path(path)

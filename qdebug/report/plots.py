@@ -1,4 +1,8 @@
-"""PNG plots of comparison results (matplotlib, headless)."""
+"""PNG plots of comparison results (matplotlib, headless).
+
+Names in titles, labels and ticks come from the model and the user's code: they pass through
+``_text`` (``qdebug.safe_text.escaped``, and a ``$`` is a dollar, not mathtext), so a PNG
+shows what a table shows and a crafted name cannot make matplotlib's parser fail."""
 
 from __future__ import annotations
 
@@ -13,6 +17,12 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from qdebug.atomic import atomic_path  # noqa: E402
+from qdebug.safe_text import escaped  # noqa: E402
+
+
+def _text(value) -> str:
+    """A name for a title, label or tick: controls escaped, ``$`` literal (not mathtext)."""
+    return escaped(value).replace("$", r"\$")
 
 
 def _finite(values) -> list[float]:
@@ -45,31 +55,31 @@ def plot_along_network(frame: pd.DataFrame, path: str | Path, *, reference: str,
                     values[position[name]] = float(v) if not math.isinf(float(v)) else math.nan
             return values
 
-        ax_sqnr.plot(xs, along("sqnr_db"), marker=".", color=colour, label=f"{target} (propagated)")
+        ax_sqnr.plot(xs, along("sqnr_db"), marker=".", color=colour, label=f"{_text(target)} (propagated)")
         if rows["isolated_sqnr_db"].notna().any():
             ax_sqnr.plot(xs, along("isolated_sqnr_db"), linestyle="--", marker="_", color=colour, alpha=0.75,
-                         label=f"{target} (isolated: own error)")
-        ax_cos.plot(xs, along("cosine"), marker=".", color=colour, label=target)
+                         label=f"{_text(target)} (isolated: own error)")
+        ax_cos.plot(xs, along("cosine"), marker=".", color=colour, label=_text(target))
         if "diagnosis" in rows:
             flagged = [(position[n], v) for n, d, v in zip(rows["layer"], rows["diagnosis"], rows["sqnr_db"])
                        if d and v is not None and math.isfinite(float(v))]
             if flagged:
                 ax_sqnr.scatter([x for x, _ in flagged], [v for _, v in flagged], marker="x", color="tab:red",
-                                zorder=3, label=f"{target}: flagged")
+                                zorder=3, label=f"{_text(target)}: flagged")
     for key, style in (("sqnr_db", "-"), ("isolated_sqnr_db", "--")):
         if thresholds and key in thresholds:
             ax_sqnr.axhline(thresholds[key], color="gray", linestyle=style, linewidth=0.8,
                             label=f"{key} threshold ({thresholds[key]:g} dB)")
-    ax_sqnr.set_ylabel(f"SQNR vs {reference} (dB)")
-    ax_sqnr.set_title(f"error along the network, against {reference}", fontsize=10)
+    ax_sqnr.set_ylabel(f"SQNR vs {_text(reference)} (dB)")
+    ax_sqnr.set_title(f"error along the network, against {_text(reference)}", fontsize=10)
     ax_sqnr.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))  # beside the data, not over it
     ax_sqnr.grid(alpha=0.3)
-    ax_cos.set_ylabel(f"cosine vs {reference}")
+    ax_cos.set_ylabel(f"cosine vs {_text(reference)}")
     ax_cos.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
     ax_cos.grid(alpha=0.3)
     every = max(1, math.ceil(len(layers) / 80))
     ax_cos.set_xticks(range(0, len(layers), every))
-    ax_cos.set_xticklabels(layers[::every], rotation=90, fontsize=6)
+    ax_cos.set_xticklabels([_text(name) for name in layers[::every]], rotation=90, fontsize=6)
     ax_cos.set_xlabel("layer, in execution order" + (f" (every {every}th named)" if every > 1 else ""))
     fig.tight_layout()
     return _save(fig, path)
@@ -85,7 +95,7 @@ def plot_histograms(samples: dict, layers: list[tuple[str, str]], path: str | Pa
         x, y = samples[key]
         error = (y - x) if x.shape == y.shape else y.new_empty(0)
         error = error[torch.isfinite(error)]
-        title = f"{key[0]} ({key[1]})"
+        title = f"{_text(key[0])} ({_text(key[1])})"
         if frame is not None:
             row = frame[(frame["layer"] == key[0]) & (frame["target"] == key[1])]
             if len(row):
@@ -99,7 +109,7 @@ def plot_histograms(samples: dict, layers: list[tuple[str, str]], path: str | Pa
         ax.set_yscale("log")
         ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4), useOffset=False)
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel(f"error: {key[1]} - {reference}", fontsize=8)
+        ax.set_xlabel(f"error: {_text(key[1])} - {_text(reference)}", fontsize=8)
         ax.set_ylabel("count (log)", fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -138,11 +148,11 @@ def plot_steps(frame: pd.DataFrame, path: str | Path, *, tasks: list[str], cumul
     if tasks:
         ax.axhline(ratio, color="tab:red", linestyle="--", linewidth=1, label=f"{ratio:g} x float")
         ax.legend(fontsize=8)
-        ax.set_ylabel(f"{tasks[0]} / float {tasks[0]}")
+        ax.set_ylabel(f"{_text(tasks[0])} / float {_text(tasks[0])}")
     else:
         ax.set_ylabel("output SQNR vs float (dB)")
     ax.set_xticks(xs)
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_xticklabels([_text(label) for label in labels], rotation=60, ha="right", fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return _save(fig, path)
@@ -163,7 +173,7 @@ def plot_suggest(frame: pd.DataFrame, meta: dict, path: str | Path, *, top: int 
     if fast:
         ax_gain.set_yscale("log")
     ax_gain.set_xticks(xs)
-    ax_gain.set_xticklabels([f"{p} ({k[0]})" for p, k in zip(ranked["point"], ranked["kind"])], rotation=70,
+    ax_gain.set_xticklabels([f"{_text(p)} ({_text(k[0])})" for p, k in zip(ranked["point"], ranked["kind"])], rotation=70,
                             ha="right", fontsize=7)
     ax_gain.set_ylabel("gradient-weighted noise (fast rank)" if fast else f"output SQNR gained at {meta['bits']} bits (dB)")
     ax_gain.set_title("each candidate's score, one backward pass (plan in red)" if fast
@@ -183,7 +193,7 @@ def plot_suggest(frame: pd.DataFrame, meta: dict, path: str | Path, *, top: int 
         ax_plan.axhline(target, color="tab:red", linestyle="--", linewidth=1, label="target")
         ax_plan.legend(fontsize=8)
     ax_plan.set_xlabel("candidates raised (evaluations numbered)")
-    ax_plan.set_ylabel(f"{tasks[0]} / float" if tasks else "output SQNR (dB)")
+    ax_plan.set_ylabel(f"{_text(tasks[0])} / float" if tasks else "output SQNR (dB)")
     ax_plan.set_title("the plan search", fontsize=9)
     ax_plan.grid(alpha=0.3)
     fig.tight_layout()
@@ -232,8 +242,8 @@ def plot_nan_timeline(frame: pd.DataFrame, path: str | Path, *, first: dict | No
     if first is not None:
         for ax in axes[:, 0]:
             ax.axvline(first["step"], color="tab:red", linestyle="--", linewidth=1)
-        axes[0, 0].set_title(f"first non-finite: {first['phase']} of step {first['step']}, {first['layer']} "
-                             f"({first['cause']})", fontsize=9)
+        axes[0, 0].set_title(_text(f"first non-finite: {first['phase']} of step {first['step']}, {first['layer']} "
+                                   f"({first['cause']})"), fontsize=9)
     else:
         axes[0, 0].set_title(f"all {len(steps)} step(s) finite", fontsize=9)
     axes[-1, 0].set_xlabel("step")

@@ -12,7 +12,10 @@ Rules (docs/cli.md, "Tables"):
 - a header is the column's own name (the name options and JSON use); a long one
   breaks at an underscore onto a second line rather than widen its column;
 - free-text columns take what is left: ``wrap`` ones wrap inside it, ``clip`` ones stay on
-  one line and end in ``…``.
+  one line and end in ``…``;
+- every cell, header and the title are text, never markup, and shown as
+  ``qdebug.safe_text.escaped`` writes them (a name's ESC or newline is ``\\x1b``, ``\\n``), measured
+  after escaping.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from rich import box
 from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
+
+from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -202,13 +207,14 @@ def render_table(
     display = list(columns) if columns is not None else list(frame.columns)
     rank = [c for c in (priority or display) if c in display]
     rank += [c for c in display if c not in rank]
+    rank = [escaped(c) for c in rank]  # columns go by their shown names from here on
     cols = []
     for name in display:
         values = frame[name] if name in frame else [None] * len(frame)
         numeric = name in frame and pd.api.types.is_numeric_dtype(frame[name]) and not pd.api.types.is_bool_dtype(frame[name])
         kind = "name" if name in names else "wrap" if name in wrap else "clip" if name in clip else "value"
         fmt = (formats or {}).get(name, format_value)
-        cols.append(_Column(name, [fmt(v) for v in values], numeric, kind))
+        cols.append(_Column(escaped(name), [escaped(fmt(v)) for v in values], numeric, kind))
     by_name = {c.name: c for c in cols}
     if width is None:
         chosen = cols
@@ -232,7 +238,7 @@ def render_table(
             chosen = [first]
     shown = [c for c in cols if any(c is k for k in chosen)]  # back to display order
     hidden = [c.name for c in cols if not any(c is k for k in chosen)]
-    table = Table(title=Text(title, style="italic") if title else None, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+    table = Table(title=Text(escaped(title), style="italic") if title else None, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   padding=(0, 1), collapse_padding=False)
     if hidden:
         table.caption = Text(f"+{len(hidden)} column(s) with --wide: {', '.join(hidden)}", style="dim")

@@ -35,6 +35,7 @@ from qdebug.engine.context import Event, run_model
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 from qdebug.stats import ErrorStats
 from qdebug.tap import Capture, first_tensor, tap
 from qdebug.tools.isolated import IsolatedReplay
@@ -577,7 +578,7 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
                              f"its channel-{found['outlier_channel']} weights round to 0 "
                              f"({found['downstream_zero_codes_elsewhere']:.0%} elsewhere)")
             lines.append(f"  cause:         {ADVICE[diagnosis].format(gain=6.02 * 8)}")
-    return "\n".join(lines)
+    return "\n".join(escaped(line) for line in lines)  # a name's newline stays inside its line
 
 
 def _fmt_db(value: float) -> str:

@@ -32,7 +32,7 @@ from qdebug.data import Batch
 from qdebug.engine import engine_state, is_prepared, quantization_off
 from qdebug.engine.context import run_model
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, shown
 from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
 from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of
 
@@ -40,6 +40,7 @@ LOSSES = ("auto", "ce", "mse", "distill")
 CONTAINED_EVERY = 16  # cheap steps that also look for contained non-finite values: 0, 16, 32, ...
 OPTIMIZERS = ("sgd", "adam")
 SGD_MOMENTUM = 0.9
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -81,6 +82,67 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     raise QDebugError(f"unknown optimizer {name!r}", f"choose one of {', '.join(OPTIMIZERS)}")
+
+
+def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, name: str) -> None:
+    """A repro bundle's optimizer state (a file's) has the shape of ``optimizer``'s own: the
+    same setting names with values of the same types (numbers within float32's range: a
+    huge int overflows inside the optimizer's step), and per parameter only tensors shaped
+    like it.  Values are not judged: NaN in a momentum buffer is what nan-trace is for."""
+    own = optimizer.state_dict()
+
+    def bad(what: str) -> QDebugError:
+        return QDebugError(f"the saved optimizer state does not fit --optimizer {name}: {what}",
+                           "use the optimizer the bundle was made with, or trace the original checkpoint again")
+
+    if not isinstance(saved, dict):
+        raise bad(f"it is a {type(saved).__name__}, not a table of state and param_groups")
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(own["param_groups"]):
+        raise bad(f"it has {shown(groups)} as its param_groups")
+    shapes: dict[Any, torch.Size] = {}
+    for i, (group, mine) in enumerate(zip(groups, own["param_groups"])):
+        if not isinstance(group, dict) or "params" not in group:
+            raise bad(f"param group {i} is not a table of {', '.join(sorted(mine))}")
+        for key, value in group.items():
+            # A setting this torch lacks (a bundle from another version) is ignored by the
+            # optimizer, but still a plain value; one it lacks in the file takes its default.
+            template = mine.get(key, value if value is None or isinstance(value, (bool, str)) else 0.0)
+            if key != "params" and not _same_kind(value, template):
+                raise bad(f"param group {i} has {shown(key)} = {shown(value)}")
+        params = group["params"]
+        if not isinstance(params, list) or len(params) != len(mine["params"]) \
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in params):
+            raise bad(f"param group {i} lists {shown(params)} as its params")
+        shapes.update(zip(params, (p.shape for p in optimizer.param_groups[i]["params"])))
+    state = saved.get("state", {})
+    if not isinstance(state, dict):
+        raise bad(f"its state is a {type(state).__name__}")
+    for key, entry in state.items():
+        if key not in shapes or not isinstance(entry, dict):
+            raise bad(f"it holds state for {shown(key)}, which is no parameter of its groups")
+        for what, value in entry.items():
+            if what == "step" and _same_kind(value, 0.0):
+                continue
+            if not isinstance(value, torch.Tensor) or (what != "step" and value.shape != shapes[key]):
+                raise bad(f"parameter {key}'s {shown(what)} is not a tensor of shape {list(shapes[key])}")
+
+
+def _same_kind(value: Any, template: Any) -> bool:
+    """``value`` is of ``template``'s kind: a bool, a number within float32's range (NaN is
+    not), a tuple of such numbers, None (or a bool where None is a default, e.g. foreach)."""
+    if template is None:
+        return value is None or isinstance(value, bool)
+    if isinstance(template, bool):
+        return isinstance(value, bool)
+    if isinstance(template, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and -FLOAT32_MAX <= value <= FLOAT32_MAX
+    if isinstance(template, (tuple, list)):
+        return isinstance(value, (tuple, list)) and len(value) == len(template) \
+            and all(_same_kind(v, t) for v, t in zip(value, template))
+    if isinstance(template, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.numel() == template.numel()
+    return isinstance(value, type(template))
 
 
 def compute_loss(model: nn.Module, batch: Batch, kind: str, train: Callable | None) -> torch.Tensor:
@@ -148,6 +210,7 @@ def trace_steps(model: nn.Module, batches: Iterable[Batch], *, steps: int, loss:
         torch.set_rng_state(rng_state)
     run = _Run(model, batches, steps=steps, loss=loss, optimizer=optimizer, lr=lr, train=train, saturation=True)
     if optimizer_state is not None and run.optimizer is not None:
+        check_optimizer_state(optimizer_state, run.optimizer, optimizer)
         try:
             run.optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, TypeError) as exc:

@@ -47,6 +47,7 @@ from qdebug.engine import engine_state
 from qdebug.engine.prepare import name_matches
 from qdebug.errors import QDebugError
 from qdebug.metrics import Metric
+from qdebug.safe_text import escaped
 from qdebug.tools.baseline import TaskRule
 from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low, worst
 
@@ -425,7 +426,7 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
         lines.append("drill: " + " > ".join(f"{_unit(e)} ({_delta(e).split(';')[0]})" for e in meta["drill_path"]))
     if tasks and meta.get("samples", 0) < SMALL_EVAL:
         lines.append(f"note: metric on {meta['samples']} samples: steps within one sample of the worst rank by SQNR")
-    return "\n".join(lines)
+    return "\n".join(escaped(line) for line in lines)  # a name's newline stays inside its line
 
 
 __all__ = ["step", "check_selection", "StepResult", "Units", "MODES", "KINDS", "summarize"]

@@ -45,6 +45,7 @@ import torch.nn as nn
 from qdebug.engine import engine_state
 from qdebug.errors import QDebugError
 from qdebug.metrics import Metric
+from qdebug.safe_text import escaped
 from qdebug.tools.baseline import TaskRule
 from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low
 
@@ -408,7 +409,7 @@ def summarize(meta: Mapping[str, Any]) -> str:
         for glob, fix in (meta.get("recalibrate") or {}).items():
             lines.append(f"  {glob}: the {fix['observer']} observer's range wins {fix['gain_db']:+.1f} dB "
                          f"(qdebug calibrate --observer {fix['observer']})")
-    return "\n".join(lines)
+    return "\n".join(escaped(line) for line in lines)  # a name's newline stays inside its line
 
 
 __all__ = ["suggest", "candidates", "diagnoses_of", "Candidate", "Plan", "SuggestResult", "summarize", "DEFAULT_MIN_SQNR"]
