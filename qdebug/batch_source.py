@@ -302,7 +302,7 @@ class IterableOrigin(Origin):
                 break
             self._check_max(index + 1)
             if index % world == rank:
-                batch = to_batch(item)
+                batch = to_batch(item, f"{self.name}: batch {index}")
                 self._seen.batch(index, batch)
                 yield index, batch
             index += 1
@@ -366,7 +366,7 @@ class LoaderOrigin(Origin):
                 item = next(stream, _END)
             if item is _END:  # a batch sampler list the dataset could not fill: cannot happen for a Map dataset
                 raise QDebugError(f"{self.name} gave fewer batches than its batch sampler lists", CONSISTENCY_HINT)
-            batch = to_batch(item)
+            batch = to_batch(item, f"{self.name}: batch {index}")
             self._seen.batch(index, batch)
             yield index, batch
 

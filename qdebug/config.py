@@ -324,6 +324,9 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
         if not isinstance(value, expected):
             raise QDebugError(f"{source}: {key} must be {_type_name(expected)}, got {type(value).__name__}",
                               "fix the value in the config (docs/config.md lists every key and its type)")
+        if isinstance(value, str) and "\0" in value:  # no path, name or spec holds one: os refuses it with a ValueError
+            raise QDebugError(f"{source}: {key} holds a NUL character (\\u0000)",
+                              "remove it from the value in the config")
         values[key] = value
     if values.pop("unsafe_load", False):
         _warn_once(f"warning: {source}: unsafe_load is ignored: a config file cannot switch on loading pickled code "

@@ -71,9 +71,9 @@ class Batch(NamedTuple):
 
         first = self.inputs
         if isinstance(first, (tuple, list)):
-            first = first[0]
+            first = first[0] if first else None
         elif isinstance(first, dict):
-            first = next(iter(first.values()))
+            first = next(iter(first.values()), None)
         return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
@@ -280,8 +280,24 @@ def _check_dataset(inputs: torch.Tensor, target: Any, source: str) -> None:
                               + (f" for {task!r}" if task else ""), "inputs and targets must align")
 
 
-def to_batch(item: Any) -> Batch:
-    """Recognise one batch: a Batch, a tensor, an (inputs, target) pair, or a dict of kwargs."""
+def to_batch(item: Any, where: str | None = None, hint: str | None = None) -> Batch:
+    """Recognise one batch: a Batch, a tensor, an (inputs, target) pair, or a dict of kwargs.
+
+    Its inputs must hold a tensor: the model is called with them, and one called with
+    ``0`` or ``{}`` fails inside qdebug's own layers, not with a message about the data.
+    An error names the batch as ``where`` (e.g. ``"data.pt: batch 3"``) and says ``hint``
+    (by default how a data function yields batches)."""
+    try:
+        batch = _recognised(item)
+        _check_inputs(batch.inputs)
+    except QDebugError as exc:
+        if where is None and hint is None:
+            raise
+        raise QDebugError(f"{where}: {exc.message}" if where else exc.message, hint or exc.hint) from None
+    return batch
+
+
+def _recognised(item: Any) -> Batch:
     import torch
 
     if isinstance(item, Batch):
@@ -296,6 +312,30 @@ def to_batch(item: Any) -> Batch:
     if isinstance(item, (tuple, list)):
         return Batch(tuple(item))
     raise QDebugError(f"cannot use a {type(item).__name__} as a batch", "yield tensors or (inputs, target) pairs")
+
+
+def _check_inputs(inputs: Any) -> None:
+    """A batch's inputs hold at least one tensor (in a tuple of args or a dict of kwargs)."""
+    if _holds_tensor(inputs):
+        return
+    from qdebug.errors import shown
+
+    raise QDebugError(f"a batch's inputs hold no tensor: {shown(inputs, 40)}",
+                      "yield tensors or (inputs, target) pairs whose inputs are a tensor, a tuple or a dict of tensors")
+
+
+def _holds_tensor(obj: Any, depth: int = 0) -> bool:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth > 8:  # inputs nested deeper are no model's arguments
+        return False
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_tensor(x, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return any(_holds_tensor(x, depth + 1) for x in obj.values())
+    return False
 
 
 def _from_function(spec: str, batches: int | None) -> Origin:

@@ -35,6 +35,8 @@ from qdebug.errors import QDebugError
 
 REMAP_BYTES = 32 << 20  # batches taken from one map of the file before it is mapped again
 REUSE_FACTOR, REUSE_SLACK = 4, 256 << 20  # a list's batches hold at most 4 x its file's bytes + 256 MiB
+LIST_HINT = ("a list's batches are each a tensor, an (inputs, target) pair or a dict of tensors (the model's "
+             "kwargs); see docs/cli.md, \"Data\", for the data file formats")
 
 
 class FileOrigin(Origin):
@@ -55,7 +57,7 @@ class FileOrigin(Origin):
             )
         if isinstance(obj, list):
             self.total = _checked_count(len(obj), limit, path, None)
-            sizes = [_nbytes(_checked(to_batch(item), f"batch {index}", path))
+            sizes = [_nbytes(_checked(to_batch(item, f"{path}: batch {index}", LIST_HINT), f"batch {index}", path))
                      for index, item in enumerate(obj[:self.total])]
             if sizes:
                 biggest = max(range(len(sizes)), key=sizes.__getitem__)
@@ -93,7 +95,7 @@ class FileOrigin(Origin):
         from qdebug.data import Batch, _decode, to_batch
 
         if isinstance(obj, list):
-            return _copied(to_batch(obj[index]))
+            return _copied(to_batch(obj[index], f"{self._path}: batch {index}", LIST_HINT))
         inputs, target, codes = _dataset(obj, self.name)
         n = int(inputs.shape[0])
         rows = slice(index * self._batch_size, (index + 1) * self._batch_size)

@@ -304,10 +304,12 @@ def build_meta(spec: ModelSpec, *, from_user: bool, trusted_modules: tuple[str, 
 @contextlib.contextmanager
 def _on_meta(max_modules: int) -> Iterator[None]:
     """Every tensor factory call lands on the meta device; registrations are counted."""
+    import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._device import _device_constructors
 
     constructors = _device_constructors()
+    fills = _random_fills()
     count = [0]
 
     class OnMeta(TorchFunctionMode):
@@ -315,6 +317,10 @@ def _on_meta(max_modules: int) -> Iterator[None]:
             kwargs = dict(kwargs or {})
             if func in constructors:
                 kwargs["device"] = "meta"
+            elif func in fills:
+                target = args[0] if args else kwargs.get("tensor")  # nn.init.normal_ passes tensor=
+                if isinstance(target, torch.Tensor) and target.is_meta:
+                    return target  # a meta tensor has no values to fill (see _random_fills)
             return func(*args, **kwargs)
 
     def counted(*_args: Any) -> None:
@@ -333,6 +339,20 @@ def _on_meta(max_modules: int) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _random_fills() -> frozenset:
+    """The in-place fills whose meta kernels are torch's Python references, which import
+    torch._dynamo on first use (1-4 s): ``nn.init.kaiming_normal_``, ``nn.Embedding`` and
+    every other ``normal_`` in a constructor would pay it on each checkpoint load.  On a meta
+    tensor they change nothing but values it does not have, so ``_on_meta`` skips them; a
+    fill with bad arguments (a negative std) still fails in the real build that follows."""
+    import torch
+
+    init = torch.nn.init  # its functions reach the mode themselves: what they call inside does not
+    return frozenset({torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.log_normal_,
+                      torch.Tensor.cauchy_, torch.Tensor.geometric_, init.normal_, init.xavier_normal_,
+                      init.kaiming_normal_})
 
 
 def _factory(spec: ModelSpec, from_user: bool, trusted_modules: tuple[str, ...]) -> Any:

@@ -17,7 +17,9 @@ Importable without torch, pandas or rich: the CLI's error path uses it.
 
 from __future__ import annotations
 
-__all__ = ["escaped"]
+__all__ = ["escaped", "one_line"]
+
+MAX_LINE = 2000  # characters of one error, hint or warning line: a 100 KB path is quoted by its ends
 
 
 def escaped(text: object) -> str:
@@ -40,3 +42,16 @@ def escaped(text: object) -> str:
     if text.isprintable():  # the common case: nothing to do
         return text
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def one_line(text: object, limit: int = MAX_LINE) -> str:
+    """``text`` escaped (:func:`escaped`) and at most ``limit`` characters long: a longer line
+    is cut in the middle, ``...(N characters cut)...``, so that both ends stay -- the start
+    says what is wrong, the end a path's file name.  A message may quote a value from a file
+    of any size (a config's ``out`` of 100,000 characters); one error stays one readable line."""
+    line = escaped(text)
+    if len(line) <= limit:
+        return line
+    keep = max(limit - 40, 2)  # room for the marker (40 characters hold any count)
+    head, tail = keep // 2, keep - keep // 2
+    return f"{line[:head]}...({len(line) - keep} characters cut)...{line[-tail:]}"

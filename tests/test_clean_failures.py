@@ -339,3 +339,128 @@ def test_python_api_raises_qdebug_error_for_wrong_arguments(stages, tmp_path, mo
     call, fragment = _API_CASES[case]
     with pytest.raises(QDebugError, match=fragment.replace("(", r"\(")):
         call(stages)
+
+
+# -- batches whose inputs hold no tensor (fuzz, issue 28) --------------------------------------
+@pytest.mark.parametrize("inputs", [0, None, "x", {1: 2}], ids=["int", "None", "str", "dict-int"])
+def test_a_data_file_batch_whose_inputs_hold_no_tensor_is_refused(cli, stages, inputs):
+    """A list of batches ``(inputs, target)`` with inputs that are no tensor reached the model
+    and failed inside qdebug's layers (AttributeError 'dim')."""
+    torch.save([(torch.randn(2, 1, 16, 16), torch.tensor([1, 2])), (inputs, torch.tensor([5, 6, 9, 3]))], "b.pt")
+    for command in (("compare", stages.calibrated, stages.quantized), ("step", stages.qat),
+                    ("nan-trace", stages.calibrated, "--steps", 0)):
+        cli(*command, "--data", "b.pt").assert_error("b.pt: batch 1: a batch's inputs hold no tensor",
+                                                     "data file formats")
+
+
+def test_a_data_file_batch_that_is_an_empty_dict_is_refused(cli, stages):
+    """``[{}]``: no kwargs at all (StopIteration from Batch.size in nan-trace)."""
+    torch.save([{}], "b.pt")
+    for command in (("compare", stages.calibrated, stages.quantized), ("nan-trace", stages.calibrated, "--steps", 0)):
+        cli(*command, "--data", "b.pt").assert_error("b.pt: batch 0: a batch's inputs hold no tensor: {}")
+
+
+def test_a_data_function_batch_whose_inputs_hold_no_tensor_is_refused(cli, tmp_path, stages):
+    name = _module(tmp_path, "def data():\n    yield torch.randn(2, 1, 16, 16)\n    yield (0, torch.tensor([1]))\n")
+    cli("compare", stages.float, stages.quantized, "--data", f"{name}:data").assert_error(
+        f"data function {name}:data: batch 1: a batch's inputs hold no tensor: 0")
+
+
+def test_documented_list_batches_still_run(cli, stages):
+    """A guard for the check above: kwargs dicts of tensors, (inputs, int target) pairs, and
+    a tuple of args with a non-tensor beside the tensor are batches."""
+    x = torch.randn(2, 1, 16, 16)
+    torch.save([{"x": x}, (x, 3), (x, torch.tensor([1, 2])), x], "b.pt")
+    result = cli("compare", stages.calibrated, stages.quantized, "--data", "b.pt")
+    assert result.code in (0, 1) and "error" not in result.err, result
+
+
+# -- a repro bundle's optimizer state missing a setting (fuzz, issue 28) -----------------------
+@pytest.mark.parametrize("optimizer, key", [("sgd", "lr"), ("sgd", "dampening"), ("sgd", "weight_decay"),
+                                            ("adam", "betas"), ("adam", "eps")])
+def test_a_repro_bundle_param_group_missing_a_setting_is_refused(cli, stages, tmp_path, optimizer, key):
+    """torch's load_state_dict takes the saved groups wholesale: a missing setting was a
+    KeyError inside the optimizer's step, not a default."""
+    state = _optimizer_state(stages, optimizer)
+    del state["param_groups"][0][key]
+    _bundle(stages, tmp_path, optimizer=optimizer, optimizer_state=state)
+    cli("nan-trace", "before.pt", "--data", stages.data, "--steps", 1).assert_error(
+        f"the saved optimizer state does not fit --optimizer {optimizer}: param group 0 lacks '{key}'")
+
+
+def test_a_repro_bundle_of_sgd_replayed_with_adam_is_refused(cli, stages, tmp_path):
+    _bundle(stages, tmp_path, optimizer="sgd", optimizer_state=_optimizer_state(stages, "sgd"))
+    cli("nan-trace", "before.pt", "--data", stages.data, "--steps", 1, "--optimizer", "adam").assert_error(
+        "does not fit --optimizer adam: param group 0 lacks 'betas', 'eps'")
+
+
+def test_a_repro_bundle_param_group_missing_a_flag_replays(cli, stages, tmp_path):
+    """A guard: a flag (a bundle from a torch without it) takes the optimizer's own value."""
+    state = _optimizer_state(stages)
+    for flag in ("nesterov", "maximize", "foreach", "differentiable", "fused"):
+        del state["param_groups"][0][flag]
+    _bundle(stages, tmp_path, optimizer="sgd", optimizer_state=state)
+    result = cli("nan-trace", "before.pt", "--data", stages.data, "--steps", 1)
+    assert result.code in (0, 1) and "error" not in result.err, result
+
+
+# -- a NUL in a config value (fuzz, issue 28) --------------------------------------------------
+@pytest.mark.parametrize("key, value", [("float", r"\u0000"), ("out", r"a\nb\u0000"), ("qat", r"x\u0000.pt"),
+                                        ("calibrated", r"\u0000"), ("quantized", r"\u0000"), ("data", r"d\u0000.pt"),
+                                        ("model", r"m\u0000:Net")], ids=lambda v: v if "\\" not in v else None)
+def test_a_config_value_holding_nul_is_one_error(cli, key, value):
+    """Path.resolve raised ValueError 'embedded null byte' from inside the config's check."""
+    Path("q.toml").write_text(f'{key} = "{value}"\n')
+    cli("--config", "q.toml", "inspect").assert_error(f"q.toml: {key} holds a NUL character")
+
+
+# -- a message quoting a huge value (fuzz, issue 28) -------------------------------------------
+def test_an_error_quoting_a_100_kb_path_is_cut_to_one_short_line(cli, stages):
+    """A config's ``out`` of 100,000 characters: exit 2 as it should, but the error line
+    carried the whole path.  Every line said is at most MAX_LINE characters, cut in the middle."""
+    from qdebug.safe_text import MAX_LINE
+
+    Path("q.toml").write_text(f'out = "{"a" * 100_000}"\n')
+    result = cli("--config", "q.toml", "compare", stages.calibrated, stages.quantized)
+    line = result.assert_error("characters cut)...")
+    assert line.endswith("File name too long"), line[:200]
+    assert max(len(text) for text in result.err.splitlines()) <= MAX_LINE, len(result.err)
+
+
+def test_one_line_cuts_the_middle_and_keeps_both_ends():
+    from qdebug.safe_text import one_line
+
+    assert one_line("short\x1b[31m") == "short\\x1b[31m"  # escaped as before, not cut
+    text = "error: " + "x" * 5000 + "\n" + "y" * 5000 + " tail.pt"
+    line = one_line(text, limit=300)
+    assert len(line) <= 300 and line.startswith("error: xxx") and line.endswith("yyy tail.pt"), line
+    assert f"...({len(one_line(text, limit=10**6)) - 260} characters cut)..." in line
+
+
+# -- the meta build does not import torch._dynamo (speed, issue 28) ----------------------------
+def test_loading_the_demo_checkpoints_does_not_import_dynamo():
+    """normal_ on a meta tensor runs torch's Python reference, which imports torch._dynamo
+    (1-4 s on every load: the zoo's constructors call kaiming_normal_ and normal_);
+    the meta build skips the fills instead.  A fresh process: another test may import it."""
+    import subprocess
+    import sys
+
+    demo = Path(__file__).resolve().parent.parent / "fixtures" / "demo"
+    code = ("import sys, qdebug\n"
+            f"for stage in ('float', 'calibrated', 'qat', 'quantized'):\n    qdebug.load({str(demo)!r} + f'/{{stage}}.pt')\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", (done.stdout, done.stderr[-2000:])
+
+
+def test_the_meta_build_skips_fills_but_keeps_shapes():
+    """A guard for the skip: what a meta build measures (shapes, dtypes) is what it was."""
+    from qdebug.modelspec import _on_meta
+
+    with _on_meta(1000):
+        embedding, linear = torch.nn.Embedding(7, 5), torch.nn.Linear(3, 4)
+        torch.nn.init.kaiming_normal_(linear.weight, mode="fan_out")
+        filled = torch.nn.init.normal_(tensor=torch.empty(2, 6), std=0.01)
+    assert embedding.weight.is_meta and list(embedding.weight.shape) == [7, 5]
+    assert linear.weight.is_meta and list(linear.weight.shape) == [4, 3]
+    assert filled.is_meta and list(filled.shape) == [2, 6]

@@ -88,11 +88,12 @@ def _click_exceptions(name: str) -> tuple[type, ...]:
 
 
 def _say(line: str) -> None:
-    from qdebug.safe_text import escaped
+    from qdebug.safe_text import one_line
 
     # A message may quote a file's or user code's text: no control character, bidi override or
-    # newline of it reaches the terminal (one error is one line; qdebug's own lines have none).
-    line = escaped(line)
+    # newline of it reaches the terminal (one error is one line; qdebug's own lines have none),
+    # and no 100 KB of it: a line past MAX_LINE characters is cut in the middle.
+    line = one_line(line)
     if err_console.quiet:  # a rank other than 0 under torchrun: its errors are still said
         sys.stderr.write(line + "\n")
         return

@@ -24,7 +24,7 @@ import typer
 from qdebug.cli.common import console, err_console, writable_dir
 from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
-from qdebug.safe_text import escaped
+from qdebug.safe_text import escaped, one_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -176,8 +176,8 @@ def say(text: str) -> None:
 
 def note(text: str) -> None:
     """A line for the person at the terminal, on stderr (stdout stays machine-readable), shown
-    escaped as ``say`` shows it."""
-    err_console.print(escaped(text), markup=False, highlight=False, emoji=False, soft_wrap=True)
+    escaped as ``say`` shows it, and cut as an error line is (``qdebug.safe_text.one_line``)."""
+    err_console.print(one_line(text), markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def _stdout(payload: str) -> None:

@@ -84,11 +84,18 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
     raise QDebugError(f"unknown optimizer {name!r}", f"choose one of {', '.join(OPTIMIZERS)}")
 
 
-def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, name: str) -> None:
-    """A repro bundle's optimizer state (a file's) has the shape of ``optimizer``'s own: the
-    same setting names with values of the same types (numbers within float32's range: a
-    huge int overflows inside the optimizer's step), and per parameter only tensors shaped
-    like it.  Values are not judged: NaN in a momentum buffer is what nan-trace is for."""
+def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, name: str) -> dict:
+    """A repro bundle's optimizer state (a file's), checked to have the shape of ``optimizer``'s
+    own: the same setting names with values of the same types (numbers within float32's range:
+    a huge int overflows inside the optimizer's step), and per parameter only tensors shaped
+    like it.  Values are not judged: NaN in a momentum buffer is what nan-trace is for.
+
+    Returns the state to load.  ``load_state_dict`` takes the saved groups wholesale, so a
+    setting missing from the file would be missing in the step (a KeyError inside torch):
+    every numeric setting (lr, momentum, dampening, weight_decay, betas, eps...) is required,
+    as a default would replay another run than the one saved; a missing flag (a bool or None,
+    like nesterov or foreach: torch adds them over versions, off by default) takes
+    ``optimizer``'s own value, as torch's ``__setstate__`` does for the flags it knows."""
     own = optimizer.state_dict()
 
     def bad(what: str) -> QDebugError:
@@ -101,12 +108,16 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, name: st
     if not isinstance(groups, list) or len(groups) != len(own["param_groups"]):
         raise bad(f"it has {shown(groups)} as its param_groups")
     shapes: dict[Any, torch.Size] = {}
+    filled = []
     for i, (group, mine) in enumerate(zip(groups, own["param_groups"])):
         if not isinstance(group, dict) or "params" not in group:
             raise bad(f"param group {i} is not a table of {', '.join(sorted(mine))}")
+        missing = [key for key, value in mine.items() if key not in group and not _is_flag(value)]
+        if missing:
+            raise bad(f"param group {i} lacks {', '.join(map(repr, missing))}")
         for key, value in group.items():
             # A setting this torch lacks (a bundle from another version) is ignored by the
-            # optimizer, but still a plain value; one it lacks in the file takes its default.
+            # optimizer, but still a plain value.
             template = mine.get(key, value if value is None or isinstance(value, (bool, str)) else 0.0)
             if key != "params" and not _same_kind(value, template):
                 raise bad(f"param group {i} has {shown(key)} = {shown(value)}")
@@ -115,6 +126,7 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, name: st
                 or not all(isinstance(p, int) and not isinstance(p, bool) for p in params):
             raise bad(f"param group {i} lists {shown(params)} as its params")
         shapes.update(zip(params, (p.shape for p in optimizer.param_groups[i]["params"])))
+        filled.append({**{key: value for key, value in mine.items() if key != "params"}, **group})
     state = saved.get("state", {})
     if not isinstance(state, dict):
         raise bad(f"its state is a {type(state).__name__}")
@@ -126,6 +138,12 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, name: st
                 continue
             if not isinstance(value, torch.Tensor) or (what != "step" and value.shape != shapes[key]):
                 raise bad(f"parameter {key}'s {shown(what)} is not a tensor of shape {list(shapes[key])}")
+    return {**saved, "param_groups": filled}
+
+
+def _is_flag(value: Any) -> bool:
+    """An optimizer setting that is a switch (nesterov, foreach, fused...), not a number."""
+    return value is None or isinstance(value, bool)
 
 
 def _same_kind(value: Any, template: Any) -> bool:
@@ -210,7 +228,7 @@ def trace_steps(model: nn.Module, batches: Iterable[Batch], *, steps: int, loss:
         torch.set_rng_state(rng_state)
     run = _Run(model, batches, steps=steps, loss=loss, optimizer=optimizer, lr=lr, train=train, saturation=True)
     if optimizer_state is not None and run.optimizer is not None:
-        check_optimizer_state(optimizer_state, run.optimizer, optimizer)
+        optimizer_state = check_optimizer_state(optimizer_state, run.optimizer, optimizer)
         try:
             run.optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, TypeError) as exc:
