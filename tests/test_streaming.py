@@ -483,7 +483,7 @@ def test_every_command_runs_on_a_shuffling_dataloader(cli, user, stages, command
         "compare": ("compare", stages.float, stages.qat),
         "step": ("step", stages.float, stages.qat, "--metric", "top1"),
         "suggest": ("suggest", stages.float, stages.qat, "--metric", "agreement"),  # top1 of float: 0 here
-        "baseline": ("baseline", stages.float, stages.qat, "--metric", "top1"),
+        "baseline": ("baseline", stages.float, stages.qat, "--metric", "agreement"),  # top1 may be 0 on 3 batches
         "calibrate": ("calibrate", stages.float, "-o", str(tmp_path / "c.pt")),
     }[command]
     result = cli(*args, *data, "--json")
