@@ -565,6 +565,8 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
     and each pair joins a conv and a BatchNorm of as many channels."""
     from dataclasses import MISSING, fields
 
+    from qdebug.engine.attention import decomposed_paths
+    from qdebug.engine.members import is_member_path
     from qdebug.engine.ops import FUSED_ACTIVATIONS
     from qdebug.engine.plan import CallRecord
 
@@ -576,9 +578,9 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
         raise bad("lacks its calls, pairs or call_counts")
     types = {"name": str, "category": str, "op": str, "owner": str, "is_module": bool, "inputs": list,
              "consumers": list, "point": (str, type(None)), "output_point": (str, type(None)),
-             "fused_into": (str, type(None)), "fused_activation": (str, type(None))}
+             "fused_into": (str, type(None)), "fused_activation": (str, type(None)), "members": list}
     required = {f.name for f in fields(CallRecord) if f.default is MISSING and f.default_factory is MISSING}
-    modules = dict(net.named_modules())
+    modules = dict(net.named_modules()) | decomposed_paths(net)  # prepare's attention parts too
     for call in calls:
         if not isinstance(call, dict) or set(call) - set(types) or required - set(call):
             raise bad(f"has a malformed call {shown(call, 80)}")
@@ -592,6 +594,11 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
             raise bad(f"call {name!r} has inputs or consumers that are not names")
         if call.get("fused_into") is not None and call["fused_into"] not in names:  # a set: linear, not quadratic
             raise bad(f"call {name!r} is fused into {call['fused_into']!r}, a call the plan does not have")
+        members = call.get("members", [])
+        if not all(is_member_path(m) for m in members) or len(set(members)) != len(members) or members == [""]:
+            raise bad(f"call {name!r} has malformed output members {shown(members, 80)}")
+        if members and (call.get("point") != name or call.get("fused_into") is not None):
+            raise bad(f"call {name!r} has output members but no point of its own")
         if call.get("fused_activation") not in (None, *FUSED_ACTIVATIONS):
             raise bad(f"call {name!r} has an unknown fused activation {call['fused_activation']!r}")
         called = name.partition("#")[0]  # "path#2": the second call of a shared module
@@ -761,7 +768,13 @@ def _check_quantization(net: nn.Module, path: str) -> None:
         if not isinstance(layer, _QWeighted) or layer.weight_point is None:
             continue
         point, weight = layer.weight_point, layer.weight
-        if point.spec.per_channel and point.initialized:
+        if point.spec.group_size is not None and point.initialized:
+            layout = _group_layout_of(weight, point.spec.group_size, path)
+            if tuple(point.scale.shape) != layout:
+                raise QDebugError(f"{path}: quant point {point.name!r} has grouped scales of shape "
+                                  f"{list(point.scale.shape)}, but its weight needs {list(layout)} (rows, groups)",
+                                  DAMAGED)
+        elif point.spec.per_channel and point.initialized:
             axis = point.spec.ch_axis
             channels = weight.shape[axis] if -weight.dim() <= axis < weight.dim() else None
             if point.scale.dim() != 1 or point.scale.shape[0] != channels:
@@ -784,6 +797,16 @@ def _check_quantization(net: nn.Module, path: str) -> None:
             bad = int(codes.min()) if int(codes.min()) < low else int(codes.max())
             raise QDebugError(f"{what} holds {bad}, outside [{low}, {high}] of its {point.spec.describe()} weight spec",
                               DAMAGED)
+
+
+def _group_layout_of(weight: torch.Tensor, group_size: int, path: str) -> tuple[int, int]:
+    """(rows, groups) of a grouped weight (its spec came from the file: refused when it cannot cut it)."""
+    from qdebug.engine.fake_quant import group_layout
+
+    try:
+        return group_layout(weight.shape, group_size)
+    except QDebugError as exc:
+        raise QDebugError(f"{path}: {exc.message}", DAMAGED) from None
 
 
 def _refreeze_bn(net: nn.Module, paths: list[str]) -> None:

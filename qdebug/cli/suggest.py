@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Mapping, Optional
 
 import typer
 
@@ -51,6 +51,18 @@ def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = 
                         names=("point", "layer"), formats=formats, highlight=highlight)
 
 
+def merged_overrides(old: Mapping[str, Mapping], plan: Mapping[str, Mapping]) -> dict[str, dict]:
+    """The plan's overrides on top of ``old``: a glob both name is written once (TOML refuses a
+    table twice), the plan's settings refining the old ones -- a W4 g128 override keeps its
+    bits when the plan shrinks its groups; None (float) replaces them."""
+    merged = {glob: dict(entry) for glob, entry in old.items()}
+    for glob, entry in plan.items():
+        before = merged.get(glob) or {}
+        merged[glob] = {**before, **{kind: spec if spec is None or before.get(kind) is None
+                                     else {**before[kind], **spec} for kind, spec in entry.items()}}
+    return merged
+
+
 def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
     """The plan as a qconfig file ``qdebug calibrate --qconfig`` applies as it is: the
     checkpoint's own weight/activation settings and overrides, then the plan's."""
@@ -68,9 +80,8 @@ def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
         lines.append("")
     overrides = dict(qconfig.get("overrides") or {})
     skipped = [g for g, e in overrides.items() if any(v is None for v in e.values())]
-    for glob, entry in list(overrides.items()) + list(meta["plan"]["overrides"].items()):
-        if glob in skipped and entry is overrides.get(glob):
-            continue
+    kept = {g: e for g, e in overrides.items() if g not in skipped}
+    for glob, entry in merged_overrides(kept, meta["plan"]["overrides"]).items():
         lines.append(f"[overrides.{toml_value(glob)}]")
         lines += [f"{toml_key(kind)} = {{{', '.join(f'{toml_key(k)} = {toml_value(v)}' for k, v in spec.items())}}}"
                   for kind, spec in entry.items() if spec is not None]
@@ -89,14 +100,12 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
     from qdebug.engine import engine_state, quant_points
     from qdebug.engine.respec import raise_bits
     from qdebug.engine.spec import QConfig
+    from qdebug.tools.suggest import plan_changes
 
     net = found.model
     state = engine_state(net)
-    points = [p for c in candidates for p in c.points]
-    raise_bits(net, {p: bits for p in points}, quant_points(net))  # kept: this is the fixed model
-    merged = {**state.qconfig.overrides}
-    for glob, entry in overrides.items():
-        merged[glob] = {**dict(merged.get(glob) or {}), **entry}
+    raise_bits(net, plan_changes(candidates, bits), quant_points(net))  # kept: this is the fixed model
+    merged = merged_overrides(state.qconfig.overrides, overrides)
     state.qconfig = dataclasses.replace(state.qconfig, overrides=merged)
     QConfig.from_dict(state.qconfig.to_dict())  # the merged config must load back
     save(net, output, stage=found.info.stage, model_spec=found.info.model, sample_inputs=found.info.sample_inputs)

@@ -13,7 +13,8 @@ While a model runs inside a context, two interceptors are active:
 Call names follow the module tree: a module call is its path (``layer1.0.conv1``),
 an inline op is ``<container path>.<op>`` (``layer1.0.add``), a model input is
 ``input``; the k-th call of the same name in one forward gets ``#k``
-(``layer1.0.relu#2``).  A ``Handler`` decides what happens at each call
+(``layer1.0.relu#2``).  The tensors of a call returning several are named by
+their place in the output, ``lstm:1.1`` (``qdebug.engine.members``).  A ``Handler`` decides what happens at each call
 (record a graph, quantize, tap for statistics); the context itself only names.
 """
 
@@ -41,6 +42,9 @@ from qdebug.engine.ops import (
     module_category,
     tensors_in,
 )
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 @dataclass
@@ -346,6 +350,10 @@ class ForwardContext(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.busy or self.leaf_depth:
             return func(*args, **kwargs)
+        if func is _SDPA:  # decomposed: QK^T, softmax and attn.V become calls (qdebug.engine.attention)
+            from qdebug.engine.attention import decomposed_sdpa
+
+            return decomposed_sdpa(self, *args, **kwargs)
         category = function_category(func, args, kwargs)
         if category == "passthrough":
             out = func(*args, **kwargs)

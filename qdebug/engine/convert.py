@@ -5,7 +5,8 @@ attached to a conv (with_bn: the folded weight is re-quantized with a new scale,
 the loss that mode defers to here; with_bn_reverse_fold: lossless), freezes all
 scales, stores the integer weight codes of every Conv/Linear (``weight_int``)
 and switches those layers and the inline add/sub/mul/cat/mean/avg-pool kernels
-to integer arithmetic (``qdebug.engine.integer``).
+to integer arithmetic (``qdebug.engine.integer``).  Grouped conv weights and dynamic
+activation points have no integer kernel yet and are refused (a grouped Linear has one).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import copy
 
 import torch.nn as nn
 
-from qdebug.engine.modules import _QWeighted
+from qdebug.engine.modules import QLinear, _QWeighted
 from qdebug.engine.prepare import absorb_bn, engine_state
 from qdebug.errors import QDebugError
 
@@ -24,6 +25,7 @@ def convert(model: nn.Module) -> nn.Module:
     state = engine_state(model)
     if state.stage == "quantized":
         raise QDebugError("the model is already converted", "convert a calibrated or QAT model")
+    _refuse_without_kernel(model, state.points)
     uninitialised = [n for n, p in state.points.items() if p.kind == "activation" and not p.initialized and p.mode != "float"]
     qm = copy.deepcopy(model)
     qm.eval()
@@ -44,3 +46,20 @@ def convert(model: nn.Module) -> nn.Module:
                 module.weight_codes()
     qstate.uninitialised = uninitialised
     return qm
+
+
+def _refuse_without_kernel(model: nn.Module, points) -> None:
+    """Grouped conv weights and dynamic (per-token) activations have no integer kernel yet (a
+    grouped Linear has one): the quantized stage would silently compute them as fake quant, so
+    converting them is refused."""
+    grouped_linear = {m.weight_point.name for m in model.modules()
+                      if isinstance(m, QLinear) and m.weight_point is not None}
+    for name, point in points.items():
+        if point.mode == "float":
+            continue
+        if point.spec.dynamic or (point.spec.group_size is not None and name not in grouped_linear):
+            what = "dynamic activations" if point.spec.dynamic else "grouped conv weights"
+            raise QDebugError(
+                f"quant point {name!r} ({point.spec.describe()}): the integer stage has no kernel for {what} yet",
+                "debug it in the calibrated (fake-quant) stage, or drop group_size/dynamic to convert",
+            )

@@ -11,6 +11,10 @@ deliberate difference: torch maps NaN to ``qmin``; qdebug keeps NaN as NaN so a
 NaN is never hidden behind a plausible number (nan-trace depends on it).  +-Inf
 saturate to the range ends, as an integer would.
 
+Grouped weights (``group_size``) and dynamic per-token activations run the same per-channel
+kernel on a 2-d view -- [rows * groups, group_size], [tokens, channels] -- with the qparams
+flattened alike (docs/engine.md, "Per-group weights and per-token activations").
+
 Per tensor and without autograd (every eval forward), the same arithmetic runs as
 a few vectorized torch ops instead (``_per_tensor_exact``): torch's CPU kernel
 rounds one value at a time, ~4 ns per value, an order of magnitude slower than the
@@ -36,6 +40,7 @@ Backward, selected by ``spec.estimator`` (seed 004):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -230,6 +235,9 @@ def fake_quantize(
     point), so no value can overflow the per-channel kernel's int64 cast.
     """
     estimator = estimator or spec.estimator
+    if spec.group_size is not None:
+        return _fake_quantize_grouped(x, scale, zero_point, spec, estimator=estimator, alpha=alpha, training=training,
+                                      kind=kind, known_finite=known_finite, within_range=within_range)
     axis = channel_axis(spec, x.dim()) if spec.per_channel else 0
     if x.dtype != torch.float32:
         # torch's kernels compute in float32 for float32 input; keep one precision.
@@ -266,6 +274,92 @@ def fake_quantize(
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
+def group_layout(shape: torch.Size | tuple[int, ...], group_size: int) -> tuple[int, int]:
+    """(rows, groups per row) of a weight of ``shape`` cut into groups of ``group_size``: a row is
+    one output channel, flattened over the other dimensions (in * kh * kw, GPTQ/AWQ's layout)."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise QDebugError(f"group_size={group_size} needs a weight with an input dimension, got shape {list(shape)}",
+                          "drop group_size for this tensor (override it with group_size unset)")
+    rows = shape[0]
+    length = math.prod(shape[1:])
+    if length % group_size:
+        raise QDebugError(f"group_size={group_size} does not divide the weight's row of {length} "
+                          f"(shape {list(shape)})", f"use a divisor of {length}, e.g. group_size = "
+                                                     f"{math.gcd(length, group_size)}")
+    return rows, length // group_size
+
+
+@functools.lru_cache(maxsize=None)
+def flat_spec(spec: QuantSpec) -> QuantSpec:
+    """The per-channel (axis 0) spec that quantizes a grouped tensor viewed as [rows * groups,
+    group_size], or a per-token tensor viewed as [tokens, channels]; per tensor for a
+    per-tensor dynamic spec.  Same bits, range, symmetry and estimator."""
+    if spec.group_size is not None:
+        return spec.replace(group_size=None)
+    return spec.replace(dynamic=False, per_token=False, per_channel=spec.per_token, ch_axis=0)
+
+
+def grouped_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` as [rows * groups, group_size] (a view when contiguous): one group a row."""
+    rows, groups = group_layout(x.shape, group_size)
+    return x.reshape(rows * groups, group_size)
+
+
+def _fake_quantize_grouped(x, scale, zero_point, spec, **kwargs) -> torch.Tensor:
+    """Grouped weight: torch's per-channel kernel over the [rows * groups, group_size] view with
+    the [rows, groups] qparams flattened alike -- torch's own arithmetic, every estimator's backward."""
+    flat = grouped_view(x, spec.group_size)
+    out = fake_quantize(flat, scale.reshape(-1), zero_point.reshape(-1), flat_spec(spec), **kwargs)
+    return out.reshape(x.shape)
+
+
+def elementwise(qparam: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Tensor:
+    """A weight point's scale (or zero point) broadcastable against the weight of ``shape``:
+    0-d per tensor, [C, 1, ...] per channel (axis 0), each group's value repeated over its
+    elements (grouped)."""
+    if qparam.dim() == 0:
+        return qparam
+    if spec.group_size is not None:
+        return qparam.repeat_interleave(spec.group_size, dim=-1).reshape(shape)
+    return qparam.reshape([-1] + [1] * (len(shape) - 1))
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [tokens, channels]: every row over the last dimension a token (a 0-d tensor one token)."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+
+
+def dynamic_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of a dynamic spec from ``x``'s own finite min/max (``qparams_from_range``):
+    one pair per token ([tokens]) when per_token, else one (0-d).  Non-finite values do not
+    widen the range (+-Inf saturate, NaN stays NaN)."""
+    from qdebug.engine.spec import qparams_from_range
+
+    with torch.no_grad():
+        data = token_rows(x.detach().float()) if spec.per_token else x.detach().float().reshape(1, -1)
+        lo, hi = torch.aminmax(data, dim=1)
+        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            # aminmax propagates NaN and Inf: take the range of the finite values only (0 when none).
+            finite = torch.where(torch.isfinite(data), data, torch.zeros_like(data))
+            lo, hi = torch.aminmax(finite, dim=1)
+        scale, zero_point = qparams_from_range(lo, hi, spec)
+    return (scale, zero_point) if spec.per_token else (scale.reshape(()), zero_point.reshape(()))
+
+
+def fake_quantize_dynamic(x: torch.Tensor, spec: QuantSpec, **kwargs) -> torch.Tensor:
+    """Dynamic fake quantization: qparams from ``x`` itself (``dynamic_qparams``, not
+    differentiated: the gradient is the estimator's w.r.t. x), then torch's kernel per token
+    (per-channel over the [tokens, channels] view) or per tensor."""
+    if x.numel() == 0:
+        return x
+    scale, zero_point = dynamic_qparams(x, spec)
+    if not spec.per_token:
+        return fake_quantize(x, scale, zero_point, flat_spec(spec), **kwargs)
+    out = fake_quantize(token_rows(x), scale, zero_point, flat_spec(spec), **kwargs)
+    return out.reshape(x.shape)
+
+
 def fake_quantize_counting(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec
 ) -> tuple[torch.Tensor, int]:
@@ -290,8 +384,12 @@ def quantize_to_int(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     """Integer codes q (int64) with (q - z) * s == fake_quantize(x) exactly.
 
     Derived from the fake-quant output itself so the integer and fake-quant
-    stages can never disagree about a code.
+    stages can never disagree about a code.  Grouped: codes of the weight's shape, each
+    element against its group's [rows, groups] qparams.
     """
+    if spec.group_size is not None:
+        flat = grouped_view(x, spec.group_size)
+        return quantize_to_int(flat, scale.reshape(-1), zero_point.reshape(-1), flat_spec(spec)).reshape(x.shape)
     axis = channel_axis(spec, x.dim()) if spec.per_channel else 0
     fq = _kernel(x.float(), scale, zero_point, spec, axis)
     s = _broadcast(scale, fq, axis, spec.per_channel)

@@ -4,10 +4,11 @@
 each named call it applies the call's activation quant point (module outputs,
 inline ``x + y`` / ``torch.cat`` / ``F.relu`` / ``x.mean()`` ..., model inputs).
 Passthrough ops carry the grid tag of their input forward.  In the quantized
-stage, inline add/sub/mul/cat/mean/avg-pool run as integer kernels on the codes
-of their inputs and land directly on the output point's grid (TFLite-style
-rescaling, see docs/engine.md); everything else computes in float and is
-re-quantized by its point, which is what a lookup-table kernel does.
+stage, inline add/sub/mul/cat/mean/avg-pool and activation x activation matmuls
+run as integer kernels on the codes of their inputs and land directly on the
+output point's grid (TFLite-style rescaling, see docs/engine.md); everything
+else computes in float and is re-quantized by its point, which is what a
+lookup-table kernel does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 from qdebug.engine import integer
 from qdebug.engine.context import Call, ForwardContext, Handler
+from qdebug.engine.members import map_members, member_name, member_paths
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.point import QuantPoint, grid_of, on_grid, pending_of, tag, tag_pending
@@ -45,7 +47,35 @@ class QuantHandler(Handler):
 
     def _apply(self, call: Call, output: Any) -> Any:
         self.last_raw = output  # what the point received: listeners measure clipping on it
-        point = self._point(call)
+        members = self._members(call, output)
+        if not members:
+            return self._quantize(self._point(call), output)
+        points = self.state.points
+        # Each floating tensor of a structured output on its own point (``qdebug.engine.members``).
+        return map_members(output, lambda path, t: self._quantize(points.get(member_name(call.name, path)), t))
+
+    def _members(self, call: Call, output: Any) -> list[str]:
+        """The member paths whose points quantize ``output``; [] for one point (the call's).
+
+        The plan's when the call was traced -- a plan saved before outputs had members (one
+        point shared by a tuple's tensors) keeps that one point until the model is prepared
+        again -- and a member the trace never saw, or an untraced call's, is discovered."""
+        rec = self.state.plan.calls.get(call.name)
+        if rec is not None and not rec.members:
+            return []
+        found = member_paths(output)
+        if rec is None:
+            if not found:
+                return []
+            self.state.discover(call, found)
+            rec = self.state.plan.calls.get(call.name)
+            return rec.members if rec is not None else []
+        if found and not set(found) <= set(rec.members):
+            self.state.discover(call, found)
+        return rec.members
+
+    def _quantize(self, point: QuantPoint | None, output: Any) -> Any:
+        """``output`` through one point (every floating tensor of it)."""
         if point is None or point.mode == "float":
             if point is not None and self.state.stage == "quantized":
                 # Left in float inside an integer model: integer consumers project it (``on_grid``).
@@ -161,6 +191,8 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         product = (integer.codes(a, points[0]) * integer.codes(b, points[1])).to(torch.int64)
         multiplier = points[0].scale.detach().double() * points[1].scale.detach().double() / out_point.scale.detach().double()
         return tag(integer.requantize(product, multiplier, out_point, activation), out_point)
+    if category == "matmul" and len(args) == 2 and not kwargs:
+        return _integer_matmul(func, args, out_point, activation)
     if category == "cat":
         seq = args[0] if args else kwargs.get("tensors")
         grids = _grid_inputs(list(seq)) if isinstance(seq, (list, tuple)) else None
@@ -182,6 +214,22 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         average = func(integer.codes(x, points[0]), *args[1:], **kwargs)  # float64: exact sum / count
         return tag(_rescale_average(average, points[0], out_point, activation), out_point)
     return None
+
+
+def _integer_matmul(func: Callable, args: tuple, out_point: QuantPoint, activation: str | None):
+    """acc = sum (q_a - z_a)(q_b - z_b), requantized by M = s_a s_b / s_y (``integer.requantize``).
+
+    The sum runs as a float64 matmul of the codes: every product and partial sum is an integer
+    below 2^53 (16-bit codes over 2^21 terms), so it is exact in any summation order, on any
+    device.  ``func`` itself computes it, so ``bmm``, ``matmul``, ``@`` and its reflected form
+    keep their operand order and broadcasting."""
+    grids = _grid_inputs(list(args))
+    if grids is None:
+        return None
+    (a, b), points = grids
+    acc = func(integer.codes(a, points[0]), integer.codes(b, points[1])).to(torch.int64)
+    multiplier = points[0].scale.detach().double() * points[1].scale.detach().double() / out_point.scale.detach().double()
+    return tag(integer.requantize(acc, multiplier, out_point, activation), out_point)
 
 
 def _rescale_average(average: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint, activation: str | None):

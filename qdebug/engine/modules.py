@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qdebug.engine import integer
-from qdebug.engine.fake_quant import quantize_to_int
+from qdebug.engine.fake_quant import elementwise, quantize_to_int
 from qdebug.engine.ops import register_module_category
 from qdebug.engine.point import QuantPoint, on_grid, tag
 
@@ -168,7 +168,10 @@ class _QWeighted(nn.Module):
             point = self.weight_point
             scale, zp = point.qparams()
             q = quantize_to_int(self.weight.detach(), scale, zp, point.spec)
-            zp_b = integer._broadcast_point(zp, point, q.dim()).to(torch.int64)
+            if point.spec.group_size is not None:  # [rows, groups] -> each element its group's
+                zp_b = elementwise(zp, point.spec, q.shape).to(torch.int64)
+            else:
+                zp_b = integer._broadcast_point(zp, point, q.dim()).to(torch.int64)
             # q - z spans [qmin - max z, qmax - min z]: int8 for symmetric int8 (z = 0), but an
             # affine int8 weight (z != 0) needs 9 bits and would wrap around in int8.
             lo = point.spec.qmin - int(zp.max())
@@ -200,6 +203,8 @@ class _QWeighted(nn.Module):
             self.integer_fallbacks += 1
             w = self._quantized_weight(self.weight, (id(self.weight), self.weight._version))
             return self._op(x, w, self.bias)
+        if w_point.spec.group_size is not None:
+            return tag(self._grouped_integer_forward(x, in_point, out_point), out_point)
         s_in = in_point.scale.detach().to(torch.float64)
         s_w = w_point.scale.detach().to(torch.float64)
         s_out = out_point.scale.detach().to(torch.float64)
@@ -216,6 +221,23 @@ class _QWeighted(nn.Module):
             multiplier = multiplier.reshape(shape)
         y = integer.requantize(acc, multiplier, out_point, self._fused_activation)
         return tag(y, out_point)
+
+    def _grouped_integer_forward(self, x: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint) -> torch.Tensor:
+        """A grouped weight (W4A8-style, Linear only): per group j of g inputs, the integer partial
+        sum acc_j = sum_k (q_x - z_x)(q_w - z_w) (exact: float64 on integers); y = s_x sum_j s_w[o, j]
+        acc_j + b in float64, as W4A8 kernels rescale each group's partial sum (the bias stays
+        real: no one s_w to quantize it with); q_y = clamp(z_y + round_half_even(y / s_y))."""
+        spec = self.weight_point.spec
+        groups = spec.group_size
+        x_codes = integer.codes(x, in_point).unflatten(-1, (-1, groups))  # [..., G, g]
+        w_codes = self.weight_codes().reshape(self.out_features, -1, groups)  # [out, G, g]
+        acc = torch.einsum("...jk,ojk->...oj", x_codes, w_codes)  # integers below 2^53: exact
+        s_w = self.weight_point.scale.detach().to(torch.float64)  # [out, G]
+        y = (acc * s_w).sum(-1) * in_point.scale.detach().to(torch.float64)
+        if self.bias is not None:
+            y = y + self.bias.detach().to(torch.float64)
+        q = torch.round(y / out_point.scale.detach().to(torch.float64)).to(torch.int64)
+        return integer.requantize_codes(q, out_point, self._fused_activation)
 
     def absorb(self) -> None:
         """Fold the attached BN into weight and bias now (the caller swaps the BN out of the tree)."""

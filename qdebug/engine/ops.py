@@ -6,14 +6,21 @@ Every call the engine sees during a forward falls in one *category*:
 - ``bn``: a BatchNorm (folded into the preceding conv when paired).
 - ``relu``, ``relu6``: activations a deployed kernel fuses into the op before it.
 - ``add``, ``sub``, ``mul``, ``cat``, ``avgpool``, ``mean``: value ops with integer kernels.
+- ``matmul``: ``torch.matmul``/``bmm``/``@`` between two activations (neither a parameter):
+  an integer kernel on both inputs' codes (attention's QK^T and attn.V).
 - ``activation``: other element-wise value ops (sigmoid, tanh, softmax, hardswish,
   leaky_relu, ...): quantized at their output, computed in float (a table lookup on
   an integer target).
 - ``passthrough``: ops that only move or select values (view, flatten, maxpool,
   dropout, identity, nearest upsampling, constant-zero padding, ...): the output stays
   on the input's grid, so no new quant point.
+- ``recurrent``: LSTM/GRU and their cells, swapped at prepare for the engine's layers
+  (``qdebug.engine.recurrent``) whose points sit inside them; the call has none of its own.
 - ``fallback``: any other op producing a float tensor from an activation.  It runs
   in float and its output is re-quantized; ``quant_points`` and a warning report it.
+- ``internal``: float steps inside an engine module that deployments (and torch.ao) leave
+  unobserved: attention's 1/sqrt(d) scale (folded into the next integer multiplier), its
+  masks, its average over heads (``qdebug.engine.attention``).  No point of their own.
 - ``ignore``: calls whose result holds no floating tensor (``x.size()``, ``x.shape``).
 """
 
@@ -26,7 +33,8 @@ import torch.nn as nn
 
 # Categories whose output gets an activation quant point (unless fused into the next op).
 VALUE_CATEGORIES = frozenset(
-    {"conv", "linear", "bn", "relu", "relu6", "add", "sub", "mul", "cat", "avgpool", "mean", "activation", "fallback"}
+    {"conv", "linear", "bn", "relu", "relu6", "add", "sub", "mul", "cat", "avgpool", "mean", "matmul", "activation",
+     "fallback"}
 )
 # A value op whose sole consumer is a relu/relu6 shares that activation's quant point,
 # as deployed kernels fuse Conv+ReLU, Add+ReLU, ...
@@ -80,6 +88,12 @@ _MODULE_CATEGORIES: list[tuple[type, str]] = [
     (nn.InstanceNorm1d, "fallback"),
     (nn.InstanceNorm2d, "fallback"),
     (nn.BatchNorm3d, "fallback"),
+    # LSTM/GRU (and cells) become the engine's recurrent layers (qdebug.engine.recurrent), whose
+    # points sit inside: no point of their own.  A subclass with its own forward stays a fallback.
+    (nn.LSTM, "recurrent"),
+    (nn.GRU, "recurrent"),
+    (nn.LSTMCell, "recurrent"),
+    (nn.GRUCell, "recurrent"),
     (nn.RNNBase, "fallback"),
     (nn.MultiheadAttention, "fallback"),
 ]
@@ -105,7 +119,12 @@ def module_category(module: nn.Module) -> str | None:
                 break
     if category == "upsample":
         return "passthrough" if getattr(module, "mode", "nearest") == "nearest" else "activation"
+    if category == "recurrent" and cls not in _EXTRA_MODULE_CATEGORIES and cls.forward not in _RECURRENT_FORWARDS:
+        return "fallback"
     return category
+
+
+_RECURRENT_FORWARDS = frozenset({nn.LSTM.forward, nn.GRU.forward, nn.LSTMCell.forward, nn.GRUCell.forward})
 
 
 _FUNCTION_NAMES: dict[str, str] = {}
@@ -120,6 +139,7 @@ _names("add", "add", "__add__", "__radd__", "__iadd__", "add_")
 _names("sub", "sub", "__sub__", "__rsub__", "__isub__", "sub_", "subtract", "rsub")
 _names("mul", "mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply")
 _names("cat", "cat", "concat", "concatenate", "stack")
+_names("matmul", "matmul", "bmm", "__matmul__", "__rmatmul__")
 _names("relu", "relu", "relu_")
 _names("relu6", "relu6")
 _names("mean", "mean")
@@ -145,6 +165,12 @@ def function_category(func: Callable, args: tuple, kwargs: dict[str, Any]) -> st
     """The category of a torch function/method call (``fallback`` when unknown)."""
     name = getattr(func, "__name__", "")
     category = _FUNCTION_NAMES.get(name, "fallback")
+    if category == "matmul":
+        # Activation x activation only: a product with a weight (``x @ self.w``) is a linear
+        # layer written inline, which has no weight point here -- reported as a fallback.
+        operands = tensors_in((args, kwargs))
+        if len(operands) != 2 or any(isinstance(t, nn.Parameter) for t in operands):
+            return "fallback"
     if name in ("hardtanh", "hardtanh_", "clamp", "clamp_", "clip"):
         lo, hi = _bounds(name, args, kwargs)
         if lo == 0 and hi == 6:

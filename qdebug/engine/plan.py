@@ -10,7 +10,9 @@ and which consumed its output.  From that dataflow graph it decides:
   relu/relu6 has no quant point of its own; the activation's point quantizes
   both (as deployed kernels fuse them).  Conv->BN->ReLU fuses all three.
 - which calls get an activation quant point, and for every call the point
-  that quantizes its output (its own, or the fused activation's).
+  that quantizes its output (its own, or the fused activation's).  A call whose
+  output holds several floating tensors gets a point per tensor (``members``,
+  ``qdebug.engine.members``) and is never fused.
 
 The plan is plain data (``to_dict``/``from_dict``) so checkpoints carry it and a
 reload needs no example inputs.
@@ -25,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.context import Call, ForwardContext, Handler
+from qdebug.engine.members import member_name, member_paths, split_name
 from qdebug.engine.ops import (
     FUSABLE_INTO_ACTIVATION,
     FUSED_ACTIVATIONS,
@@ -47,9 +50,18 @@ class CallRecord:
     output_point: str | None = None  # point whose grid the output lands on (own or fused)
     fused_into: str | None = None  # the relu/relu6 (or BN) call that takes over the output
     fused_activation: str | None = None  # "relu"/"relu6" clamp to apply in integer kernels
+    # Paths of the output's floating tensors when it holds several (``qdebug.engine.members``):
+    # each gets a point of its own, ``<point>:<path>``; [] = one point named ``point``.
+    members: list[str] = field(default_factory=list)
+
+    def point_names(self) -> list[str]:
+        """The names of the activation points quantizing this call's own output (none when fused)."""
+        if self.point is None:
+            return []
+        return [member_name(self.point, m) for m in self.members] or [self.point]
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "members": list(self.members)}
 
 
 @dataclass
@@ -69,12 +81,21 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         calls = {}
         for c in data["calls"]:
-            rec = CallRecord(**c)
+            rec = CallRecord(**{**c, "members": list(c.get("members", []))})  # its own list: discover extends it
             calls[rec.name] = rec
         return cls(calls=calls, pairs=[tuple(p) for p in data["pairs"]], call_counts=dict(data["call_counts"]))
 
     def point_calls(self) -> list[CallRecord]:
         return [c for c in self.calls.values() if c.point]
+
+    def call_of_point(self, name: str) -> str:
+        """The call an activation point (or compare row) ``name`` belongs to: ``lstm`` for
+        ``lstm:1.1``; a name that is no member of a planned call is returned as it is."""
+        if name in self.calls:
+            return name
+        call, path = split_name(name)
+        rec = self.calls.get(call)
+        return call if rec is not None and path in rec.members else name
 
 
 class TraceHandler(Handler):
@@ -94,7 +115,10 @@ class TraceHandler(Handler):
             self.alive.append(t)
 
     def _record(self, call: Call, args: Any, output: Any, is_module: bool) -> None:
-        rec = CallRecord(call.name, call.category, call.op, call.owner, is_module, self._inputs(args))
+        # Members only where the output gets points (a recurrent layer's points are inside it).
+        members = member_paths(output) if call.category in VALUE_CATEGORIES else []
+        rec = CallRecord(call.name, call.category, call.op, call.owner, is_module, self._inputs(args),
+                         members=members)
         self.records[call.name] = rec
         for producer in rec.inputs:
             if producer:
@@ -189,7 +213,8 @@ def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, 
     for rec in calls.values():
         if rec.category not in VALUE_CATEGORIES and rec.category != "input":
             continue
-        if rec.fused_into is None and rec.category in FUSABLE_INTO_ACTIVATION and len(rec.consumers) == 1:
+        fusable = rec.category in FUSABLE_INTO_ACTIVATION and not rec.members  # one tensor, one grid
+        if rec.fused_into is None and fusable and len(rec.consumers) == 1:
             follower = calls.get(rec.consumers[0])
             if follower is not None and follower.category in FUSED_ACTIVATIONS and len(follower.inputs) == 1:
                 rec.fused_into = follower.name

@@ -12,8 +12,10 @@ input.  It owns its spec, its observer, its scale and zero point, and a mode:
 Weight points are *dynamic* unless frozen: their qparams are recomputed from
 the current weight whenever it changed (training steps bump ``_version``), so a
 weight's scale always matches the weight it quantizes.  Activation points are
-frozen by ``calibrate``.  Learnable-scale estimators (lsq, qte) hold the scale as
-an ``nn.Parameter`` initialised from the observer once.
+frozen by ``calibrate``; a ``dynamic`` activation point has no stored qparams at all
+(each batch's, or token's, own min/max: calibration leaves it as it is).
+Learnable-scale estimators (lsq, qte) hold the scale as an ``nn.Parameter``
+initialised from the observer once.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qdebug.engine.fake_quant import fake_quantize, fake_quantize_counting
+from qdebug.engine.fake_quant import (fake_quantize, fake_quantize_counting, fake_quantize_dynamic, group_layout,
+                                       grouped_view)
 from qdebug.engine.observers import make_observer
-from qdebug.engine.spec import QuantSpec
+from qdebug.engine.spec import QuantSpec, check_kind
 from qdebug.errors import QDebugError
 
 MODES = ("float", "observe", "fake")
@@ -38,6 +41,7 @@ class QuantPoint(nn.Module):
         super().__init__()
         if kind not in ("weight", "activation"):
             raise ValueError(kind)
+        check_kind(spec, kind, f"quant point {name!r}: ")
         self.name = name
         self.kind = kind
         self.spec = spec
@@ -49,6 +53,7 @@ class QuantPoint(nn.Module):
         self.frozen = kind == "activation"
         self.alpha = 1.0  # alpha_blend: weight of the fake-quantized branch
         self.observer = make_observer(spec)
+        self._group_layout: tuple[int, int] | None = None  # a grouped weight's (rows, groups), once seen
         self.register_buffer("zero_point", torch.zeros((), dtype=torch.int32))
         if spec.learnable_scale:
             self.scale = nn.Parameter(torch.ones((), dtype=torch.float32))
@@ -86,12 +91,25 @@ class QuantPoint(nn.Module):
                 self.qparams_set.fill_(True)
 
     def update_from_observer(self) -> None:
-        """Take scale/zero point from the observer's current range."""
+        """Take scale/zero point from the observer's current range (a grouped weight's as
+        [rows, groups]: its observer sees one group a channel, see ``_observed``)."""
         scale, zero_point = self.observer.calculate_qparams()
+        layout = getattr(self, "_group_layout", None)
+        if self.spec.group_size is not None and layout is not None and scale.numel() == layout[0] * layout[1]:
+            scale, zero_point = scale.reshape(layout), zero_point.reshape(layout)
         self.set_qparams(scale, zero_point)
+
+    def _observed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What the observer sees: a grouped weight as [rows * groups, group_size] (one group a
+        channel of its per-channel observer), anything else as it is."""
+        if self.spec.group_size is None:
+            return tensor
+        self._group_layout = group_layout(tensor.shape, self.spec.group_size)
+        return grouped_view(tensor, self.spec.group_size)
 
     def compute_from(self, tensor: torch.Tensor) -> None:
         """Reset the observer, observe ``tensor`` alone and take its qparams (weights)."""
+        tensor = self._observed(tensor)
         channels = None
         if self.spec.per_channel and -tensor.dim() <= self.spec.ch_axis < tensor.dim():
             channels = tensor.shape[self.spec.ch_axis]
@@ -101,7 +119,8 @@ class QuantPoint(nn.Module):
 
     @property
     def initialized(self) -> bool:
-        return bool(self.qparams_set)
+        """Whether the point can quantize: qparams set, or dynamic (they come from each batch)."""
+        return self.spec.dynamic or bool(self.qparams_set)
 
     def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.scale.detach(), self.zero_point
@@ -141,7 +160,7 @@ class QuantPoint(nn.Module):
     def _can_count(self, x: torch.Tensor) -> bool:
         """The counting kernel gives this call's exact output: an eval forward without autograd
         of a float32 activation, per tensor (every estimator's eval forward is plain fake quant)."""
-        if self.kind != "activation" or self.training or torch.is_grad_enabled():
+        if self.kind != "activation" or self.training or torch.is_grad_enabled() or self.spec.dynamic:
             return False
         return not self.spec.per_channel and x.dtype == torch.float32
 
@@ -158,8 +177,13 @@ class QuantPoint(nn.Module):
         if self.mode == "float" or not torch.is_floating_point(x):
             return x
         if self.mode == "observe":
-            self.observer(x)
+            if not self.spec.dynamic:  # a dynamic point has nothing to calibrate
+                self.observer(self._observed(x))
             return x
+        if self.spec.dynamic:
+            out = fake_quantize_dynamic(x, self.spec, alpha=self.alpha, training=self.training, kind=self.kind)
+            out._qdebug_point = self
+            return out
         observed = within_range = False
         if self.kind == "weight" and not self.frozen and not (self.spec.learnable_scale and self.initialized):
             if self.training or cache_key is None or cache_key != self._cache_key or not self.initialized:
@@ -205,7 +229,10 @@ class QuantPoint(nn.Module):
         quantized stage, an integer kernel fed by a point left in ``float`` mode first
         projects its input onto that point's grid (see ``on_grid``).
         """
-        out = fake_quantize(x.detach(), self.scale.detach(), self.zero_point, self.spec, kind=self.kind)
+        if self.spec.dynamic:
+            out = fake_quantize_dynamic(x.detach(), self.spec, kind=self.kind)
+        else:
+            out = fake_quantize(x.detach(), self.scale.detach(), self.zero_point, self.spec, kind=self.kind)
         out._qdebug_point = self
         return out
 
@@ -249,7 +276,11 @@ class QuantPoint(nn.Module):
             raise QDebugError(f"quant point {self.name!r}: saved qparams_set has shape {list(flag.shape)}, "
                               "not one value", hint)
         scale = saved.get("scale")
-        if scale is not None:
+        if scale is not None and self.spec.group_size is not None:
+            if scale.dim() not in (0, 2):  # 0-d: never computed
+                raise QDebugError(f"quant point {self.name!r}: saved scale has shape {list(scale.shape)}; a "
+                                  "grouped scale has shape [rows, groups]", hint)
+        elif scale is not None:
             if scale.dim() > 1 or (scale.dim() == 1 and not self.spec.per_channel):
                 raise QDebugError(
                     f"quant point {self.name!r}: saved scale has shape {list(scale.shape)}; a "
@@ -260,7 +291,7 @@ class QuantPoint(nn.Module):
             if scale is not None and zero_point.shape != scale.shape:
                 raise QDebugError(f"quant point {self.name!r}: saved zero_point has shape "
                                   f"{list(zero_point.shape)} but its scale {list(scale.shape)}", hint)
-            if zero_point.dim() > 1:
+            if zero_point.dim() > (2 if self.spec.group_size is not None else 1):
                 raise QDebugError(f"quant point {self.name!r}: saved zero_point has shape "
                                   f"{list(zero_point.shape)}", hint)
             if zero_point.numel():

@@ -18,21 +18,25 @@ import fnmatch
 import itertools
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
 from qdebug import distributed, vocab
 from qdebug.device import model_device
+from qdebug.engine.attention import attention_softmax_spec, swap_attention
 from qdebug.engine.context import Call, ForwardContext, active_context, run_model
 from qdebug.engine.functional import QuantHandler
+from qdebug.engine.members import member_name, split_name
 from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
 from qdebug.engine.observers import merge_ranks
 from qdebug.engine.ops import VALUE_CATEGORIES
 from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.engine.point import MODES, QuantPoint
-from qdebug.engine.spec import QConfig
+from qdebug.engine.recurrent import RecurrentLayer, quantizable_recurrent
+from qdebug.engine.fake_quant import group_layout
+from qdebug.engine.spec import QConfig, QuantSpec
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 
@@ -70,17 +74,31 @@ class EngineState:
         self.table.add_module(PointTable.key(point.name), point)
         self.points[point.name] = point
 
-    def discover(self, call: Call) -> QuantPoint | None:
-        """A value call the trace never saw (data-dependent path): give it a point now."""
+    def discover(self, call: Call, members: Sequence[str] = ()) -> QuantPoint | None:
+        """A value call the trace never saw (data-dependent path), or ``members`` of a call's
+        structured output it never saw: give them points now.  Returns the point of a call
+        whose output is one tensor (``members`` empty)."""
         if call.category not in VALUE_CATEGORIES:
             return None
-        self.plan.calls[call.name] = CallRecord(
-            call.name, call.category, call.op, call.owner, call.module is not None, point=call.name, output_point=call.name
-        )
-        spec = self.qconfig.spec_for("activation", (call.owner, call.base, call.name))
+        rec = self.plan.calls.get(call.name)
+        if rec is None:
+            rec = self.plan.calls[call.name] = CallRecord(
+                call.name, call.category, call.op, call.owner, call.module is not None, point=call.name,
+                output_point=call.name, members=list(members),
+            )
+            names = rec.point_names()
+        else:  # a planned call whose output now has more tensors than traced
+            new = [m for m in members if m not in rec.members]
+            rec.members.extend(new)
+            names = [member_name(call.name, m) for m in new]
+        made = [self._discover_point(call, name) for name in names]
+        return made[0] if not members else None
+
+    def _discover_point(self, call: Call, name: str) -> QuantPoint | None:
+        spec = self.qconfig.spec_for("activation", activation_names(call.category, call.owner, name))
         if spec is None:
             return None
-        point = QuantPoint(call.name, "activation", spec, op=call.op, owner=call.owner, fallback=call.category == "fallback")
+        point = QuantPoint(name, "activation", spec, op=call.op, owner=call.owner, fallback=call.category == "fallback")
         # Follow the other activation points (weight points sit in "float" during calibration).
         reference = next((p for p in self.points.values() if p.kind == "activation"), None)
         if reference is not None:
@@ -92,14 +110,27 @@ class EngineState:
                 # No scale to fake-quantize with (only running observers could set one): stay float.
                 point.mode = "float"
         self.add_point(point)
-        self.discovered.append(call.name)
+        self.discovered.append(name)
         warnings.warn(
-            f"qdebug: call {call.name!r} was not seen when the model was traced at prepare; it got a new, "
+            f"qdebug: call {name!r} was not seen when the model was traced at prepare; it got a new, "
             f"uncalibrated quant point (mode {point.mode!r}; trace with inputs that take every path, "
             "or calibrate again)",
             stacklevel=2,
         )
         return point
+
+
+def activation_names(category: str, owner: str, point_name: str) -> tuple[str, ...]:
+    """The names a qconfig override glob may match for an activation point: the owner's
+    module path, the call without its ``#k``, the call, and for a member of a structured
+    output (``lstm#2:1.1``) the member under both (``lstm:1.1``, ``lstm#2:1.1``)."""
+    call, path = split_name(point_name)
+    base = call.split("#")[0]
+    if category == "input":
+        return ("input", point_name)
+    if not path:
+        return (owner, base, call)
+    return (owner, base, call, member_name(base, path), point_name)
 
 
 def engine_state(model: nn.Module) -> EngineState:
@@ -176,6 +207,8 @@ def prepare(
     if is_prepared(model):
         raise QDebugError("the model is already prepared", "prepare the float model")
     qm = copy.deepcopy(model)
+    # Before the trace: the attention's parts (projections, QK^T, softmax, attn.V) are its calls.
+    _replace_modules(qm, swap_attention)
     if plan is None:
         if example_inputs is None:
             raise QDebugError("prepare needs example_inputs to trace the model", "pass one batch of inputs")
@@ -190,7 +223,7 @@ def prepare(
             return QConv(module)
         if isinstance(module, nn.Linear):
             return QLinear(module)
-        return None
+        return quantizable_recurrent(module)  # LSTM/GRU (cells): qdebug.engine.recurrent
 
     _replace_modules(qm, wrap)
 
@@ -207,35 +240,40 @@ def prepare(
     used_names: list[tuple[str, ...]] = []
     fallbacks: list[str] = []
     weighted = {path: m for path, m in qm.named_modules() if isinstance(m, _QWeighted)}
+    recurrent = {path: m for path, m in qm.named_modules() if isinstance(m, RecurrentLayer)}
     for rec in plan.calls.values():
+        if rec.is_module and recurrent.get(rec.name) is not None:  # its points, in execution order
+            used_names += recurrent.pop(rec.name).attach_points(rec.name, qconfig, state.add_point)
         if rec.is_module and rec.name in weighted and weighted[rec.name].weight_point is None:
             layer = weighted[rec.name]
             names = (rec.name, f"{rec.name}.weight")
             used_names.append(names)
             spec = qconfig.spec_for("weight", names)
             if spec is not None:
+                _check_groups(rec.name, layer, spec)
                 point = QuantPoint(f"{rec.name}.weight", "weight", spec, op=rec.op, owner=rec.name)
                 state.add_point(point)
                 layer.attach_weight_point(point)
-        if rec.point is None:
-            continue
-        base = rec.name.split("#")[0]
-        names = (rec.owner, base, rec.name) if rec.category != "input" else ("input", rec.name)
-        used_names.append(names)
-        spec = qconfig.spec_for("activation", names)
-        if spec is None:
-            continue
-        state.add_point(
-            QuantPoint(rec.name, "activation", spec, op=rec.op, owner=rec.owner, fallback=rec.category == "fallback")
-        )
-        if rec.category == "fallback":
+        for point_name in rec.point_names():  # one per tensor of a structured output (qdebug.engine.members)
+            names = activation_names(rec.category, rec.owner, point_name)
+            used_names.append(names)
+            spec = qconfig.spec_for("activation", names)
+            if spec is None:
+                continue
+            spec = attention_softmax_spec(qm, rec, spec, qconfig.matching_globs(names))
+            state.add_point(QuantPoint(point_name, "activation", spec, op=rec.op, owner=rec.owner,
+                                       fallback=rec.category == "fallback"))
+        if rec.category == "fallback" and any(n in state.points for n in rec.point_names()):
             fallbacks.append(f"{rec.name} ({rec.op})")
+    for path, layer in recurrent.items():  # recurrent layers the trace never called (dead)
+        used_names += layer.attach_points(path, qconfig, state.add_point)
     for layer in weighted.values():  # weighted layers the trace never called (dead): still quantizable
         if layer.weight_point is None:
             path = next(p for p, m in weighted.items() if m is layer)
             spec = qconfig.spec_for("weight", (path, f"{path}.weight"))
             used_names.append((path, f"{path}.weight"))
             if spec is not None:
+                _check_groups(path, layer, spec)
                 point = QuantPoint(f"{path}.weight", "weight", spec, op=type(layer).__name__, owner=path)
                 state.add_point(point)
                 layer.attach_weight_point(point)
@@ -394,6 +432,16 @@ def calibrate(
     return model
 
 
+def _check_groups(path: str, layer: nn.Module, spec: QuantSpec) -> None:
+    """A grouped weight spec must cut the layer's weight rows evenly: refused at prepare, naming the layer."""
+    if spec.group_size is None:
+        return
+    try:
+        group_layout(layer.weight.shape, spec.group_size)
+    except QDebugError as exc:
+        raise QDebugError(f"{path}.weight: {exc.message}", exc.hint) from None
+
+
 def _merge_observers(group: "distributed.Group", state: Any, count: int) -> int:
     """Every rank's activation observers merged into this rank's (exact); the number of
     batches all ranks saw."""
@@ -412,6 +460,8 @@ def _refresh_weight_points(model: nn.Module) -> None:
                 point.frozen = False
                 module.refresh_weight_qparams()
                 point.frozen = was_frozen
+        elif isinstance(module, RecurrentLayer):
+            module.refresh_weight_qparams(calibrating=True)
 
 
 def refresh_weight_qparams(model: nn.Module) -> None:
@@ -421,6 +471,8 @@ def refresh_weight_qparams(model: nn.Module) -> None:
         if isinstance(module, _QWeighted):
             if module.weight_point is not None:
                 module.weight_point.forget_cached()
+            module.refresh_weight_qparams()
+        elif isinstance(module, RecurrentLayer):
             module.refresh_weight_qparams()
 
 

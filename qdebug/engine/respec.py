@@ -142,15 +142,34 @@ def qparams_with_spec(point: QuantPoint) -> tuple[torch.Tensor, torch.Tensor]:
     return observer.calculate_qparams()
 
 
-def raise_bits(model: nn.Module, bits: Mapping[str, int], points: Mapping[str, QuantPoint]) -> Respec:
-    """Set each named point to ``bits`` (see module docstring); returns the undo."""
-    changing = [name for name, width in bits.items() if _point(points, name).spec.bits != width]
-    return _change(model, changing, points, lambda point, layer: _set_width(point, layer, bits[point.name]))
+def raise_bits(model: nn.Module, bits: Mapping[str, int | Mapping[str, Any]],
+               points: Mapping[str, QuantPoint]) -> Respec:
+    """Set each named point to ``bits`` (see module docstring); returns the undo.  A value may
+    also be a table of spec changes, ``{"bits": 16}`` or ``{"group_size": 64}`` (a grouped
+    weight with smaller groups: its qparams from the weight, as for a new width)."""
+    changes = {name: _spec_changes(value) for name, value in bits.items()}
+    changing = [name for name, change in changes.items()
+                if _point(points, name).spec != _point(points, name).spec.replace(**change)]
+    return _change(model, changing, points, lambda point, layer: _set_width(point, layer, changes[point.name]))
 
 
-def _set_width(point: QuantPoint, layer: _QWeighted | None, width: int) -> None:
-    """The point at ``width``, with the qparams calibration at that width would give it."""
-    spec = point.spec.replace(bits=width)
+def _spec_changes(value: int | Mapping[str, Any]) -> dict[str, Any]:
+    """A width, or a table of the spec changes an experiment may make (bits, group_size)."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"bits", "group_size"}
+        if unknown:
+            raise QDebugError(f"an experiment cannot change {', '.join(sorted(map(str, unknown)))}",
+                              "change bits or group_size")
+        return dict(value)
+    return {"bits": value}
+
+
+def _set_width(point: QuantPoint, layer: _QWeighted | None, changes: Mapping[str, Any]) -> None:
+    """The point with ``changes`` (a width, a group size), with the qparams calibration would give it."""
+    spec = point.spec.replace(**changes)
+    if spec.group_size != point.spec.group_size and (point.kind != "weight" or layer is None or point.frozen):
+        raise QDebugError(f"quant point {point.name!r}: only a weight with a dynamic scale can change its group size",
+                          "change its bits instead")
     learned = spec.learnable_scale and point.initialized
     observer = make_observer(spec)
     if point.kind == "weight" and layer is not None and not point.frozen and not learned:
@@ -166,5 +185,8 @@ def _set_width(point: QuantPoint, layer: _QWeighted | None, width: int) -> None:
         scale, zero_point = observer.calculate_qparams()
     else:
         scale, zero_point = qparams_from_range(*_grid_range(point), spec)
+    if spec.group_size is not None and scale.numel() == point.scale.numel():
+        # A grouped weight's observer holds one channel a group: back to [rows, groups].
+        scale, zero_point = scale.reshape(point.scale.shape), zero_point.reshape(point.scale.shape)
     point.spec, point.observer = spec, observer
     point.set_qparams(scale, zero_point)

@@ -30,6 +30,8 @@ SCALE_EPS = float(torch.finfo(torch.float32).eps)
 # Histogram observers keep channels x bins int64 counts: 2^16 bins is 32x the default and
 # a per-channel histogram of 1024 channels at 512 MB; more is a file asking for memory.
 MAX_BINS = 1 << 16
+# A group is part of one weight row: 2^24 elements is past any layer's row (and bounds a file's value).
+MAX_GROUP_SIZE = 1 << 24
 
 
 def _names(keys: Any) -> str:
@@ -57,6 +59,14 @@ class QuantSpec:
     estimator: the gradient used in training (ste, clipped_ste, qte, alpha_blend, lsq).
     averaging_constant: EMA weight of a new batch.  percentile: for ``percentile``.
     bins: histogram size of the histogram observers (percentile, mse, kl).
+    group_size: weights only, the LLM-style W4 g128 scheme: each output channel's row (the
+    weight as [out, in * kh * kw], flattened as GPTQ/AWQ do) is cut into groups of
+    ``group_size`` consecutive elements, each with its own scale (and zero point when
+    affine); needs per_channel = true with ch_axis = 0, and the row length a multiple of it.
+    dynamic: activations only, qparams from each batch's own min/max at run time (no
+    calibration, nothing frozen, as torch's dynamic quantization).  per_token (needs
+    dynamic): each token -- each row over the last dimension, a (b, t) row of [B, T, C] --
+    gets its own.
     """
 
     bits: int = 8
@@ -70,6 +80,9 @@ class QuantSpec:
     percentile: float = 99.99
     bins: int = 2048
     narrow_range: bool = False
+    group_size: int | None = None
+    dynamic: bool = False
+    per_token: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not MIN_BITS <= self.bits <= MAX_BITS:
@@ -97,6 +110,39 @@ class QuantSpec:
         if isinstance(self.bins, bool) or not isinstance(self.bins, int) or not 16 <= self.bins <= MAX_BINS:
             # The cap: a histogram holds channels x bins int64 counts, and a file names bins.
             raise QDebugError(f"bins={shown(self.bins)} must be an integer in [16, {MAX_BINS}]", "e.g. bins = 2048")
+        self._check_group()
+        self._check_dynamic()
+
+    def _check_group(self) -> None:
+        if self.group_size is None:
+            return
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
+                or not 1 <= self.group_size <= MAX_GROUP_SIZE:
+            raise QDebugError(f"group_size={shown(self.group_size)} must be a positive integer "
+                              f"(at most {MAX_GROUP_SIZE})", "e.g. group_size = 128")
+        if not self.per_channel or self.ch_axis != 0:
+            # Groups cut each output channel's row: they refine per-channel along axis 0.
+            raise QDebugError(f"group_size={self.group_size} needs per_channel = true with ch_axis = 0",
+                              "groups split each output channel's row: set per_channel = true, ch_axis = 0")
+
+    def _check_dynamic(self) -> None:
+        for name in ("dynamic", "per_token"):
+            if not isinstance(getattr(self, name), bool):
+                raise QDebugError(f"{name}={shown(getattr(self, name))} must be true or false", "write true or false")
+        if self.per_token and not self.dynamic:
+            raise QDebugError("per_token needs dynamic = true",
+                              "a token's scale comes from its own values at run time: set dynamic = true")
+        if not self.dynamic:
+            return
+        if self.per_channel or self.group_size is not None:
+            raise QDebugError("dynamic takes per_channel = false and no group_size",
+                              "per token: per_token = true; per channel and groups are for weights")
+        if self.observer != "minmax":
+            raise QDebugError(f"dynamic quantization uses each batch's own min/max, not the {self.observer} observer",
+                              'set observer = "minmax"')
+        if self.learnable_scale:
+            raise QDebugError(f"dynamic quantization has no scale for the {self.estimator} estimator to learn",
+                              'use estimator = "ste" or "clipped_ste"')
 
     @property
     def qmin(self) -> int:
@@ -118,13 +164,24 @@ class QuantSpec:
         return f"{'int' if self.signed else 'uint'}{self.bits}"
 
     def describe(self) -> str:
-        """e.g. ``int8 sym per-channel(0) minmax``; ``int8[-127] ...`` when narrow."""
+        """e.g. ``int8 sym per-channel(0) minmax``; ``int8[-127] ...`` when narrow; ``int4 sym
+        group(128) minmax``; ``int8 affine dynamic per-token minmax``."""
         gran = f"per-channel({self.ch_axis})" if self.per_channel else "per-tensor"
+        if self.group_size is not None:
+            gran = f"group({self.group_size})"
+        elif self.dynamic:
+            gran = "dynamic per-token" if self.per_token else "dynamic per-tensor"
         name = f"{self.dtype_name}[{self.qmin}]" if self.narrow_range else self.dtype_name
         return f"{name} {'sym' if self.symmetric else 'affine'} {gran} {self.observer}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except the LLM-style ones at their defaults: TOML has no null for an
+        unset ``group_size``, and files written before they existed stay as they were."""
+        out = dataclasses.asdict(self)
+        for name, default in (("group_size", None), ("dynamic", False), ("per_token", False)):
+            if out[name] == default:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "QuantSpec":
@@ -151,6 +208,29 @@ def _refined(spec: QuantSpec, table: Mapping[Any, Any]) -> QuantSpec:
         raise QDebugError(f"unknown quant spec key(s): {_names(odd)}",
                           f"valid keys: {', '.join(sorted(f.name for f in fields(QuantSpec)))}")
     return spec.replace(**table)
+
+
+def check_kind(spec: QuantSpec | Mapping[str, Any], kind: str, where: str = "") -> None:
+    """Refuse a spec (or a file's table of settings, checked before it is refined, so that
+    this is the error it gets) its kind of tensor cannot take: groups are for weights,
+    dynamic (per-token) quantization for activations.  ``where``: e.g. "override 'fc' "."""
+    get = spec.get if isinstance(spec, Mapping) else (lambda key: getattr(spec, key))
+    if kind == "weight" and (get("dynamic") or get("per_token")):
+        key = "dynamic" if get("dynamic") else "per_token"
+        raise QDebugError(
+            f"{where}weight spec sets {key} = true; dynamic (per-token) quantization is for activations",
+            "weights are quantized from their own values already: drop dynamic/per_token")
+    if kind == "activation" and get("group_size") is not None:
+        raise QDebugError(f"{where}activation spec sets group_size = {shown(get('group_size'))}; groups are for weights",
+                          "for activations use dynamic = true, per_token = true")
+
+
+def _refined_kind(spec: QuantSpec, table: Mapping[Any, Any], kind: str, where: str = "") -> QuantSpec:
+    """``_refined`` for a ``kind`` point: the kind's rules checked on the table first, then on the result."""
+    check_kind(table, kind, where)
+    refined = _refined(spec, table)
+    check_kind(refined, kind, where)
+    return refined
 
 
 def default_weight_spec() -> QuantSpec:
@@ -186,6 +266,8 @@ class QConfig:
         if not isinstance(self.weight, QuantSpec) or not isinstance(self.activation, QuantSpec):
             raise QDebugError("QConfig weight/activation must be QuantSpec objects",
                               "build them with QuantSpec(...) or QuantSpec.from_dict({...})")
+        check_kind(self.weight, "weight")
+        check_kind(self.activation, "activation")
         if not isinstance(self.overrides, Mapping):
             raise QDebugError("QConfig overrides must be a table mapping module globs to settings",
                               'e.g. overrides = {"layer1.*" = {activation = {bits = 16}}}')
@@ -209,7 +291,7 @@ class QConfig:
                     )
                 if entry.get(kind) is not None:
                     # Validate eagerly: a typo must fail at load, not mid-run.
-                    _refined(getattr(self, kind), entry[kind])
+                    _refined_kind(getattr(self, kind), entry[kind], kind, f"override {glob!r} ")
 
     def spec_for(self, kind: str, names: tuple[str, ...]) -> QuantSpec | None:
         """The spec of a ``kind`` quant point known by ``names``; None means float."""
@@ -253,8 +335,8 @@ class QConfig:
                 f"unknown qconfig key(s): {_names(unknown)}", "valid keys: weight, activation, overrides"
             )
         return cls(
-            weight=_refined(default_weight_spec(), data.get("weight") or {}),
-            activation=_refined(default_activation_spec(), data.get("activation") or {}),
+            weight=_refined_kind(default_weight_spec(), data.get("weight") or {}, "weight"),
+            activation=_refined_kind(default_activation_spec(), data.get("activation") or {}, "activation"),
             overrides={
                 g: (dict(e) if isinstance(e, Mapping) else e) for g, e in dict(data.get("overrides") or {}).items()
             },

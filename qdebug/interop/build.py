@@ -176,7 +176,8 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
         rows.append(_row(source_name, "activation", "", UNMAPPED, why))
     for rec in calls.values():
         if rec.point and rec.point not in acts:
-            rows.append(_row("", "activation", rec.point, FLOAT, "the source does not quantize this output"))
+            for name in rec.point_names():  # a point per tensor of a structured output
+                rows.append(_row("", "activation", name, FLOAT, "the source does not quantize this output"))
     for path in sorted(weighted):
         if f"{path}.weight" not in weights:
             rows.append(_row("", "weight", f"{path}.weight", FLOAT, "the source keeps this weight in float"))

@@ -23,6 +23,7 @@ import torch.nn as nn
 from qdebug import distributed
 from qdebug.engine import engine_state, quantization_off
 from qdebug.engine.context import Event, run_model
+from qdebug.engine.members import named_members
 from qdebug.stats import sqnr_db
 from qdebug.tap import tap
 from qdebug.tools.experiment import named_outputs
@@ -50,11 +51,17 @@ def check_calibration(model: nn.Module, batches: Iterable[Any]) -> CalibrationCh
 
     def count(event: Event) -> None:
         rec = state.plan.calls.get(event.call.name)
-        point = state.points.get(rec.point) if rec is not None and rec.point else None
-        if point is not None and point.clipped is not None and isinstance(event.out, torch.Tensor):
-            seen = counts.setdefault(point.name, [0, 0])
-            seen[0] += int(point.clipped)
-            seen[1] += event.out.numel()
+        if rec is None or not rec.point:
+            return
+        if rec.members:  # a structured output: each tensor on its own point
+            outputs = [(state.points.get(name), t) for name, _, t in named_members(rec.name, event.out)]
+        else:
+            outputs = [(state.points.get(rec.point), event.out)]
+        for point, out in outputs:
+            if point is not None and point.clipped is not None and isinstance(out, torch.Tensor):
+                seen = counts.setdefault(point.name, [0, 0])
+                seen[0] += int(point.clipped)
+                seen[1] += out.numel()
 
     activations = [p for p in state.points.values() if p.kind == "activation"]
     signal = error = 0.0

@@ -31,13 +31,16 @@ import torch.nn as nn
 
 from qdebug import distributed, vocab
 from qdebug.engine import engine_state, is_prepared
+from qdebug.engine.attention import decomposed_copy
 from qdebug.engine.context import Event, run_model
+from qdebug.engine.fake_quant import elementwise
+from qdebug.engine.members import member_at, named_members
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 from qdebug.stats import ErrorStats
-from qdebug.tap import Capture, first_tensor, tap
+from qdebug.tap import Capture, tap
 from qdebug.tools.isolated import IsolatedReplay
 
 # Metric columns in display order, and the default table's columns (most useful first).
@@ -86,7 +89,8 @@ def _pairs(model: nn.Module) -> dict[str, str]:
 
 def _grid(point: QuantPoint | None) -> tuple[float, int, int, int] | None:
     """(scale, zero_point, qmin, qmax) of the point quantizing a call's own output."""
-    if point is None or point.mode != "fake" or not point.initialized or point.scale.numel() != 1:
+    if point is None or point.mode != "fake" or not point.initialized or point.scale.numel() != 1 \
+            or point.spec.dynamic:  # a dynamic point's grid is each batch's (or token's) own
         return None
     return float(point.scale), int(point.zero_point), point.spec.qmin, point.spec.qmax
 
@@ -112,40 +116,53 @@ class _Listener:
         self.points = engine_state(model).points if is_prepared(model) else {}
 
     def __call__(self, event: Event) -> None:
-        name = event.call.name
-        self.seen.add(name)
-        self.kinds.setdefault(name, event.call.op)
-        key = (name, self.label)
-        record = self.capture.records.get(name)
-        if record is None:
-            self.notes[key] = "not in the reference model"
+        call = event.call.name
+        members = _rows_of(call, event.out)
+        for name, _, _ in members:
+            self.seen.add(name)
+            self.kinds.setdefault(name, event.call.op)
+        record = self.capture.records.get(call)
+        if record is None or call in self.skip:
+            for name, _, _ in members:
+                self.notes[(name, self.label)] = "not in the reference model" if record is None else self.skip[call]
+            if record is not None and event.call.category == "conv":
+                self.replay.skipped_convs[call] = event
             return
-        if name in self.skip:
-            self.notes[key] = self.skip[name]
-            if event.call.category == "conv":
-                self.replay.skipped_convs[name] = event
-            return
-        x, y = first_tensor(record.output), first_tensor(event.out)
-        if x is None or y is None:
-            return
-        if x.shape != y.shape:
-            self.notes[key] = f"shape differs: {list(x.shape)} vs {list(y.shape)}"
-            return
-        if key not in self.stats:
-            # KL over the classes of a [N, C] output always; over a feature map's channels on request.
-            want_kl = self.kl_feature_maps or x.dim() <= 2
-            self.stats[key] = (ErrorStats(want_kl=want_kl), ErrorStats(want_ranges=False, want_kl=False))
-        stats = self.stats[key]
-        raw = first_tensor(event.raw) if event.raw is not None else None
-        point = self.points.get(name)
-        clipped = point.clipped if point is not None and isinstance(event.out, torch.Tensor) else None
-        stats[0].update(x, y, grid=_grid(point), raw=None if clipped is not None else raw, clipped=clipped)
-        if self.first_batch and key not in self.samples:
-            self.samples[key] = (_sample(x), _sample(y))
-        if self.isolated and event.call.category != "input":
-            iso_y = first_tensor(self.replay.output(event, record, self.capture.records))
-            if iso_y is not None:
-                stats[1].update(x, iso_y)
+        isolated = None
+        for name, path, y in members:
+            x = member_at(record.output, path)
+            if x is None or y is None:
+                continue
+            key = (name, self.label)
+            if x.shape != y.shape:
+                self.notes[key] = f"shape differs: {list(x.shape)} vs {list(y.shape)}"
+                continue
+            if key not in self.stats:
+                # KL over the classes of a [N, C] output always; over a feature map's channels on request.
+                want_kl = self.kl_feature_maps or x.dim() <= 2
+                self.stats[key] = (ErrorStats(want_kl=want_kl), ErrorStats(want_ranges=False, want_kl=False))
+            stats = self.stats[key]
+            raw = member_at(event.raw, path) if event.raw is not None else None
+            # The point of this very tensor (a member's own, or the call's when it has one tensor):
+            # applied once per call, so its count of clipped values is this tensor's.
+            point = self.points.get(name)
+            clipped = point.clipped if point is not None and (path or isinstance(event.out, torch.Tensor)) else None
+            stats[0].update(x, y, grid=_grid(point), raw=None if clipped is not None else raw, clipped=clipped)
+            if self.first_batch and key not in self.samples:
+                self.samples[key] = (_sample(x), _sample(y))
+            if self.isolated and event.call.category != "input":
+                if isolated is None:
+                    isolated = self.replay.output(event, record, self.capture.records)
+                iso_y = member_at(isolated, path)
+                if iso_y is not None:
+                    stats[1].update(x, iso_y)
+
+
+def _rows_of(call: str, out: Any) -> list[tuple[str, str, torch.Tensor | None]]:
+    """(row name, member path, tensor) of a call's output: one row per tensor of a structured
+    output (``qdebug.engine.members``), else one row named after the call (its tensor None
+    when it has no floating tensor)."""
+    return named_members(call, out) or [(call, "", None)]
 
 
 def _fused_in_integer_kernels(model: nn.Module) -> dict[str, str]:
@@ -224,6 +241,7 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
     if not is_prepared(model):
         return {}
     plan = engine_state(model).plan
+    layer = plan.call_of_point(layer)  # a member row (``lstm:1.1``): its call's consumers
     frontier, seen = list(plan.calls[layer].consumers) if layer in plan.calls else [], set()
     while frontier:
         name = frontier.pop(0)
@@ -238,8 +256,7 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
                 weight, _ = module.quantized_input_weight()
                 if weight.dim() < 2 or weight.shape[1] <= channel or module.weight.shape[1] == 1:
                     return {}  # a depthwise layer keeps each channel to itself
-                scale = point.scale.detach().reshape([-1] + [1] * (weight.dim() - 1)) \
-                    if point.scale.numel() > 1 else point.scale.detach()
+                scale = elementwise(point.scale.detach(), point.spec, weight.shape)
                 zero = torch.round(weight / scale) == 0
                 on = float(zero[:, channel].float().mean())
                 rest = torch.cat([zero[:, :channel], zero[:, channel + 1:]], dim=1)
@@ -320,6 +337,7 @@ def compare(
     if unknown:
         raise QDebugError(f"unknown threshold metric(s): {', '.join(unknown)}", f"choose from {', '.join(METRICS)}")
     ref_label, ref_model = models[ref]
+    ref_model = decomposed_copy(ref_model)  # a float model's attentions in prepare's parts: row for row
     others = [(label, model) for i, (label, model) in enumerate(models) if i != ref]
     labels = [label for label, _ in models]
     if len(set(labels)) != len(labels):
@@ -353,10 +371,11 @@ def compare(
                 capture.clear()
                 with tap(ref_model, capture):
                     run_model(ref_model, inputs)
-                for name, record in capture.records.items():
-                    if name not in kinds:
-                        kinds[name] = record.op
-                        order.append(name)
+                for call, record in capture.records.items():
+                    for name, _, _ in _rows_of(call, record.output):
+                        if name not in kinds:
+                            kinds[name] = record.op
+                            order.append(name)
                 for (label, model), listener in zip(others, listeners):
                     with tap(model, listener):
                         run_model(model, inputs)

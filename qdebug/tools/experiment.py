@@ -46,6 +46,7 @@ import torch.nn as nn
 from qdebug import distributed
 from qdebug.engine import engine_state
 from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
+from qdebug.engine.members import named_members
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.respec import raise_bits, set_qparams
 from qdebug.engine.ops import map_tensors, tensors_in
@@ -134,7 +135,12 @@ class _Costs:
     def __call__(self, event: Event) -> None:
         module = event.call.module
         out = event.out
-        if not (isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0]):
+        if not isinstance(out, torch.Tensor):  # a structured output: each member's own size
+            for name, _, t in named_members(event.call.name, out):
+                if t.dim() >= 1 and t.shape[0]:
+                    self.sizes[name] = t.numel() // t.shape[0]
+            return
+        if not (out.dim() >= 1 and out.shape[0]):
             return
         per_sample = out.numel() // out.shape[0]
         self.sizes[event.call.name] = per_sample
@@ -510,8 +516,13 @@ class Experiment:
         activation point its own call and, in the quantized stage, the integer kernel whose
         output lands on its grid (a conv before its fused ReLU's point)."""
         acting: dict[str, list[str]] = {}
+        plan = self.state.plan
         for name, point in self.state.points.items():
-            acting[name] = [point.owner] if point.kind == "weight" else [name]
+            # A member of a structured output (``lstm:1.1``) acts at its call (``lstm``).
+            call = plan.call_of_point(name)
+            # A point inside a recurrent layer (``lstm.l0.cell``) is no call: it acts at its layer's.
+            inner = call not in plan.calls and point.owner in plan.calls
+            acting[name] = [point.owner] if point.kind == "weight" or inner else [call]
         if self.state.stage == "quantized":
             for record in self.state.plan.calls.values():
                 if record.output_point in acting and record.name not in acting[record.output_point]:

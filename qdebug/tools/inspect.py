@@ -50,12 +50,16 @@ def _dtype(point: QuantPoint | None) -> str:
         return "float"
     spec = point.spec
     gran = (" per-ch" if spec.ch_axis == 0 else f" per-ch({spec.ch_axis})") if spec.per_channel else ""
+    if spec.group_size is not None:
+        gran = f" g{spec.group_size}"
+    elif spec.dynamic:
+        gran = " per-token" if spec.per_token else " dynamic"
     label = f"{spec.dtype_name} {'sym' if spec.symmetric else 'affine'}{gran}"
     return label if point.mode == "fake" else f"{label} [{point.mode}]"
 
 
 def _scale_range(point: QuantPoint | None) -> tuple[float | None, float | None]:
-    if point is None or not point.initialized:
+    if point is None or not point.initialized or point.spec.dynamic:  # dynamic: no stored scale
         return None, None
     scale = point.scale.detach().float()
     return float(scale.min()), float(scale.max())
@@ -80,21 +84,26 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
         for rec in plan.calls.values():
             module = modules.get(rec.name.split("#")[0]) if rec.is_module else None
             weight_point = points.get(f"{rec.name}.weight")
-            act_point = points.get(rec.output_point) if rec.output_point else None
             w_lo, w_hi = _scale_range(weight_point)
-            a_lo, a_hi = _scale_range(act_point)
             has_weight = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, _QWeighted))
-            rows.append({
-                "layer": rec.name,
-                "type": type(module).__name__ if module is not None else rec.op,
-                "calls": plan.call_counts.get(rec.name.split("#")[0], 1) if rec.is_module else 1,
-                "weight": _dtype(weight_point) if has_weight else "",
-                "weight_scale_min": w_lo, "weight_scale_max": w_hi,
-                "activation": _dtype(act_point) if act_point is not None else ("float" if rec.category != "passthrough" else ""),
-                "act_scale_min": a_lo, "act_scale_max": a_hi,
-                "fused_into": rec.output_point if act_point is not None and rec.output_point != rec.name else "",
-                "mode": act_point.mode if act_point is not None else "float",
-            })
+            # One row per tensor of a structured output (``lstm:0``, ``lstm:1.0``...), each with its point.
+            outputs = [(name, name) for name in rec.point_names()] if rec.members and rec.point else [
+                (rec.name, rec.output_point)]
+            for layer, landing in outputs:
+                act_point = points.get(landing) if landing else None
+                a_lo, a_hi = _scale_range(act_point)
+                rows.append({
+                    "layer": layer,
+                    "type": type(module).__name__ if module is not None else rec.op,
+                    "calls": plan.call_counts.get(rec.name.split("#")[0], 1) if rec.is_module else 1,
+                    "weight": _dtype(weight_point) if has_weight else "",
+                    "weight_scale_min": w_lo, "weight_scale_max": w_hi,
+                    "activation": _dtype(act_point) if act_point is not None else (
+                        "float" if rec.category != "passthrough" else ""),
+                    "act_scale_min": a_lo, "act_scale_max": a_hi,
+                    "fused_into": landing if act_point is not None and landing != layer else "",
+                    "mode": act_point.mode if act_point is not None else "float",
+                })
         _structure_checks(model, plan, prepared, modules, checks, imported=bool(len(imports)))
     else:
         for name, module in modules.items():

@@ -104,6 +104,7 @@ class IsolatedReplay:
         self.quantized = is_prepared(model) and engine_state(model).stage == "quantized"
         # The reference output is its float result unless a quant point of the reference changed it.
         self.ref_points = engine_state(reference).points if is_prepared(reference) else {}
+        self.ref_plan = engine_state(reference).plan if is_prepared(reference) else None
         self.ref_quantized = is_prepared(reference) and engine_state(reference).stage == "quantized"
         self.bn_of_pair = {bn: conv for conv, bn in pairs.items()}
         # A conv skipped because BN is folded in one model only: its event, kept to replay the
@@ -122,12 +123,17 @@ class IsolatedReplay:
     def _same_function(self, event: Event, record: Record) -> bool:
         if self.quantized or self.ref_quantized or event.call.category == "input":
             return False
-        ref_point = self.ref_points.get(record.name)
-        if ref_point is not None and ref_point.mode != "float":
+        ref_points = [self.ref_points.get(n) for n in self._ref_point_names(record.name)]
+        if any(p is not None and p.mode != "float" for p in ref_points):
             return False
         if event.func is not None or record.func is not None:
             return event.func is record.func and event.call.category == record.category
         return same_module_function(record.module, event.call.module)
+
+    def _ref_point_names(self, call: str) -> list[str]:
+        """The reference's points on the output of ``call``: one per tensor of a structured output."""
+        rec = self.ref_plan.calls.get(call) if self.ref_plan is not None else None
+        return rec.point_names() if rec is not None and rec.members else [call]
 
     def output(self, event: Event, record: Record, records: dict[str, Record]) -> Any:
         """This call of the model, on the reference's inputs (see module docstring)."""

@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.context import Event
+from qdebug.engine.members import named_members
 from qdebug.engine.ops import tensors_in
 from qdebug.tap import tap
 
@@ -251,9 +252,20 @@ class Watch:
             for t in outs:
                 if t.requires_grad and torch.is_grad_enabled():
                     t.register_hook(self._grad_hook(call.name))
-        if self.saturation and point is not None and point.kind == "activation" and raw and not point.spec.per_channel \
-                and point.mode == "fake" and point.initialized:
-            self.point_saturation[point.name] = clipped_fraction(raw[0], point)
+        if self.saturation and raw:
+            for own, t in self._output_points(call.name, event.raw, point):
+                if own is not None and own.kind == "activation" and not own.spec.per_channel \
+                        and own.mode == "fake" and own.initialized and not own.spec.dynamic:
+                    self.point_saturation[own.name] = clipped_fraction(t, own)
+
+    def _output_points(self, call_name: str, raw: Any, point) -> list[tuple[Any, torch.Tensor]]:
+        """(point, the tensor it received) for a call's output: one pair per tensor of a structured
+        output (each on its own point, ``qdebug.engine.members``), else ``point`` and the first."""
+        rec = self.plan.calls.get(call_name) if self.plan is not None else None
+        if rec is not None and rec.members:
+            return [(self.points.get(name), t) for name, _, t in named_members(call_name, raw)]
+        first = next((t for t in tensors_in(raw) if is_float(t)), None)
+        return [(point, first)] if first is not None else []
 
     def _link(self, name: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Detailed mode: the call graph as it runs (tensor identity, else the autograd graph)."""

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from qdebug import distributed
 from qdebug.engine import engine_state
 from qdebug.engine.context import Event, run_model
+from qdebug.engine.members import member_at, named_members
 from qdebug.engine.modules import _QWeighted, bn_scale_factor
 from qdebug.engine.ops import map_tensors
 from qdebug.errors import QDebugError
@@ -65,11 +66,12 @@ def noise_scores(model: nn.Module, batches: Sequence[Any], names: Sequence[str],
     group = distributed.current()
 
     def listen(event: Event) -> None:
-        name = event.call.name
-        out, raw = event.out, event.raw
-        if name in wanted and isinstance(out, torch.Tensor) and isinstance(raw, torch.Tensor) and out.requires_grad:
-            out.retain_grad()
-            captured.append((name, out, (out - raw).detach()))
+        # Each tensor of a structured output on its own point (``lstm:1.1``); else the call's one.
+        for name, path, out in named_members(event.call.name, event.out):
+            raw = member_at(event.raw, path) if name in wanted else None
+            if raw is not None and raw.shape == out.shape and out.requires_grad:
+                out.retain_grad()
+                captured.append((name, out, (out - raw).detach()))
 
     try:
         model.eval()

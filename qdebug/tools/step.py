@@ -75,7 +75,10 @@ class Units:
         self.path: dict[str, str] = {}
         for name in self.points:
             point = state.points[name]
-            path = point.owner if point.kind == "weight" else name  # ``relu#2``: its own unit
+            # ``relu#2``: its own unit; a member of a structured output (``lstm:1.1``): its call's.
+            path = point.owner if point.kind == "weight" else state.plan.call_of_point(name)
+            if path not in state.plan.calls and point.owner in state.plan.calls:
+                path = point.owner  # a point inside a recurrent layer (``lstm.l0.cell``): its layer's unit
             for bn, conv in bn_to_conv.items():
                 if path == bn or path.startswith(bn + "."):
                     path = conv + path[len(bn):]

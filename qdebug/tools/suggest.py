@@ -5,7 +5,9 @@ name it, so that the plan can be written as one and reproduced by ``calibrate``:
 layer's weight (override ``<layer>`` ``weight``), and an activation point (override
 ``<name>`` ``activation``; an override on a module that is called several times
 raises every call, so the candidate ``relu`` holds ``relu`` and ``relu#2``, while
-``relu#2`` alone is a candidate of its own).  An activation point diagnosed
+``relu#2`` alone is a candidate of its own).  A grouped weight (``group_size``) also gets
+candidates that keep its width and shrink its groups to a half and a quarter
+(``<layer>.weight@g64``; ``smaller_groups``), at any ``bits``.  An activation point diagnosed
 ``clipping`` by ``compare`` is a range problem, not a resolution one: it is not a
 candidate; instead the ranges a ``percentile`` and an ``mse`` observer pick for it on
 the data (observed as calibration observes) are measured, and the better one named.
@@ -57,13 +59,35 @@ COLUMNS = ["rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "ma
 
 @dataclass(frozen=True)
 class Candidate:
-    """One change a qconfig override can express: ``glob`` at ``bits`` for ``kind``."""
+    """One change a qconfig override can express: ``glob`` at ``bits`` for ``kind``, or, with
+    ``group_size``, a grouped weight's groups shrunk to it (its width kept)."""
 
     glob: str
     kind: str  # "weight" | "activation"
     points: tuple[str, ...]
     layer: str
     bits: int
+    group_size: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Tells candidates apart: a point's wider-bits and smaller-group candidates are two."""
+        return f"{self.glob}/{self.kind}" + (f"/g{self.group_size}" if self.group_size else "")
+
+    def spec_change(self, bits: int) -> dict[str, int]:
+        return {"group_size": self.group_size} if self.group_size else {"bits": bits}
+
+
+def plan_changes(chosen: Sequence[Candidate], bits: int) -> dict[str, dict[str, int]]:
+    """Point -> spec changes (``raise_bits``'s tables) of the chosen candidates, merged per point:
+    wider bits and smaller groups together, the smallest group when several are chosen."""
+    out: dict[str, dict[str, int]] = {}
+    for c in chosen:
+        for p in c.points:
+            change = out.setdefault(p, {})
+            for key, value in c.spec_change(bits).items():
+                change[key] = min(value, change[key]) if key == "group_size" and key in change else value
+    return out
 
 
 @dataclass
@@ -82,7 +106,9 @@ class Plan:
         """The qconfig overrides that apply the plan (``qdebug calibrate --qconfig``)."""
         out: dict[str, dict[str, Any]] = {}
         for c in self.candidates:
-            out.setdefault(c.glob, {})[c.kind] = {"bits": bits}
+            entry = out.setdefault(c.glob, {}).setdefault(c.kind, {})
+            for key, value in c.spec_change(bits).items():
+                entry[key] = min(value, entry[key]) if key == "group_size" and key in entry else value
         for c in self.keep_float:
             out.setdefault(c.glob, {})[c.kind] = None
         return out
@@ -103,14 +129,48 @@ def candidates(model: nn.Module, quantizable: Sequence[str], bits: int) -> list[
     for name in quantizable:
         point = state.points[name]
         if point.spec.bits >= bits:
+            if point.kind == "weight":
+                found += [Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits, group)
+                          for group in smaller_groups(point.spec.group_size)]
             continue
         if point.kind == "weight":
             found.append(Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits))
+            found += [Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits, group)
+                      for group in smaller_groups(point.spec.group_size)]
             continue
-        calls = (name,) if "#" in name else (name, *(n for n in quantizable if n.startswith(name + "#")
-                                                       and state.points[n].spec.bits < bits))
+        call, path = _call_and_member(state.plan, name)
+        # The glob ``name`` also names the later calls' points (``relu#2``; ``lstm#2:1.1`` for ``lstm:1.1``).
+        calls = (name,) if "#" in call else (name, *(
+            n for n in quantizable if n != name and state.points[n].kind == "activation"
+            and state.points[n].spec.bits < bits and _later_call_of(_call_and_member(state.plan, n), call, path)))
         found.append(Candidate(name, "activation", calls, point.owner or name, point.spec.bits))
     return found
+
+
+def _call_and_member(plan, name: str) -> tuple[str, str]:
+    """(call, member path) of an activation point: ("lstm", "1.1") for ``lstm:1.1``, (name, "")."""
+    call = plan.call_of_point(name)
+    return call, name[len(call) + 1:] if call != name else ""
+
+
+def _later_call_of(point: tuple[str, str], call: str, path: str) -> bool:
+    """Whether ``point`` (call, member) is the same output of a later call of ``call`` (``#k``)."""
+    return point[0].startswith(call + "#") and point[1] == path
+
+
+SMALLEST_GROUP = 8  # below this, groups cost more in scales than they win (and kernels stop at 32 or 16)
+
+
+def smaller_groups(group_size: int | None) -> list[int]:
+    """The group sizes a grouped weight's candidates shrink to: half and a quarter (g128 -> g64,
+    g32), even divisors of the current size, so they cut its rows evenly too; none below 8."""
+    out, group = [], group_size
+    for _ in range(2):
+        if group is None or group % 2 or group // 2 < SMALLEST_GROUP:
+            break
+        group //= 2
+        out.append(group)
+    return out
 
 
 def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
@@ -161,7 +221,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         return _sqnr(result) >= min_sqnr
 
     def raised(chosen: Sequence[Candidate]) -> Trial:
-        return Trial(everything, {"label": "plan"}, {p: bits for c in chosen for p in c.points})
+        return Trial(everything, {"label": "plan"}, plan_changes(chosen, bits))
 
     # A model that already meets the target needs no diagnosis and no ranking: one run says so.
     base = experiment.run([whole])[0]
@@ -207,7 +267,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         if not plan.passed:
             def floated(chosen: Sequence[Candidate]) -> Trial:
                 return Trial(everything - {p for c in chosen for p in c.points}, {"label": "float"},
-                             {p: bits for c in order for p in c.points if c not in chosen})
+                             plan_changes([c for c in order if c not in chosen], bits))
 
             fallback = _search(order, lambda chosen: experiment.run([floated(chosen)])[0], meets,
                                Plan(before=plan.before), experiment, scored)
@@ -278,7 +338,7 @@ def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], Tr
     results: dict[tuple, TrialResult] = {}
 
     def check(chosen: Sequence[Candidate]) -> bool:
-        key = tuple(c.glob + "/" + c.kind for c in chosen)
+        key = tuple(c.key for c in chosen)
         if key not in results:
             results[key] = evaluate(chosen)
             plan.evaluations += 1
@@ -296,7 +356,7 @@ def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], Tr
         else:
             lo = mid + 1
     if lo > len(order):
-        best = results[tuple(c.glob + "/" + c.kind for c in order)]
+        best = results[tuple(c.key for c in order)]
         plan.after, plan.candidates, plan.passed = _values(best, experiment, rules), list(order), False
         return plan
     chosen = list(order[:lo])
@@ -305,7 +365,7 @@ def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], Tr
         trial = [x for x in chosen if x is not c]
         if trial and check(trial):
             chosen = trial
-    final = results[tuple(c.glob + "/" + c.kind for c in chosen)]
+    final = results[tuple(c.key for c in chosen)]
     plan.candidates, plan.after, plan.passed, plan.final = chosen, _values(final, experiment, rules), True, final
     return plan
 
@@ -331,7 +391,7 @@ def _values(result: TrialResult, experiment: Experiment, rules: Mapping[str, Tas
 
 def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mapping[str, str],
            with_metric: bool, recalibrated: Mapping[str, dict]) -> pd.DataFrame:
-    chosen = {(c.glob, c.kind) for c in plan.candidates} if plan.passed else set()
+    chosen = {c.key for c in plan.candidates} if plan.passed else set()
     rows = []
     for position, (c, gain_db, task_gain, score) in enumerate(gains, start=1):
         macs, _ = experiment.shares(c.points) if c.kind == "weight" else (0.0, 0.0)
@@ -342,7 +402,7 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
         for task, value in task_gain.items():
             row[f"{task}_gain"] = value
         row.update(macs_share=macs, act_share=experiment.activation_share(c.points) if c.kind == "activation" else 0.0,
-                   in_plan=(c.glob, c.kind) in chosen)
+                   in_plan=c.key in chosen)
         rows.append(row)
     for c in clipping:
         fix = recalibrated.get(c.glob, {})
@@ -362,6 +422,8 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
 def _point_name(c: Candidate) -> str:
     """A candidate as the table and the plan name it: its (first) quant point -- ``<layer>.weight``
     for a weight; an activation point's name is also its override's."""
+    if c.group_size:
+        return f"{c.glob}.weight@g{c.group_size}"
     return c.glob if c.kind == "activation" else f"{c.glob}.weight"
 
 
