@@ -378,3 +378,22 @@ def test_step_and_suggest_see_the_points_inside_the_lstm():
         ranked = qdebug.suggest(model, qm, data=mels, min_sqnr=60)
     inner = ranked[ranked["point"].str.startswith("lstm.l0.")]
     assert len(inner) >= 8 and (inner["gain_db"].abs() > 0).any()  # was 0 for every one
+
+
+def test_step_counts_an_lstms_multiply_accumulates_and_parameters():
+    """Every gate weight is used once per time step: an LSTM's MACs per sample are
+    steps x its weights' elements (they were 0, so step called the LSTM free)."""
+    torch.manual_seed(13)
+    model = SpeechLSTM().eval()
+    mels = [torch.randn(4, 20, 40) for _ in range(2)]
+    qm = _prepare(model, mels[0])
+    calibrate(qm, mels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        frame = qdebug.step(model, qm, data=mels)
+    lstm_macs = 20 * sum(p.numel() for n, p in model.lstm.named_parameters() if n.startswith("weight"))
+    head_macs = model.head.weight.numel()  # the head sees one vector per sample (the last hidden state)
+    row = frame[frame["selection"] == "lstm"].iloc[0]
+    assert row["macs_share"] == pytest.approx(lstm_macs / (lstm_macs + head_macs))
+    params = sum(p.numel() for p in model.parameters())
+    assert row["params_share"] == pytest.approx(sum(p.numel() for p in model.lstm.parameters()) / params)

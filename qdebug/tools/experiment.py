@@ -48,6 +48,7 @@ from qdebug.engine import engine_state
 from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
 from qdebug.engine.members import named_members
 from qdebug.engine.modules import _QWeighted
+from qdebug.engine.recurrent import RecurrentLayer
 from qdebug.engine.respec import raise_bits, set_qparams
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.served import ServedCalls, serving
@@ -135,6 +136,8 @@ class _Costs:
     def __call__(self, event: Event) -> None:
         module = event.call.module
         out = event.out
+        if isinstance(module, RecurrentLayer):
+            self.macs[event.call.owner] = self.macs.get(event.call.owner, 0) + _recurrent_macs(module, out)
         if not isinstance(out, torch.Tensor):  # a structured output: each member's own size
             for name, _, t in named_members(event.call.name, out):
                 if t.dim() >= 1 and t.shape[0]:
@@ -146,6 +149,19 @@ class _Costs:
         self.sizes[event.call.name] = per_sample
         if isinstance(module, _QWeighted):
             self.macs[event.call.owner] = self.macs.get(event.call.owner, 0) + per_sample * module.weight[0].numel()
+
+
+def _recurrent_macs(module: nn.Module, out: Any) -> int:
+    """Multiply-accumulates per sample of a recurrent layer: every weight element (input,
+    hidden and projection weights, every layer and direction) is used once per time step."""
+    weights = sum(p.numel() for name, p in module.named_parameters(recurse=False) if name.startswith("weight"))
+    if isinstance(module, (nn.LSTMCell, nn.GRUCell)):
+        return weights
+    output = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(output, torch.Tensor) or output.dim() < 2:  # a PackedSequence: no step count here
+        return 0
+    steps = output.shape[0] if output.dim() == 2 or not module.batch_first else output.shape[1]
+    return int(steps) * weights
 
 
 def named_outputs(out: Any) -> dict[str, torch.Tensor]:
@@ -589,8 +605,9 @@ class Experiment:
         params: dict[str, int] = {}
         seen: set[int] = set()
         for path, module in self.model.named_modules():
-            if isinstance(module, _QWeighted):
-                own = [p for p in (module.weight, module.bias) if p is not None]
+            if isinstance(module, (_QWeighted, RecurrentLayer)):
+                own = ([p for p in (module.weight, module.bias) if p is not None] if isinstance(module, _QWeighted)
+                       else list(module.parameters(recurse=False)))  # every gate weight and bias of every layer
                 params[path] = sum(p.numel() for p in own)
                 seen.update(id(p) for p in own)
         points = getattr(self.model, "qdebug_points", None)
