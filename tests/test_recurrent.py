@@ -397,3 +397,21 @@ def test_step_counts_an_lstms_multiply_accumulates_and_parameters():
     assert row["macs_share"] == pytest.approx(lstm_macs / (lstm_macs + head_macs))
     params = sum(p.numel() for p in model.parameters())
     assert row["params_share"] == pytest.approx(sum(p.numel() for p in model.lstm.parameters()) / params)
+
+
+def test_suggest_names_each_gate_matrix_and_counts_its_own_share():
+    """A recurrent layer has several weight points: each candidate is one of them (its own glob,
+    so a plan changes what was verified), with its own share of the layer's MACs."""
+    torch.manual_seed(12)
+    model = SpeechLSTM().eval()
+    mels = [torch.randn(4, 20, 40) for _ in range(2)]
+    qm = _prepare(model, mels[0])
+    calibrate(qm, mels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ranked = qdebug.suggest(model, qm, data=mels, min_sqnr=60)
+    weights = ranked[(ranked["kind"] == "weight") & (ranked["layer"] == "lstm")].set_index("point")
+    assert set(weights.index) == {"lstm.weight_ih_l0", "lstm.weight_hh_l0"}
+    ih, hh = model.lstm.weight_ih_l0.numel(), model.lstm.weight_hh_l0.numel()
+    ratio = weights.loc["lstm.weight_ih_l0", "macs_share"] / weights.loc["lstm.weight_hh_l0", "macs_share"]
+    assert ratio == pytest.approx(ih / hh)

@@ -463,12 +463,29 @@ class Experiment:
     def shares(self, quantized: Iterable[str]) -> tuple[float, float]:
         """(macs_share, params_share): the multiply-accumulates and parameters of the layers
         whose weight point is among ``quantized``, as shares of the model's."""
-        layers = {self.state.points[p].owner for p in quantized if self.state.points[p].kind == "weight"}
+        layers: dict[str, float] = {}  # layer -> the share of its weights quantized
+        for name in quantized:
+            point = self.state.points[name]
+            if point.kind == "weight":
+                layers[point.owner] = min(1.0, layers.get(point.owner, 0.0) + self._weight_fraction(point))
         total_macs = sum(self.macs.values())
-        macs = sum(v for k, v in self.macs.items() if k in layers)
+        macs = sum(v * layers[k] for k, v in self.macs.items() if k in layers)
         total_params = sum(self.params.values()) + self._other_params
-        params = sum(v for k, v in self.params.items() if k in layers)
+        params = sum(v * layers[k] for k, v in self.params.items() if k in layers)
         return (macs / total_macs if total_macs else 0.0), (params / total_params if total_params else 0.0)
+
+    def _weight_fraction(self, point: Any) -> float:
+        """The part of its layer's weights a weight point quantizes: all of a conv's or linear's;
+        one of a recurrent layer's gate matrices (``lstm.weight_hh_l1``) by its elements."""
+        try:
+            layer = self.model.get_submodule(point.owner)
+        except AttributeError:
+            return 1.0
+        if not isinstance(layer, RecurrentLayer):
+            return 1.0
+        weights = {n: p.numel() for n, p in layer.named_parameters(recurse=False) if n.startswith("weight")}
+        own = weights.get(point.name[len(point.owner) + 1:] if point.owner else point.name)
+        return own / sum(weights.values()) if own and sum(weights.values()) else 1.0
 
     def activation_share(self, points: Iterable[str]) -> float:
         """The activation values the given points quantize, as a share of all activation points'."""

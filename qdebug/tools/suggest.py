@@ -130,12 +130,12 @@ def candidates(model: nn.Module, quantizable: Sequence[str], bits: int) -> list[
         point = state.points[name]
         if point.spec.bits >= bits:
             if point.kind == "weight":
-                found += [Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits, group)
+                found += [Candidate(_weight_glob(point), "weight", (name,), point.owner, point.spec.bits, group)
                           for group in smaller_groups(point.spec.group_size)]
             continue
         if point.kind == "weight":
-            found.append(Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits))
-            found += [Candidate(point.owner, "weight", (name,), point.owner, point.spec.bits, group)
+            found.append(Candidate(_weight_glob(point), "weight", (name,), point.owner, point.spec.bits))
+            found += [Candidate(_weight_glob(point), "weight", (name,), point.owner, point.spec.bits, group)
                       for group in smaller_groups(point.spec.group_size)]
             continue
         call, path = _call_and_member(state.plan, name)
@@ -145,6 +145,13 @@ def candidates(model: nn.Module, quantizable: Sequence[str], bits: int) -> list[
             and state.points[n].spec.bits < bits and _later_call_of(_call_and_member(state.plan, n), call, path)))
         found.append(Candidate(name, "activation", calls, point.owner or name, point.spec.bits))
     return found
+
+
+def _weight_glob(point: Any) -> str:
+    """The override glob of exactly this weight point: its layer (``fc``, whose one weight is
+    ``fc.weight``), or the point's own name where the layer has several (a recurrent layer's
+    ``lstm.weight_ih_l0``): a plan must change what was verified, nothing more."""
+    return point.owner if point.name == f"{point.owner}.weight" else point.name
 
 
 def _call_and_member(plan, name: str) -> tuple[str, str]:
@@ -423,8 +430,8 @@ def _point_name(c: Candidate) -> str:
     """A candidate as the table and the plan name it: its (first) quant point -- ``<layer>.weight``
     for a weight; an activation point's name is also its override's."""
     if c.group_size:
-        return f"{c.glob}.weight@g{c.group_size}"
-    return c.glob if c.kind == "activation" else f"{c.glob}.weight"
+        return f"{_weight_label(c)}@g{c.group_size}"
+    return c.glob if c.kind == "activation" else _weight_label(c)
 
 
 def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
@@ -475,3 +482,8 @@ def summarize(meta: Mapping[str, Any]) -> str:
 
 
 __all__ = ["suggest", "candidates", "diagnoses_of", "Candidate", "Plan", "SuggestResult", "summarize", "DEFAULT_MIN_SQNR"]
+
+
+def _weight_label(c: Candidate) -> str:
+    """A weight candidate's point: ``fc.weight``, or the glob that already names it (``lstm.weight_ih_l0``)."""
+    return c.glob if c.glob == c.points[0] else f"{c.glob}.weight"
