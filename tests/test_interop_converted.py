@@ -566,20 +566,21 @@ def test_a_users_identity_is_no_folded_bn_when_float_model_says_so():
     assert [s for s, k in zip(without["source"], without["kind"]) if k == "bn"] == ["bn", "tap"]
 
 
-def test_dynamic_linear_weights_import_and_its_input_is_listed():
+def test_dynamic_linear_weights_import_and_its_input_is_a_dynamic_point():
+    # (tests/test_interop_recurrent.py checks the dynamic input grid and the outputs against torch)
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
     dynamic = tq.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
     assert detect_flow(dynamic) == "eager-converted"
     qm = from_torch_ao(dynamic, torch.randn(2, 8))
-    integer = qm
     for path in ("0", "2"):
         w = dynamic.get_submodule(path).weight()
-        layer = integer.get_submodule(path)
-        assert torch.equal(layer.weight_int.to(torch.int64) + int(layer.weight_point.zero_point),
-                           w.int_repr().to(torch.int64))
+        layer = qm.get_submodule(path)
+        assert torch.equal(layer.weight_point.apply(layer.weight.detach()), w.dequantize())  # torch's int8 codes
     report = import_report(qm)
-    unmapped = {s: n for s, st, n in zip(report["source"], report["status"], report["note"]) if st == "unmapped"}
-    assert set(unmapped) == {"0", "2"} and all("dynamic quantization" in n for n in unmapped.values())
+    assert "unmapped" not in set(report["status"])
+    inputs = dict(zip(report["source"], report["point"]))
+    assert (inputs["0.input"], inputs["2.input"]) == ("input", "1")
+    assert all(quant_points(qm)[p].spec.dynamic for p in ("input", "1"))
 
 
 def test_refusals_are_one_clear_error():

@@ -4,8 +4,9 @@
 each named call it applies the call's activation quant point (module outputs,
 inline ``x + y`` / ``torch.cat`` / ``F.relu`` / ``x.mean()`` ..., model inputs).
 Passthrough ops carry the grid tag of their input forward.  In the quantized
-stage, inline add/sub/mul/cat/mean/avg-pool and activation x activation matmuls
-run as integer kernels on the codes of their inputs and land directly on the
+stage, inline add/sub/mul/cat/mean/avg-pool, a scalar mul/div (folded), activation
+x activation matmuls and PReLU (``qdebug.engine.prelu``) run as integer kernels
+on the codes of their inputs and land directly on the
 output point's grid (TFLite-style rescaling, see docs/engine.md); everything
 else computes in float and is re-quantized by its point, which is what a
 lookup-table kernel does.
@@ -23,7 +24,8 @@ from qdebug.engine import integer
 from qdebug.engine.context import Call, ForwardContext, Handler
 from qdebug.engine.members import map_members, member_name, member_paths
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.ops import map_tensors, tensors_in
+from qdebug.engine.ops import is_division, map_tensors, scalar_operand, tensors_in
+from qdebug.engine.prelu import QPReLU, integer_prelu
 from qdebug.engine.point import QuantPoint, grid_of, on_grid, pending_of, tag, tag_pending
 from qdebug.safe_text import escaped
 
@@ -107,6 +109,10 @@ class QuantHandler(Handler):
                 # ReLU): the ReLU and its requantization are the identity on these values.
                 self.last_raw = args[0]
                 return args[0]
+        if self.state.stage == "quantized" and isinstance(module, QPReLU) and args:
+            result = integer_prelu(args[0], module, self._out_target(call)[0])
+            if result is not None:
+                return self._apply(call, result)
         if self.state.stage == "quantized" and call.category == "avgpool" and isinstance(output, torch.Tensor):
             out_point, activation = self._out_target(call)
             result = _integer_rescale_average(args[0], output, module, out_point)
@@ -183,6 +189,8 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         total = qa + qb if category == "add" else qa - qb
         y = integer.requantize(total, twice_max / (2**shift * s_out), out_point, activation)
         return tag(y, out_point)
+    if category == "mul" and scalar_operand(args, kwargs) is not None:
+        return _integer_scalar_mul(func, args, kwargs, out_point, activation)
     if category == "mul" and len(args) == 2 and not kwargs:
         grids = _grid_inputs(list(args))
         if grids is None:
@@ -214,6 +222,27 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         average = func(integer.codes(x, points[0]), *args[1:], **kwargs)  # float64: exact sum / count
         return tag(_rescale_average(average, points[0], out_point, activation), out_point)
     return None
+
+
+def _integer_scalar_mul(func: Callable, args: tuple, kwargs: dict, out_point: QuantPoint, activation: str | None):
+    """``x * c``, ``c * x``, ``x / c`` (c a Python number) folded into the requantization:
+    y = round_half_away((q_x - z_x) * sign(c) * M) + z_y, M = s_x |c| / s_y (``x / c``:
+    s_x / (|c| s_y)) -- one rounding, as a deployment that folds the constant into the
+    multiplier of the op before or after computes it."""
+    c = scalar_operand(args, kwargs)
+    tensor = next(a for a in args if isinstance(a, torch.Tensor))
+    if is_division(func) and args[0] is not tensor:
+        return None  # c / x: a reciprocal, no fold
+    grids = _grid_inputs([tensor])
+    if grids is None:
+        return None
+    (x,), (point,) = grids
+    factor = 1.0 / abs(c) if is_division(func) else abs(c)
+    q = integer.codes(x, point).to(torch.int64)
+    if c < 0:
+        q = -q
+    multiplier = point.scale.detach().double() * factor / out_point.scale.detach().double()
+    return tag(integer.requantize(q, multiplier, out_point, activation), out_point)
 
 
 def _integer_matmul(func: Callable, args: tuple, out_point: QuantPoint, activation: str | None):

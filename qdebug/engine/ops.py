@@ -9,15 +9,19 @@ Every call the engine sees during a forward falls in one *category*:
 - ``matmul``: ``torch.matmul``/``bmm``/``@`` between two activations (neither a parameter):
   an integer kernel on both inputs' codes (attention's QK^T and attn.V).
 - ``activation``: other element-wise value ops (sigmoid, tanh, softmax, hardswish,
-  leaky_relu, ...): quantized at their output, computed in float (a table lookup on
-  an integer target).
+  leaky_relu, GELU, SiLU, Mish, PReLU, ...) and the norms (LayerNorm, GroupNorm,
+  InstanceNorm, RMSNorm): quantized at their output, computed in float (a table lookup
+  or a float island on an integer target; docs/engine.md, "Modern blocks").
+- ``mul`` also covers ``x * c`` and ``x / c`` with a Python number c: folded into the
+  requantization multiplier in the quantized stage.
 - ``passthrough``: ops that only move or select values (view, flatten, maxpool,
   dropout, identity, nearest upsampling, constant-zero padding, ...): the output stays
   on the input's grid, so no new quant point.
 - ``recurrent``: LSTM/GRU and their cells, swapped at prepare for the engine's layers
   (``qdebug.engine.recurrent``) whose points sit inside them; the call has none of its own.
 - ``fallback``: any other op producing a float tensor from an activation.  It runs
-  in float and its output is re-quantized; ``quant_points`` and a warning report it.
+  in float and its output is re-quantized; ``quant_points`` and a warning report it,
+  with the reason of ``FLOAT_REASONS``.
 - ``internal``: float steps inside an engine module that deployments (and torch.ao) leave
   unobserved: attention's 1/sqrt(d) scale (folded into the next integer multiplier), its
   masks, its average over heads (``qdebug.engine.attention``).  No point of their own.
@@ -26,6 +30,7 @@ Every call the engine sees during a forward falls in one *category*:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -58,7 +63,17 @@ _MODULE_CATEGORIES: list[tuple[type, str]] = [
     (nn.LogSoftmax, "activation"),
     (nn.GELU, "activation"),
     (nn.SiLU, "activation"),
+    (nn.Mish, "activation"),
     (nn.ELU, "activation"),
+    (nn.PReLU, "activation"),
+    # Norms: quantized output, computed in float with float affine weights -- as torch.ao's
+    # quantized LayerNorm/GroupNorm/InstanceNorm (float weight and bias, quantized in/out),
+    # ONNX Runtime QDQ and TensorRT (a norm between a dequantize and a quantize) run them.
+    (nn.LayerNorm, "activation"),
+    (nn.GroupNorm, "activation"),
+    (nn.RMSNorm, "activation"),
+    (nn.InstanceNorm1d, "activation"),
+    (nn.InstanceNorm2d, "activation"),
     (nn.MaxPool1d, "passthrough"),
     (nn.MaxPool2d, "passthrough"),
     (nn.AdaptiveMaxPool1d, "passthrough"),
@@ -83,10 +98,6 @@ _MODULE_CATEGORIES: list[tuple[type, str]] = [
     (nn.Conv3d, "fallback"),
     (nn.Embedding, "fallback"),
     (nn.EmbeddingBag, "fallback"),
-    (nn.LayerNorm, "fallback"),
-    (nn.GroupNorm, "fallback"),
-    (nn.InstanceNorm1d, "fallback"),
-    (nn.InstanceNorm2d, "fallback"),
     (nn.BatchNorm3d, "fallback"),
     # LSTM/GRU (and cells) become the engine's recurrent layers (qdebug.engine.recurrent), whose
     # points sit inside: no point of their own.  A subclass with its own forward stays a fallback.
@@ -97,6 +108,42 @@ _MODULE_CATEGORIES: list[tuple[type, str]] = [
     (nn.RNNBase, "fallback"),
     (nn.MultiheadAttention, "fallback"),
 ]
+
+# Why an op stays float (a ``fallback``): shown by prepare's warning and inspect's "float fallback"
+# rows.  Ops not listed have no kernel here and are no op an int8 deployment quantizes as a rule.
+FLOAT_REASONS: dict[str, str] = {
+    "Embedding": "a subclass of nn.Embedding with its own forward, or a plan saved before embeddings were "
+                 "quantized (prepare again)",
+    "EmbeddingBag": "weight not quantized yet (torch.ao's quantized EmbeddingBag uses per-row weights: planned)",
+    "ConvTranspose1d": "no transposed-conv kernel in qdebug yet (torch.ao and TensorRT quantize it)",
+    "ConvTranspose2d": "no transposed-conv kernel in qdebug yet (torch.ao and TensorRT quantize it)",
+    "ConvTranspose3d": "no transposed-conv kernel in qdebug yet (torch.ao and TensorRT quantize it)",
+    "Conv3d": "no 3-d conv kernel in qdebug yet (torch.ao quantizes it)",
+    "BatchNorm3d": "no 3-d BatchNorm fold in qdebug yet",
+    "MultiheadAttention": "a configuration torch.ao's quantizable MultiheadAttention refuses too (add_bias_kv, "
+                          "add_zero_attn, kdim/vdim) or a subclass with its own forward",
+    "div": "division by a tensor: no integer kernel in any common int8 runtime (a reciprocal lookup at best)",
+    "truediv": "division by a tensor: no integer kernel in any common int8 runtime (a reciprocal lookup at best)",
+    "rtruediv": "a number divided by a tensor: a reciprocal, float in torch.ao, ONNX Runtime and TensorRT int8",
+    "matmul": "a product with a parameter written inline (x @ self.w): no weight point -- use nn.Linear",
+    "pad": "non-zero or reflect/replicate padding leaves the input's grid",
+    "pow": "element-wise power: float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
+    "sqrt": "element-wise root: float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
+    "rsqrt": "element-wise root: float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
+    "exp": "float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
+    "erf": "float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
+}
+_DEFAULT_FLOAT_REASON = "no quantized kernel known to qdebug for this op"
+
+
+def fallback_reason(op: str) -> str:
+    """Why ``op`` (a module class name or a function's canonical name) runs in float."""
+    if op in FLOAT_REASONS:
+        return FLOAT_REASONS[op]
+    if op in ("RNN", "RNNBase", "LSTM", "GRU", "LSTMCell", "GRUCell"):
+        return "a plain RNN (tanh/relu cell) or a subclass with its own forward: no quantizable recurrent layer here"
+    return _DEFAULT_FLOAT_REASON
+
 
 # Engine-owned module classes register themselves here (wrappers, placeholders).
 _EXTRA_MODULE_CATEGORIES: dict[type, str] = {}
@@ -147,8 +194,11 @@ _names("avgpool", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_a
 _names(
     "activation",
     "sigmoid", "sigmoid_", "tanh", "tanh_", "softmax", "log_softmax", "hardswish", "hardsigmoid",
-    "leaky_relu", "leaky_relu_", "gelu", "silu", "elu",
+    "leaky_relu", "leaky_relu_", "gelu", "silu", "elu", "mish", "prelu",
+    "layer_norm", "group_norm", "rms_norm", "instance_norm",
 )
+# ``x / c`` with a Python number c is ``x * (1/c)``: category ``mul``, folded into the requantization.
+_SCALAR_DIVISIONS = frozenset({"div", "div_", "__truediv__", "__itruediv__", "__idiv__", "true_divide", "divide"})
 _names(
     "passthrough",
     "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t",
@@ -165,6 +215,9 @@ def function_category(func: Callable, args: tuple, kwargs: dict[str, Any]) -> st
     """The category of a torch function/method call (``fallback`` when unknown)."""
     name = getattr(func, "__name__", "")
     category = _FUNCTION_NAMES.get(name, "fallback")
+    if name in _SCALAR_DIVISIONS:
+        folds = scalar_operand(args, kwargs) is not None and isinstance(args[0], torch.Tensor)
+        return "mul" if folds else "fallback"  # c / x is a reciprocal; rounding_mode makes kwargs
     if category == "matmul":
         # Activation x activation only: a product with a weight (``x @ self.w``) is a linear
         # layer written inline, which has no weight point here -- reported as a fallback.
@@ -190,6 +243,21 @@ def function_category(func: Callable, args: tuple, kwargs: dict[str, Any]) -> st
     return category
 
 
+def scalar_operand(args: tuple, kwargs: dict[str, Any]) -> float | None:
+    """c of ``x * c``, ``c * x``, ``x / c``: a finite Python number beside one tensor, else None."""
+    if kwargs or len(args) != 2:
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if len(tensors) != 1 or len(numbers) != 1 or not math.isfinite(numbers[0]) or numbers[0] == 0:
+        return None
+    return float(numbers[0])
+
+
+def is_division(func: Callable) -> bool:
+    return getattr(func, "__name__", "") in _SCALAR_DIVISIONS
+
+
 def _bounds(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     if name.startswith("hardtanh"):
         lo = kwargs.get("min_val", args[1] if len(args) > 1 else -1.0)
@@ -202,6 +270,8 @@ def _bounds(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
 
 def canonical_op_name(func: Callable, category: str) -> str:
     """Short name used in quant point names: ``add`` for ``x + y``, ``torch.add``, ``x.add_``."""
+    if category == "mul" and is_division(func):
+        return "div"
     if category in ("add", "sub", "mul", "cat", "relu", "relu6", "mean"):
         return category
     name = getattr(func, "__name__", "op").strip("_")

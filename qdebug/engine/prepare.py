@@ -27,19 +27,22 @@ from qdebug import distributed, vocab
 from qdebug.device import model_device
 from qdebug.engine.attention import attention_softmax_spec, swap_attention
 from qdebug.engine.context import Call, ForwardContext, active_context, run_model
+from qdebug.engine.embedding import QEmbedding, quantizable_embedding
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.members import member_name, split_name
 from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
 from qdebug.engine.observers import merge_ranks
-from qdebug.engine.ops import VALUE_CATEGORIES
+from qdebug.engine.ops import VALUE_CATEGORIES, fallback_reason
 from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.engine.point import MODES, QuantPoint
+from qdebug.engine.prelu import QPReLU, quantizable_prelu
 from qdebug.engine.recurrent import RecurrentLayer, quantizable_recurrent
 from qdebug.engine.fake_quant import group_layout
 from qdebug.engine.spec import QConfig, QuantSpec
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 
+WEIGHT_ONLY = (QEmbedding, QPReLU)  # engine modules with a weight point, swapped before the trace
 QAT_MODES = dict(zip(vocab.QAT_MODES, ("fused", "with_bn", "reverse_fold")))  # mode -> Conv-BN wrapper's bn_mode
 STATE_ATTR = "_qdebug_state"
 POINTS_ATTR = "qdebug_points"
@@ -209,6 +212,9 @@ def prepare(
     qm = copy.deepcopy(model)
     # Before the trace: the attention's parts (projections, QK^T, softmax, attn.V) are its calls.
     _replace_modules(qm, swap_attention)
+    # Embeddings and PReLUs too: the trace records their calls as ``activation`` (qdebug.engine.embedding,
+    # qdebug.engine.prelu); their weight points are made with the weighted layers'.
+    _replace_modules(qm, lambda path, module: quantizable_embedding(module) or quantizable_prelu(module))
     if plan is None:
         if example_inputs is None:
             raise QDebugError("prepare needs example_inputs to trace the model", "pass one batch of inputs")
@@ -239,12 +245,14 @@ def prepare(
     state = EngineState(plan, qconfig, mode, table)
     used_names: list[tuple[str, ...]] = []
     fallbacks: list[str] = []
-    weighted = {path: m for path, m in qm.named_modules() if isinstance(m, _QWeighted)}
+    weighted = {path: m for path, m in qm.named_modules() if isinstance(m, (_QWeighted,) + WEIGHT_ONLY)}
     recurrent = {path: m for path, m in qm.named_modules() if isinstance(m, RecurrentLayer)}
     for rec in plan.calls.values():
         if rec.is_module and recurrent.get(rec.name) is not None:  # its points, in execution order
             used_names += recurrent.pop(rec.name).attach_points(rec.name, qconfig, state.add_point)
-        if rec.is_module and rec.name in weighted and weighted[rec.name].weight_point is None:
+        # An embedding a saved plan calls a fallback (saved before embeddings were quantized) stays float.
+        keeps_float = rec.category == "fallback" and isinstance(weighted.get(rec.name), WEIGHT_ONLY)
+        if rec.is_module and rec.name in weighted and weighted[rec.name].weight_point is None and not keeps_float:
             layer = weighted[rec.name]
             names = (rec.name, f"{rec.name}.weight")
             used_names.append(names)
@@ -264,11 +272,11 @@ def prepare(
             state.add_point(QuantPoint(point_name, "activation", spec, op=rec.op, owner=rec.owner,
                                        fallback=rec.category == "fallback"))
         if rec.category == "fallback" and any(n in state.points for n in rec.point_names()):
-            fallbacks.append(f"{rec.name} ({rec.op})")
+            fallbacks.append(f"{rec.name} ({rec.op}: {fallback_reason(rec.op)})")
     for path, layer in recurrent.items():  # recurrent layers the trace never called (dead)
         used_names += layer.attach_points(path, qconfig, state.add_point)
     for layer in weighted.values():  # weighted layers the trace never called (dead): still quantizable
-        if layer.weight_point is None:
+        if layer.weight_point is None and not isinstance(layer, WEIGHT_ONLY):
             path = next(p for p, m in weighted.items() if m is layer)
             spec = qconfig.spec_for("weight", (path, f"{path}.weight"))
             used_names.append((path, f"{path}.weight"))
@@ -451,7 +459,9 @@ def _merge_observers(group: "distributed.Group", state: Any, count: int) -> int:
 
 def _refresh_weight_points(model: nn.Module) -> None:
     for module in model.modules():
-        if isinstance(module, _QWeighted) and module.weight_point is not None:
+        if isinstance(module, WEIGHT_ONLY):
+            module.refresh_weight_qparams()
+        elif isinstance(module, _QWeighted) and module.weight_point is not None:
             point = module.weight_point
             point.forget_cached()
             if not point.spec.learnable_scale or not point.initialized:
@@ -468,7 +478,7 @@ def refresh_weight_qparams(model: nn.Module) -> None:
     """Bring every dynamic weight point's qparams up to date with its weight (done before saving),
     and drop every cached fake-quantized weight (call it after editing weights through ``.data``)."""
     for module in model.modules():
-        if isinstance(module, _QWeighted):
+        if isinstance(module, (_QWeighted,) + WEIGHT_ONLY):
             if module.weight_point is not None:
                 module.weight_point.forget_cached()
             module.refresh_weight_qparams()

@@ -34,8 +34,10 @@ from qdebug.engine.modules import _QWeighted
 
 from qdebug.engine.plan import CallRecord, Plan, resolve_outputs
 from qdebug.engine.prepare import engine_state, prepare
+from qdebug.engine.recurrent import CELL_STATE_BITS, activation_spec_from
 from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, default_weight_spec
 from qdebug.errors import QDebugError
+from qdebug.interop.recurrent import recurrent_points
 from qdebug.interop.source import EXACT, FLOAT, FROZEN, MOVED, UNMAPPED, SourceModel, SourceQuantizer, spec_of
 
 REPORT_COLUMNS = ["source", "kind", "point", "status", "spec", "scale_min", "scale_max", "note"]
@@ -57,6 +59,9 @@ def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold
     state = engine_state(model)
     for name, (quantizer, spec) in {**acts, **weights}.items():
         point = state.points[name]
+        if spec.dynamic:  # its qparams come from each batch: nothing to import or freeze
+            point.mode = "fake"
+            continue
         scale, zero_point = quantizer.scale, quantizer.zero_point
         if not spec.per_channel:
             scale, zero_point = scale.reshape(()), zero_point.reshape(())
@@ -73,6 +78,8 @@ def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold
         if row["kind"] != "bn" and row["point"] and row["point"] in state.points and row["status"] != FLOAT:
             point = state.points[row["point"]]
             row["spec"] = point.spec.describe()
+            if point.spec.dynamic:
+                continue  # no stored scale
             row["scale_min"] = float(point.scale.detach().min())
             row["scale_max"] = float(point.scale.detach().max())
     setattr(state, REPORT_ATTR, rows)
@@ -114,6 +121,7 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
     """Point name -> (quantizer, spec) for activations and weights; edits ``plan``; fills ``rows``."""
     calls = plan.calls
     weighted = {path for path, m in source.float_model.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))}
+    inner = recurrent_points(source.float_model)
     acts: dict[str, tuple[SourceQuantizer, QuantSpec]] = {}
     weights: dict[str, tuple[SourceQuantizer, QuantSpec]] = {}
     base = {"activation": default_activation_spec(), "weight": default_weight_spec()}
@@ -127,7 +135,14 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
         if q.anchor is None:
             rows.append(_row(q.source, q.kind, "", UNMAPPED, "; ".join(notes) or "no engine point quantizes it"))
             continue
-        if q.kind == "weight":
+        if q.point is not None:  # a point inside a recurrent layer, named by the front end
+            if inner.get(q.point, ("",))[0] != q.kind:
+                rows.append(_row(q.source, q.kind, "", UNMAPPED,
+                                 "; ".join(notes + [f"the engine's layer {q.anchor!r} has no point {q.point!r}"])))
+                continue
+            name = q.point
+            table = weights if q.kind == "weight" else acts
+        elif q.kind == "weight":
             if q.anchor not in weighted:
                 rows.append(_row(q.source, q.kind, "", UNMAPPED, f"no conv or linear layer {q.anchor!r}"))
                 continue
@@ -181,7 +196,19 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
     for path in sorted(weighted):
         if f"{path}.weight" not in weights:
             rows.append(_row("", "weight", f"{path}.weight", FLOAT, "the source keeps this weight in float"))
+    for name, (kind, _, _) in inner.items():
+        if name not in (weights if kind == "weight" else acts):
+            why = "the source keeps this weight in float" if kind == "weight" else "the source does not quantize this"
+            rows.append(_row("", kind, name, FLOAT, why))
     return acts, weights
+
+
+def _spec_at(qconfig: QConfig, kind: str, name: str, names: tuple, inner: dict) -> QuantSpec | None:
+    """The spec ``prepare`` gives point ``name`` under ``qconfig`` (an LSTM's cell state cascades
+    from the 16-bit default, qdebug.engine.recurrent)."""
+    if name in inner and inner[name][2]:
+        return activation_spec_from(qconfig, qconfig.activation.replace(bits=CELL_STATE_BITS), names)
+    return qconfig.spec_for(kind, names)
 
 
 def _same_grid(a: SourceQuantizer, b: SourceQuantizer) -> bool:
@@ -239,6 +266,9 @@ def _qconfig(plan: Plan, model: nn.Module, acts: dict, weights: dict) -> QConfig
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, _QWeighted)):
             name = f"{path}.weight"
             wanted[("weight", name)] = ((path, name), weights[name][1] if name in weights else None)
+    inner = recurrent_points(model)
+    for name, (kind, names, _) in inner.items():
+        wanted[(kind, name)] = (names, (weights if kind == "weight" else acts).get(name, (None, None))[1])
     defaults = {}
     for kind, fallback in (("activation", default_activation_spec()), ("weight", default_weight_spec())):
         counts = Counter(spec for (k, _), (_, spec) in wanted.items() if k == kind and spec is not None)
@@ -249,7 +279,7 @@ def _qconfig(plan: Plan, model: nn.Module, acts: dict, weights: dict) -> QConfig
     # point gets its wanted spec (a later entry refines an earlier one).
     for _ in range(4):
         wrong = [(kind, name, spec) for (kind, name), (names, spec) in wanted.items()
-                 if qconfig.spec_for(kind, names) != spec]
+                 if _spec_at(qconfig, kind, name, names, inner) != spec]
         if not wrong:
             return qconfig
         for kind, name, spec in wrong:

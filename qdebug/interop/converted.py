@@ -253,6 +253,12 @@ def _float_twin(module: nn.Module, path: str) -> tuple[nn.Module, list[nn.Module
                                               ceil_mode=m.ceil_mode),
     }
     make = simple.get(type(module))
+    if make is None and type(module).__module__.startswith("torch.ao.nn.quantized.dynamic"):
+        # nnqd.LSTM/GRU quantize each gate GEMM's input per call (the whole sequence's x, each
+        # step's h): the engine's recurrent layers have no points there yet.
+        raise QDebugError(f"{path}: cannot import torch's dynamic {type(module).__name__} yet",
+                          "quantize_dynamic only the Linear layers ({nn.Linear}), or prepare the model with "
+                          "torch.ao's eager prepare/prepare_qat (its quantizable LSTM imports exactly)")
     if make is None:
         raise QDebugError(f"{path}: cannot import torch's converted {type(module).__name__}",
                           "qdebug reads converted conv, linear, BatchNorm, ReLU6, Hardswish, ELU, LeakyReLU, "
@@ -339,9 +345,11 @@ def _read_eager(converted: nn.Module, example_inputs: Any,
         if quantized_weight(module) is not None:
             source.quantizers.append(weight_quantizer(path, module))
         if isinstance(module, nnqd.Linear):
-            source.unsupported.append((path, "dynamic quantization: torch quantizes this layer's input per batch "
-                                             "with a scale of its own; the engine has no dynamic point, the input "
-                                             "stays float"))
+            found = _dynamic_input(path, module, plan)
+            if isinstance(found, str):
+                source.unsupported.append((path, found))
+            else:
+                source.quantizers.append(found)
     assigned: dict[str, Grid] = {}
     for path, calls in anchors.items():
         for k, anchor in enumerate(calls):
@@ -357,7 +365,34 @@ def _read_eager(converted: nn.Module, example_inputs: Any,
             if anchor:
                 assigned[anchor] = grid
     source.quantizers.extend(_eager_outputs(converted, plan, records, grids, assigned, source))
+    if quantized and all(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic") for m in quantized.values()):
+        # Only dynamic layers: the engine's integer stage has no dynamic-activation kernel yet,
+        # so the import is the fake-quant model (torch's int8 codes, float accumulation).
+        source.stage = "calibrated"
     return source, plan
+
+
+def _dynamic_input(path: str, module: nn.Module, plan: Plan) -> SourceQuantizer | str:
+    """torch's per-batch quantization of dynamic Linear ``path``'s input, as a dynamic point on
+    the call producing it; or why it cannot be (the engine quantizes a call's output, for
+    every consumer: the producer must feed this layer alone)."""
+    rec = plan.calls.get(path)
+    producer = plan.calls.get(rec.inputs[0]) if rec is not None and rec.inputs and rec.inputs[0] else None
+    if getattr(module._packed_params, "dtype", None) != torch.qint8:
+        return f"dynamic {module._packed_params.dtype} quantization: the engine has no float16 weights; left float"
+    if producer is None or len(producer.consumers) != 1:
+        return ("dynamic quantization: torch quantizes this layer's input per batch; its producer feeds other "
+                "calls too, and an engine point would quantize them as well: the input stays float")
+    # nnqd.Linear (version 4+) asks for reduce_range: fbgemm/x86 then quantize to [0, 127];
+    # qnnpack ignores it ([0, 255]).
+    reduce = (getattr(module, "version", None) or 0) >= 4 and torch.backends.quantized.engine != "qnnpack"
+    how = "reduce_range" if reduce else "full range"
+    return SourceQuantizer(f"{path}.input", "activation", producer.name, torch.ones(()),
+                           torch.zeros((), dtype=torch.int32), 0, 127 if reduce else 255, "quint8",
+                           "per_tensor_affine", dynamic=True,
+                           note=f"torch's {torch_name(module)} quantizes its input per batch ({how}, from the "
+                                "batch's min/max and 0); the int8 GEMM's float rescale differs from the engine's "
+                                "fake quant in float rounding only")
 
 
 def _eager_float_model(converted: nn.Module, quantized: dict[str, nn.Module], example_inputs: Any,

@@ -15,7 +15,9 @@ module's output, in call order), puts the BN and a ReLU back, turns QAT layers i
 ones and drops every quantizer, so the engine wraps the user's architecture with the source's
 weights and the same names.  ``trace_float`` traces the result, finding what each QuantStub
 and FloatFunctional quantizes, and ``splice_identities`` keeps a BN that torch folded (its
-identity) from splitting the conv from its ReLU.  Converted eager models
+identity) from splitting the conv from its ReLU.  A ``torch.ao.nn.quantizable.LSTM`` (the
+custom-module flow's swap of ``nn.LSTM``) goes back to an ``nn.LSTM`` whose quantizers map onto
+the engine's ``QLSTM`` points (``qdebug.interop.recurrent``).  Converted eager models
 (``qdebug.interop.converted``) share all three.
 """
 
@@ -32,6 +34,7 @@ from qdebug.engine.context import split_inputs
 from qdebug.engine.ops import FUSABLE_INTO_ACTIVATION, FUSED_ACTIVATIONS
 from qdebug.engine.plan import CallRecord, Plan, TraceHandler, resolve_outputs, trace_plan
 from qdebug.errors import QDebugError
+from qdebug.interop.recurrent import float_lstm, lstm_quantizers, quantizable_lstms
 from qdebug.interop.source import SourceModel, SourceQuantizer, full_range, read_quantizer
 
 try:
@@ -198,13 +201,21 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
                   if is_quantizer(m) and name.rpartition(".")[2] in ("activation_post_process", "weight_fake_quant")
                   and not is_quantizer(prepared.get_submodule(name.rpartition(".")[0]) if "." in name else prepared)}
     qat = any(isinstance(m, FakeQuantizeBase) for m in quantizers.values())
+    # torch.ao's quantizable LSTMs (custom-module flow) go back to nn.LSTM: their quantizers
+    # map onto the QLSTM's points (qdebug.interop.recurrent), nothing inside them is a layer.
+    lstms = quantizable_lstms(prepared)
+    inside = tuple(f"{path}." for path in lstms)
+    quantizers = {name: m for name, m in quantizers.items() if not (inside and name.startswith(inside))}
     parts: dict[str, tuple[nn.Module | None, list[nn.Module]]] = {
-        path: found for path, m in prepared.named_modules() if path and (found := _fused_parts(m)) is not None}
+        path: found for path, m in prepared.named_modules()
+        if path and not (inside and path.startswith(inside)) and (found := _fused_parts(m)) is not None}
     if not qat:
         # PTQ fuse_modules leaves a Conv-BN as a plain conv with the BN folded in and nn.Identity
         # at the BN's path: an identity called on a plain layer's output is such a BN.
         parts.update({path: (None, []) for path, m in prepared.named_modules()
-                      if path and path not in parts and type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)})
+                      if path and path not in parts and not (inside and path.startswith(inside))
+                      and type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)})
+    parts.update({path: (float_lstm(path, m), []) for path, m in lstms.items()})
     model, folded, placed = unfuse(prepared, parts, example_inputs, folded_bn=lambda slot: not qat)
     bn_pairs = [(path, placed[path][0]) for path, (_, followers) in parts.items()
                 if qat and followers and isinstance(followers[0], nn.modules.batchnorm._BatchNorm)]
@@ -230,6 +241,8 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
             source.quantizers.append(q)
     if not qat:
         source.quantizers.extend(_ptq_weights(prepared, model))
+    for path, module in lstms.items():
+        source.quantizers.extend(lstm_quantizers(path, module, qat))
     return source, plan
 
 

@@ -61,6 +61,12 @@ class SourceQuantizer:
     # The passthrough module call (a Dropout) between ``anchor``'s output and this quantizer, if
     # any: where the engine re-quantizes when this grid is not the anchor's own.
     view: str | None = None
+    # The engine point it maps onto by name, when no call or layer anchors it (a point inside a
+    # recurrent layer: "lstm.l0.cell", "lstm.weight_ih_l0"); ``anchor`` is then the layer's path.
+    point: str | None = None
+    # torch's dynamic quantization: qparams from each batch's own range (scale, zero_point are
+    # one batch's, for the report); the engine point is a per-tensor ``dynamic`` spec.
+    dynamic: bool = False
 
     @property
     def per_channel(self) -> bool:
@@ -119,6 +125,8 @@ def spec_of(q: SourceQuantizer, base: QuantSpec) -> tuple[QuantSpec | None, str]
     observer = OBSERVER_NAMES.get(q.observer)
     spec = base.replace(bits=bits, signed=signed, narrow_range=narrow, symmetric=symmetric, per_channel=q.per_channel,
                         ch_axis=q.ch_axis if q.per_channel else base.ch_axis)
+    if q.dynamic:
+        return spec.replace(dynamic=True, observer="minmax", per_channel=False, symmetric=False), ""
     if observer is not None:
         spec = spec.replace(observer=observer)
         if observer == "ema" and q.averaging_constant is not None and 0 < q.averaging_constant <= 1:

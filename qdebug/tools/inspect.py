@@ -20,8 +20,9 @@ import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.modules import FoldedBatchNorm, _QWeighted
-from qdebug.engine.ops import module_category
+from qdebug.engine.ops import fallback_reason, module_category
 from qdebug.engine.plan import Plan, trace_plan
+from qdebug.engine.prepare import WEIGHT_ONLY
 from qdebug.engine.point import QuantPoint
 from qdebug.engine.spec import SCALE_EPS
 
@@ -85,7 +86,8 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
             module = modules.get(rec.name.split("#")[0]) if rec.is_module else None
             weight_point = points.get(f"{rec.name}.weight")
             w_lo, w_hi = _scale_range(weight_point)
-            has_weight = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, _QWeighted))
+            has_weight = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, nn.Embedding, nn.PReLU, _QWeighted)
+                                    + WEIGHT_ONLY)
             # One row per tensor of a structured output (``lstm:0``, ``lstm:1.0``...), each with its point.
             outputs = [(name, name) for name in rec.point_names()] if rec.members and rec.point else [
                 (rec.name, rec.output_point)]
@@ -177,7 +179,8 @@ def _point_checks(points: dict[str, QuantPoint], checks: list) -> None:
     for name, point in points.items():
         if point.fallback:
             checks.append({"severity": "warning", "layer": name, "check": "float fallback",
-                           "detail": f"no quantized kernel for {point.op}: computed in float, re-quantized after"})
+                           "detail": f"no quantized kernel for {point.op}: computed in float, re-quantized after "
+                                     f"({fallback_reason(point.op)})"})
         if point.mode == "float":
             continue
         if not point.initialized:
