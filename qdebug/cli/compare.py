@@ -133,9 +133,14 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
                     f"qdebug calibrate {paths[ref_index]}{options} --observer percentile -o recalibrated.pt")
         if cause == "outlier_channels":
             return "see the channels", f"{again} --metrics min_channel_sqnr_db,channel_range_ratio --sort min_channel_sqnr_db"
+        if cause == "shared_scale" and result.meta.get("reference_stage") == "float":  # an old plan
+            return ("prepare the float model again: one point per output tensor",
+                    f"qdebug calibrate {paths[ref_index]}{options} -o recalibrated.pt")
         # The pair as typed (none when it came from the config: suggest reads the same keys).
         pair = f" {paths[ref_index]} {paths[labels.index(target)]}" if given else ""
-        if cause == "rounding" and result.meta.get("reference_stage") == "float":
+        # An int16 point is among the fixes of these (the cause line names the point and the rest).
+        int16_fix = ("rounding", "cell_state_range", "softmax_collapse", "logits_clipped")
+        if cause in int16_fix and result.meta.get("reference_stage") == "float":
             return ("the smallest set of int16 changes that meets the target, verified",
                     f"qdebug suggest{pair}{options}")
         if sort != "isolated_sqnr_db":
@@ -156,8 +161,9 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
         "Per-layer feature-map similarity of two or more CHECKPOINTs of one model in any stages (float, "
         "calibrated, QAT, quantized; default: the config's float and qat), each against the least "
         "quantized one (or --ref): propagated and isolated error, SQNR, cosine, saturation, per-channel "
-        "SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, nonfinite) for flagged "
-        "layers.\n\n"
+        "SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, nonfinite; for recurrent layers, "
+        "attention and norms: shared_scale, cell_state_range, softmax_collapse, logits_clipped, "
+        "norm_input_outliers) for flagged layers.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/calibrated.pt fixtures/demo/quantized.pt "
         "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl\n\n"

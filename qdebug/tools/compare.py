@@ -16,7 +16,10 @@ are kept; each other model is then tapped and, at every call with the same name:
 Statistics stream into float64 sums (``qdebug.stats``); nothing is stored across
 batches, so memory does not grow with the number of batches.  Flagged rows get a
 diagnosis: ``nonfinite``, ``clipping``, ``outlier_channels``, ``rounding``,
-``propagated`` (docs/compare.md has the rules and default thresholds).
+``propagated``; then, where a layer's kind explains it, a more precise name
+(``modern_cause``): ``shared_scale``, ``cell_state_range``, ``softmax_collapse``,
+``logits_clipped``, ``norm_input_outliers`` (docs/compare.md has the rules and
+default thresholds).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.attention import decomposed_copy
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.fake_quant import elementwise
-from qdebug.engine.members import member_at, named_members
+from qdebug.engine.members import member_at, named_members, split_name
 from qdebug.engine.modules import _QWeighted
+from qdebug.engine.ops import tensors_in
 from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
@@ -105,11 +109,13 @@ class _Listener:
     """Accumulates one compared model's statistics against the current reference capture."""
 
     def __init__(self, label: str, model: nn.Module, reference: nn.Module, capture: Capture, skip: dict[str, str],
-                 isolated: bool, stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False):
+                 isolated: bool, stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False,
+                 evidence: dict | None = None):
         self.label, self.model, self.capture, self.skip = label, model, capture, skip
         self.isolated = isolated
         self.kl_feature_maps = kl_feature_maps
         self.stats, self.notes, self.samples, self.kinds = stats, notes, samples, kinds
+        self.evidence = evidence if evidence is not None else {}
         self.seen: set[str] = set()
         self.first_batch = True
         self.replay = IsolatedReplay(model, reference, _pairs(model))
@@ -150,12 +156,79 @@ class _Listener:
             stats[0].update(x, y, grid=_grid(point), raw=None if clipped is not None else raw, clipped=clipped)
             if self.first_batch and key not in self.samples:
                 self.samples[key] = (_sample(x), _sample(y))
+            self._gather_evidence(key, event, record, path, x, point)
             if self.isolated and event.call.category != "input":
                 if isolated is None:
                     isolated = self.replay.output(event, record, self.capture.records)
                 iso_y = member_at(isolated, path)
                 if iso_y is not None:
                     stats[1].update(x, iso_y)
+
+
+    def _gather_evidence(self, key: tuple[str, str], event: Event, record: Any, path: str, x: torch.Tensor,
+                         point: QuantPoint | None) -> None:
+        """What the layer-specific causes read (``modern_causes``), for the rows they concern
+        only: a softmax's codes, a norm's input channels, a member on a point it shares."""
+        if x.numel() == 0:
+            return
+        op = str(event.call.op)
+        found = self.evidence.setdefault(key, {})
+        if op.lower() == "softmax" and _any_grid(point) is not None:
+            scale, zero_point, _, _ = _any_grid(point)
+            found["softmax"] = _add(found.get("softmax"), _zero_codes(x, scale, zero_point))
+        if _norm_axis(op) is not None and not path:
+            inputs = [t for t in tensors_in(record.inputs) if t.is_floating_point()] if record.inputs else []
+            inputs = inputs or [t for t in event.inputs if t.is_floating_point()]
+            if inputs:
+                found["norm_input"] = _channel_peaks(inputs[0], _norm_axis(op), found.get("norm_input"))
+        shared = self.points.get(event.call.name)
+        if path and point is None and _any_grid(shared) is not None:  # a plan saved before members: one point for all
+            low, high = float(x.min()), float(x.max())
+            old = found.get("shared")
+            found["shared"] = (min(low, old[0]), max(high, old[1])) if old else (low, high)
+            found["shared_grid"] = _any_grid(shared)
+        if not found:
+            del self.evidence[key]
+
+
+def _any_grid(point: QuantPoint | None) -> tuple[float, int, int, int] | None:
+    """(scale, zero_point, qmin, qmax) of a static per-tensor point in any quantized mode
+    (fake or integer): the grid a tensor's codes lie on."""
+    if point is None or point.mode == "float" or not point.initialized or point.scale.numel() != 1 \
+            or point.spec.dynamic:
+        return None
+    return float(point.scale), int(point.zero_point), point.spec.qmin, point.spec.qmax
+
+
+def _add(a: tuple | None, b: tuple) -> tuple:
+    return b if a is None else tuple(u + v for u, v in zip(a, b))
+
+
+def _zero_codes(x: torch.Tensor, scale: float, zero_point: int) -> tuple[int, int]:
+    """(nonzero values, of them those whose code is the zero point's: round(x / s) = 0)."""
+    nonzero = x != 0
+    return int(nonzero.sum()), int((nonzero & (torch.round(x.float() / scale) == 0)).sum())
+
+
+def _norm_axis(op: str) -> int | None:
+    """The axis a norm's input channels lie on: the last for LayerNorm and RMSNorm (they
+    normalize each token over its channels), 1 for GroupNorm; None for any other op."""
+    name = op.lower().replace("_", "")
+    if name.endswith(("layernorm", "rmsnorm")):
+        return -1
+    if name.endswith("groupnorm"):
+        return 1
+    return None
+
+
+def _channel_peaks(x: torch.Tensor, axis: int, peaks: torch.Tensor | None) -> torch.Tensor | None:
+    """max |x| per channel along ``axis``, folded into the running ``peaks``."""
+    if x.dim() < 2 or x.shape[axis] < 2:
+        return peaks
+    batch = x.detach().abs().movedim(axis, -1).reshape(-1, x.shape[axis]).amax(0).double().cpu()
+    if peaks is None or peaks.shape != batch.shape:
+        return batch
+    return torch.maximum(peaks, batch)
 
 
 def _rows_of(call: str, out: Any) -> list[tuple[str, str, torch.Tensor | None]]:
@@ -280,11 +353,13 @@ class _RankState:
     order: list
     seen: dict
     count: int
+    evidence: dict = field(default_factory=dict)
 
     def pack(self) -> dict:
         return {"stats": {key: (a.state(), b.state()) for key, (a, b) in self.stats.items()}, "notes": self.notes,
                 "samples": self.samples, "kinds": self.kinds, "order": self.order,
-                "seen": {label: set(names) for label, names in self.seen.items()}, "count": self.count}
+                "seen": {label: set(names) for label, names in self.seen.items()}, "count": self.count,
+                "evidence": self.evidence}
 
     @staticmethod
     def merge(a: dict, b: dict) -> dict:
@@ -301,12 +376,32 @@ class _RankState:
         seen = {label: a["seen"].get(label, set()) | b["seen"].get(label, set()) for label in {*a["seen"], *b["seen"]}}
         return {"stats": stats, "notes": {**b["notes"], **a["notes"]}, "samples": {**b["samples"], **a["samples"]},
                 "kinds": {**b["kinds"], **a["kinds"]}, "order": a["order"] + [n for n in b["order"] if n not in a["order"]],
-                "seen": seen, "count": a["count"] + b["count"]}
+                "seen": seen, "count": a["count"] + b["count"],
+                "evidence": _merge_evidence(a.get("evidence", {}), b.get("evidence", {}))}
 
     @staticmethod
     def unpack(state: dict) -> tuple:
         stats = {key: (ErrorStats.from_state(p), ErrorStats.from_state(i)) for key, (p, i) in state["stats"].items()}
-        return stats, state["notes"], state["samples"], state["kinds"], state["order"], state["seen"], state["count"]
+        return (stats, state["notes"], state["samples"], state["kinds"], state["order"], state["seen"], state["count"],
+                state.get("evidence", {}))
+
+
+def _merge_evidence(a: dict, b: dict) -> dict:
+    """Two ranks' evidence (``_Listener._gather_evidence``) as one run over both shares of batches."""
+    out = {key: dict(found) for key, found in a.items()}
+    for key, theirs in b.items():
+        mine = out.setdefault(key, {})
+        for field_name, value in theirs.items():
+            old = mine.get(field_name)
+            if old is None or field_name == "shared_grid":
+                mine[field_name] = value
+            elif field_name == "softmax":
+                mine[field_name] = _add(old, value)
+            elif field_name == "norm_input":
+                mine[field_name] = torch.maximum(old, value) if old.shape == value.shape else old
+            elif field_name == "shared":
+                mine[field_name] = (min(old[0], value[0]), max(old[1], value[1]))
+    return out
 
 
 def compare(
@@ -350,10 +445,11 @@ def compare(
     notes: dict = {}
     samples: dict = {}
     kinds: dict = {}
+    evidence: dict = {}
     order: list[str] = []
     listeners = [
         _Listener(label, model, ref_model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples,
-                  kinds, kl_feature_maps)
+                  kinds, kl_feature_maps, evidence)
         for label, model in others
     ]
     states = [(m, m.training) for _, m in models]
@@ -394,8 +490,9 @@ def compare(
         capture.release()
     if group.active:
         seen = {listener.label: listener.seen for listener in listeners}
-        merged = group.combine(_RankState(stats, notes, samples, kinds, order, seen, count).pack(), _RankState.merge)
-        stats, notes, samples, kinds, order, seen, count = _RankState.unpack(merged)
+        merged = group.combine(_RankState(stats, notes, samples, kinds, order, seen, count, evidence).pack(),
+                               _RankState.merge)
+        stats, notes, samples, kinds, order, seen, count, evidence = _RankState.unpack(merged)
         for listener in listeners:
             listener.seen = seen.get(listener.label, set())
     if count == 0:
@@ -420,6 +517,10 @@ def compare(
             frame[col] = math.nan
     frame = frame[["index", "layer", "type", "target", *METRICS, "note"]]
     frame["diagnosis"] = [diagnose(r, limits) for r in frame.to_dict("records")]
+    models_by_label = dict(others)
+    frame["diagnosis"] = [  # the causes that know recurrent layers, attention and norms
+        modern_cause(r["diagnosis"], models_by_label[r["target"]], r["layer"], evidence.get((r["layer"], r["target"]), {}))
+        for r in frame.to_dict("records")]
     unquantized = {label: _unquantized_calls(model) for label, model in others}
     unranged = {label: _calls_without_output_point(model) for label, model in others}
     found = findings(frame, unquantized, unranged)
@@ -427,6 +528,8 @@ def compare(
         at_fault = found.get(label, {})
         if "outlier_channel" in at_fault:
             at_fault.update(_downstream_underflow(model, at_fault["at_fault"], at_fault["outlier_channel"]))
+        if at_fault.get("at_fault"):
+            at_fault.update(_cause_details(at_fault["at_fault_diagnosis"], evidence.get((at_fault["at_fault"], label), {})))
     summary = summarize(frame, limits, ref_label, unquantized, found)  # found: made just above
     meta = {
         "reference": ref_label,
@@ -506,12 +609,137 @@ def diagnose(row: dict[str, Any], limits: dict[str, float]) -> str:
     return ""
 
 
+# The causes that know recurrent layers, attention and norms (docs/compare.md has the rules).
+OWN_ERROR = ("rounding", "clipping", "outlier_channels")  # a row flagged for its own error
+SOFTMAX_ZERO_SHARE = 0.5  # this share of a softmax's nonzero probabilities on code 0: collapsed
+SHARED_CODES = 1 / 16  # a member spanning less than this share of a shared point's codes
+NORM_OUTLIER_RATIO = 100.0  # a norm input channel this many times the median channel's max |x|
+NORM_TYPICAL_CODES = 16  # ... while the median channel's max |x| spans fewer steps of the input's grid
+ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "maskedfill", "where"}  # scale and mask ops
+
+
+def modern_cause(cause: str, model: nn.Module, row: str, found: dict) -> str:
+    """``cause`` named more precisely for a recurrent layer, a softmax, attention logits or a
+    norm's input (rules in docs/compare.md); ``cause`` itself when none applies.  ``found``:
+    the row's evidence (``_Listener._gather_evidence``)."""
+    if cause in ("", "nonfinite") or not is_prepared(model):
+        return cause
+    call, _ = split_name(row)
+    if cause in OWN_ERROR and _spans_few_shared_codes(found):
+        return "shared_scale"
+    if cause in OWN_ERROR and _coarse_cell_state(model, call):
+        return "cell_state_range"
+    if cause in OWN_ERROR and _softmax_collapsed(found):
+        return "softmax_collapse"
+    if cause == "clipping" and _feeds_softmax(model, call):
+        return "logits_clipped"
+    if _norm_input_outliers(model, call, found):
+        return "norm_input_outliers"
+    return cause
+
+
+def _cause_details(cause: str, found: dict) -> dict[str, Any]:
+    """The measured facts behind a layer-specific cause, for ``meta.findings`` and the summary:
+    a softmax's share of nonzero probabilities on code 0; a norm input's widest channel."""
+    if cause == "softmax_collapse" and "softmax" in found:
+        nonzero, zero_coded = found["softmax"]
+        return {"zero_code_share": zero_coded / nonzero}
+    if cause == "norm_input_outliers" and "norm_input" in found:
+        peaks = found["norm_input"]
+        median = float(peaks.median())
+        return {"norm_input_channel": int(peaks.argmax()),
+                "norm_input_ratio": float(peaks.max()) / median if median > 0 else math.inf}
+    return {}
+
+
+def _spans_few_shared_codes(found: dict) -> bool:
+    """A member of a structured output quantized by its call's one point (a plan saved before
+    members existed) whose own range spans less than ``SHARED_CODES`` of that point's codes."""
+    if "shared" not in found:
+        return False
+    (low, high), (scale, _, qmin, qmax) = found["shared"], found["shared_grid"]
+    return (high - low) / scale < SHARED_CODES * (qmax - qmin)
+
+
+def _coarse_cell_state(model: nn.Module, call: str) -> bool:
+    """An LSTM layer (or cell) one of whose cell-state points is below 16 bits with a step
+    coarser than its hidden state's: tanh(c) passes c's rounding to h at slope up to 1, so
+    h's own grid cannot be reached."""
+    from qdebug.engine.recurrent import QLSTM, QLSTMCell
+
+    rec = engine_state(model).plan.calls.get(call)
+    if rec is None or not rec.is_module or not rec.owner:
+        return False
+    if not isinstance(model.get_submodule(rec.owner), (QLSTM, QLSTMCell)):
+        return False
+    points = engine_state(model).points
+    for name, cell in points.items():
+        if not name.startswith(rec.owner + ".") or not name.endswith(".cell"):
+            continue
+        hidden = points.get(name[: -len("cell")] + "hidden")
+        if hidden is None or cell.mode == "float" or not cell.initialized or not hidden.initialized:
+            continue
+        if cell.spec.bits < 16 and float(cell.scale.max()) > float(hidden.scale.max()):
+            return True
+    return False
+
+
+def _softmax_collapsed(found: dict) -> bool:
+    """At least ``SOFTMAX_ZERO_SHARE`` of a softmax's nonzero probabilities quantize to code 0."""
+    nonzero, zero_coded = found.get("softmax", (0, 0))
+    return nonzero > 0 and zero_coded >= SOFTMAX_ZERO_SHARE * nonzero
+
+
+def _feeds_softmax(model: nn.Module, call: str) -> bool:
+    """``call``'s output reaches a softmax directly or through at most two elementwise calls
+    (the logits' scale, an additive mask): it is attention logits (QK^T, or its scaled copy)."""
+    calls = engine_state(model).plan.calls
+    frontier = [(c, 0) for c in calls[call].consumers] if call in calls else []
+    while frontier:
+        name, hops = frontier.pop(0)
+        rec = calls.get(name)
+        if rec is None:
+            continue
+        op = str(rec.op).lower().replace("_", "")
+        if op == "softmax":
+            return True
+        if op in ELEMENTWISE and hops < 2:
+            frontier += [(c, hops + 1) for c in rec.consumers]
+    return False
+
+
+def _norm_input_outliers(model: nn.Module, call: str, found: dict) -> bool:
+    """A norm (LayerNorm, RMSNorm, GroupNorm) whose input has a channel with max |x| at least
+    ``NORM_OUTLIER_RATIO`` times the median channel's, quantized by one static per-tensor
+    point on whose grid the median channel's max |x| spans fewer than ``NORM_TYPICAL_CODES``
+    steps (a per-token or per-channel input point, or an int16 one, already fixes it)."""
+    peaks = found.get("norm_input")
+    if peaks is None or peaks.numel() < 2:
+        return False
+    median, top = float(peaks.median()), float(peaks.max())
+    if top < NORM_OUTLIER_RATIO * median or top == 0:
+        return False
+    state = engine_state(model)
+    rec = state.plan.calls.get(call)
+    producer = state.plan.calls.get(rec.inputs[0]) if rec is not None and rec.inputs else None
+    point = state.points.get(producer.output_point) if producer is not None and producer.output_point else None
+    grid = _any_grid(point)
+    if grid is None:  # a float, dynamic (per-token) or per-channel input, or a view between: not this
+        return False
+    return median / grid[0] < NORM_TYPICAL_CODES  # the typical channel keeps few codes (an int16 input keeps many)
+
+
 # One short line of advice per cause (the summary's "cause" line; docs/compare.md explains more).
 ADVICE = {
     "clipping": "range cut off: recalibrate (observer, data), not more bits",
     "rounding": "range fine, steps too coarse: int16 (+{gain:.0f} dB; qdebug suggest)",
     "outlier_channels": "wide channels: equalize (CLE), then int16, per-channel last",
     "nonfinite": "NaN/Inf appears here: check weights and scales (qdebug inspect)",
+    "shared_scale": "one point shared by several tensors: prepare again (one each)",
+    "cell_state_range": "int8 cell state coarser than h: int16 cell points (the default)",
+    "softmax_collapse": "probabilities round to 0: uint8 at scale 1/256, or int16",
+    "logits_clipped": "attention logits clipped: recalibrate wider, or int16",
+    "norm_input_outliers": "outlier channels into a norm: per-token input, or SmoothQuant",
 }
 
 
@@ -547,7 +775,7 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
         if not flagged.empty:
             first = flagged.iloc[0]
             found.update(first_flagged=first["layer"], first_diagnosis=first["diagnosis"])
-            range_problem = flagged["diagnosis"].isin(["clipping", "outlier_channels"])
+            range_problem = flagged["diagnosis"].isin(["clipping", "outlier_channels", "logits_clipped"])
             cause = flagged[(flagged["diagnosis"] != "propagated")
                             & ~flagged["layer"].isin(unquantized.get(target, set()))
                             & ~(range_problem & flagged["layer"].isin(unranged.get(target, set())))]
@@ -591,6 +819,11 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
             if "outlier_channel" in found:
                 detail += (f": channel {found['outlier_channel']} spans {found['channel_range_ratio']:.0f}x the "
                            "median channel's range")
+            if "zero_code_share" in found:
+                detail += f": {found['zero_code_share']:.0%} of its nonzero probabilities on code 0"
+            if "norm_input_channel" in found:
+                detail += (f": input channel {found['norm_input_channel']} reaches {found['norm_input_ratio']:.0f}x "
+                           "the median channel's max |x|")
             lines += [f"  at fault:      {found['at_fault']} ({detail})"]
             if found.get("downstream_layer"):
                 lines.append(f"  consequence:   {found['downstream_layer']}: {found['downstream_zero_codes']:.0%} of "
@@ -608,4 +841,5 @@ def _fmt_db(value: float) -> str:
     return f"{value:.1f} dB"
 
 
-__all__ = ["compare", "choose_reference", "CompareResult", "METRICS", "DEFAULT_SHOW", "DEFAULT_THRESHOLDS", "diagnose", "findings"]
+__all__ = ["compare", "choose_reference", "CompareResult", "METRICS", "DEFAULT_SHOW", "DEFAULT_THRESHOLDS", "diagnose",
+           "modern_cause", "findings"]
