@@ -16,10 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qdebug.engine.ops import register_module_category
-from qdebug.engine.point import QuantPoint
+from qdebug.engine.weight_only import WeightOnly
 
 
-class QEmbedding(nn.Module):
+class QEmbedding(WeightOnly, nn.Module):
     """An ``nn.Embedding`` whose table is fake-quantized by ``weight_point``."""
 
     def __init__(self, embedding: nn.Embedding):
@@ -33,28 +33,6 @@ class QEmbedding(nn.Module):
         self.sparse = embedding.sparse
         self.weight = embedding.weight
         object.__setattr__(self, "weight_point", None)
-
-    def attach_weight_point(self, point: QuantPoint | None) -> None:
-        object.__setattr__(self, "weight_point", point)
-
-    def weight_cache_key(self) -> object:
-        return (id(self.weight), self.weight._version, self.weight.device)
-
-    def quantized_weight(self) -> torch.Tensor:
-        if self.weight_point is None:
-            return self.weight
-        cached = self.weight_point.cached_weight(self.weight_cache_key())
-        if cached is not None:
-            return cached
-        return self.weight_point.apply(self.weight, cache_key=self.weight_cache_key())
-
-    def refresh_weight_qparams(self) -> None:
-        point = self.weight_point
-        if point is None or (point.initialized and (point.frozen or point.spec.learnable_scale)):
-            return
-        with torch.no_grad():
-            point.compute_from(self.weight)
-        point.forget_cached()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.max_norm is not None:  # renormalises the float table in place, as nn.Embedding does
