@@ -519,3 +519,16 @@ def test_inline_sdpa_runs_both_matmuls_as_integer_kernels(monkeypatch):
         convert(qm)(x)
     assert ran == [True, True]
 
+
+
+def test_inspect_raises_no_dead_module_for_attention_parts_a_call_does_not_use():
+    """need_weights=False and no mask leave the mask and weights parts idle: by design, not a finding."""
+    from qdebug.tools.inspect import inspect_model
+
+    torch.manual_seed(0)
+    model = SelfAttention(need_weights=False).eval()
+    x = _input(batch_first=False)
+    qm = _prepare_quietly(model, x)
+    calibrate(qm, [x])
+    checks = inspect_model(qm, stage="calibrated").checks
+    assert not (checks["check"] == "dead module").any(), checks.to_string()

@@ -415,3 +415,18 @@ def test_suggest_names_each_gate_matrix_and_counts_its_own_share():
     ih, hh = model.lstm.weight_ih_l0.numel(), model.lstm.weight_hh_l0.numel()
     ratio = weights.loc["lstm.weight_ih_l0", "macs_share"] / weights.loc["lstm.weight_hh_l0", "macs_share"]
     assert ratio == pytest.approx(ih / hh)
+
+
+def test_inspect_lists_the_points_inside_an_lstm_not_a_float_layer():
+    from qdebug.tools.inspect import inspect_model
+
+    torch.manual_seed(12)
+    model = SpeechLSTM().eval()
+    mels = [torch.randn(4, 20, 40) for _ in range(2)]
+    qm = _prepare(model, mels[0])
+    calibrate(qm, mels)
+    layers = inspect_model(qm, stage="calibrated").layers.set_index("layer")
+    assert "lstm" not in layers.index  # was one row: activation float, mode float
+    assert layers.loc["lstm.l0.cell", "activation"].startswith("int16")
+    assert layers.loc["lstm.weight_ih_l0", "weight"].startswith("int8")
+    assert (layers.loc[[n for n in layers.index if n.startswith("lstm.")], "mode"] == "fake").all()

@@ -92,6 +92,8 @@ class AttentionMask(nn.Module):
     """Scores of shape (B*H, L, S) with attn_mask and key_padding_mask applied, in float as
     torch does: a bool mask writes -inf, a float mask is added."""
 
+    optional_call = True  # runs only when a mask is given: never called is no finding (inspect)
+
     def forward(self, scores: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None) -> Tensor:
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:
@@ -115,12 +117,16 @@ class WeightsPoint(nn.Module):
     """Identity holding the quant point of the returned attention weights (torch.ao's
     ``quant_attn_output_weights``)."""
 
+    optional_call = True  # runs only with need_weights: never called is no finding (inspect)
+
     def forward(self, x: Tensor) -> Tensor:
         return x
 
 
 class AverageHeads(nn.Module):
     """(B*H, L, S) weights -> (B, H, L, S), averaged over heads when asked; float (torch.ao too)."""
+
+    optional_call = True  # runs only with need_weights: never called is no finding (inspect)
 
     def forward(self, weights: Tensor, bsz: int, average: bool) -> Tensor:
         heads_batch, tgt_len, src_len = weights.shape
@@ -150,14 +156,7 @@ class PackedProjection(QLinear):
         self.out_features = owner.embed_dim
         self.index = index
         object.__setattr__(self, "_owner", owner)  # not a child: the tree holds it already
-        # _QWeighted._init_common without the parameters (the owner's).
-        self.stage = "fake"
-        self.bn_mode = "none"
-        object.__setattr__(self, "_bn", None)
-        object.__setattr__(self, "weight_point", None)
-        object.__setattr__(self, "_out_point", None)
-        object.__setattr__(self, "_fused_activation", None)
-        self.integer_fallbacks = 0
+        self._init_state()  # the parameters are the owner's
 
     def _source(self) -> Tensor:
         owner = self._owner

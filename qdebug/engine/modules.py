@@ -74,6 +74,10 @@ class _QWeighted(nn.Module):
     def _init_common(self, layer: nn.Module) -> None:
         self.weight = layer.weight
         self.bias = layer.bias
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Everything but the parameters (a layer that reads them from elsewhere calls this alone)."""
         self.stage = "fake"  # "fake" (float/calibrated/qat) or "quantized" (integer)
         self.bn_mode = "none"
         object.__setattr__(self, "_bn", None)

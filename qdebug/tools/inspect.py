@@ -24,6 +24,7 @@ from qdebug.engine.ops import fallback_reason, module_category
 from qdebug.engine.plan import Plan, trace_plan
 from qdebug.engine.prepare import WEIGHT_ONLY
 from qdebug.engine.point import QuantPoint
+from qdebug.engine.recurrent import RecurrentLayer
 from qdebug.engine.spec import SCALE_EPS
 
 LAYER_COLUMNS = [
@@ -88,6 +89,9 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
             w_lo, w_hi = _scale_range(weight_point)
             has_weight = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, nn.Embedding, nn.PReLU, _QWeighted)
                                     + WEIGHT_ONLY)
+            if isinstance(module, RecurrentLayer) and module.qpoints:  # its points are inside it: a row each
+                rows += [_inner_point_row(point, module, rec) for point in module.qpoints.values()]
+                continue
             # One row per tensor of a structured output (``lstm:0``, ``lstm:1.0``...), each with its point.
             outputs = [(name, name) for name in rec.point_names()] if rec.members and rec.point else [
                 (rec.name, rec.output_point)]
@@ -132,6 +136,17 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
     return InspectResult(layers, check_frame, meta, imports)
 
 
+def _inner_point_row(point: QuantPoint, module: nn.Module, rec) -> dict[str, Any]:
+    """A row for a quant point inside a layer (a recurrent layer's gate weights and step
+    points: ``lstm.weight_ih_l0``, ``lstm.l0.cell``)."""
+    lo, hi = _scale_range(point)
+    weight = point.kind == "weight"
+    return {"layer": point.name, "type": type(module).__name__, "calls": 1, "fused_into": "", "mode": point.mode,
+            "weight": _dtype(point) if weight else "", "weight_scale_min": lo if weight else None,
+            "weight_scale_max": hi if weight else None, "activation": "" if weight else _dtype(point),
+            "act_scale_min": None if weight else lo, "act_scale_max": None if weight else hi}
+
+
 def _import_rows(model: nn.Module | None) -> pd.DataFrame:
     """The import report a model imported from torch.ao carries (``qdebug.interop.build``)."""
     from qdebug.interop import import_report
@@ -167,7 +182,9 @@ def _structure_checks(model, plan: Plan, prepared: bool, modules: dict, checks: 
                 checks.append({"severity": "warning", "layer": rec.name, "check": "unfused Conv-BN",
                                "detail": f"{why}: it runs as a separate op"})
     for path, count in plan.call_counts.items():
-        if count == 0:
+        # A part of an engine layer that runs only for some arguments (attention's mask, its
+        # returned weights) is idle by design, not a dead module of the user's.
+        if count == 0 and not getattr(modules.get(path), "optional_call", False):
             checks.append({"severity": "warning", "layer": path, "check": "dead module",
                            "detail": "never called in the traced forward: its quantization has no effect"})
         elif count > 1:
