@@ -117,6 +117,10 @@ class ScalarOps(nn.Module):
             return self.c * x
         if self.op == "div":
             return x / self.c
+        if self.op == "neg":  # rotary embeddings' rotate_half
+            return -x
+        if self.op == "torch_neg":
+            return torch.neg(x)
         return torch.div(x, self.c)
 
 
@@ -135,14 +139,15 @@ def _reference(q_in: list[int], multiplier: Fraction, z_out: int, qmin: int, qma
     return out
 
 
-@pytest.mark.parametrize("op,c", [("mul", 3.0), ("rmul", -0.75), ("div", 2.0), ("torch_div", -3.0), ("mul", 0.1)])
+@pytest.mark.parametrize("op,c", [("mul", 3.0), ("rmul", -0.75), ("div", 2.0), ("torch_div", -3.0), ("mul", 0.1),
+                                  ("neg", -1.0), ("torch_neg", -1.0)])
 def test_a_scalar_mul_or_div_is_folded_into_the_requantization_exactly(op, c):
     torch.manual_seed(2)
     x = torch.randn(4, 33)
     qm = prepare(ScalarOps(op, c), QConfig(activation=UINT8), example_inputs=x)
     calibrate(qm, [x])
     points = quant_points(qm)
-    out_name = "div" if op in ("div", "torch_div") else "mul"
+    out_name = "div" if op in ("div", "torch_div") else "neg" if "neg" in op else "mul"
     assert list(points) == ["input", out_name]
     qi, qy = points["input"], points[out_name]
     # Power-of-two scales: s_in c / s_y lands ties on a grid of halves (round half away from zero
@@ -157,6 +162,92 @@ def test_a_scalar_mul_or_div_is_folded_into_the_requantization_exactly(op, c):
     expected = _reference(signed, Fraction(2**-5) * factor / Fraction(2**-4), 128, 0, 255)
     expected = (torch.tensor(expected).reshape(x.shape) - 128).float() * 2.0**-4
     assert torch.equal(got, expected)
+
+
+# -- constants: what reads no activation is folded, as an exporter folds it -------------------------
+class Rotary(nn.Module):
+    """Llama's rotary embedding, written as transformers writes it: cos/sin tables computed in the
+    forward from a buffer and integer positions, applied to an activation with rotate_half."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1])
+        freqs = self.inv_freq[None, :, None].float() @ positions[None, None, :].float()
+        emb = torch.cat((freqs.transpose(1, 2), freqs.transpose(1, 2)), dim=-1)
+        cos, sin = emb.cos() * 1.0, emb.sin() * 1.0
+        q = self.proj(x)
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return q * cos + rotated * sin
+
+
+def test_ops_reading_no_activation_are_folded_and_the_tables_quantized_once():
+    torch.manual_seed(3)
+    x = torch.randn(2, 6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no float fallback reported: cos/sin are constants
+        qm = prepare(Rotary(), example_inputs=x)
+    points = quant_points(qm)
+    # the matmul, cat, cos and sin of the tables have no point; the two tables an activation op
+    # reads (cos * 1.0, sin * 1.0) are quantized once, like a deployed model's initializers
+    assert [n for n in points if not n.startswith(("proj", "input"))] == ["mul", "mul#2", "neg", "cat#2", "mul#3",
+                                                                          "mul#4", "add"]
+    assert not any(p.fallback for p in points.values())
+    calibrate(qm, [x])
+    table = points["mul"]
+    positions = torch.arange(6).double()
+    angles = positions[:, None] * (1.0 / (10000 ** (torch.arange(0, 8, 2).double() / 8)))[None, :]
+    cos = torch.cat((angles, angles), -1).cos().float()
+    assert float(table.observer.max_val) == pytest.approx(float(cos.max()), abs=1e-6)
+    seen = {}
+    handle = qm.proj.register_forward_hook(lambda m, a, out: seen.setdefault("q", out))
+    with torch.no_grad():
+        got = qm(x)
+    handle.remove()
+    fq = lambda t, p: torch.fake_quantize_per_tensor_affine(t, float(p.scale), int(p.zero_point), p.spec.qmin,
+                                                            p.spec.qmax)
+    q = seen["q"]
+    cos_q = fq(cos, table)[None]
+    sin_q = fq(torch.cat((angles, angles), -1).sin().float(), points["mul#2"])[None]
+    half = torch.cat((fq(-q[..., 4:], points["neg"]), q[..., :4]), -1)
+    expected = fq(fq(q * cos_q, points["mul#3"]) + fq(fq(half, points["cat#2"]) * sin_q, points["mul#4"]),
+                  points["add"])
+    assert torch.equal(got, expected)
+
+
+def test_a_library_rms_norm_module_is_one_norm_op():
+    class LlamaRMSNorm(nn.Module):  # transformers' own, as written there
+        def __init__(self, size, eps=1e-6):
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, size))
+            self.variance_epsilon = eps
+
+        def forward(self, h):
+            variance = h.pow(2).mean(-1, keepdim=True)
+            return self.weight * (h * torch.rsqrt(variance + self.variance_epsilon))
+
+    model = nn.Sequential(nn.Linear(8, 8), LlamaRMSNorm(8))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pow and rsqrt are no fallbacks here
+        qm = prepare(model, example_inputs=x)
+    assert [n for n in quant_points(qm) if not n.startswith(("0", "input"))] == ["1"]
+    calibrate(qm, [x])
+    set_mode(qm, "float")
+    set_mode(qm, "fake", "1")
+    point = quant_points(qm)["1"]
+    with torch.no_grad():
+        expected = torch.fake_quantize_per_tensor_affine(F.rms_norm(model[0](x), (8,), model[1].weight, 1e-6),
+                                                         float(point.scale), int(point.zero_point), point.spec.qmin,
+                                                         point.spec.qmax)
+        assert torch.allclose(qm(x), expected, atol=float(point.scale) * 1e-3)  # rsqrt vs F.rms_norm: ulp apart
+    not_a_norm = type("FancyRMSNorm", (nn.Module,), {})()
+    not_a_norm.scale = nn.Parameter(torch.ones(3))  # another parameter name: not recognised
+    assert module_category(not_a_norm) is None
 
 
 def test_only_division_of_a_tensor_by_a_number_folds():

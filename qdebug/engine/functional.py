@@ -24,7 +24,7 @@ from qdebug.engine import integer
 from qdebug.engine.context import Call, ForwardContext, Handler
 from qdebug.engine.members import map_members, member_name, member_paths
 from qdebug.engine.modules import _QWeighted
-from qdebug.engine.ops import is_division, map_tensors, scalar_operand, tensors_in
+from qdebug.engine.ops import is_division, is_negation, map_tensors, scalar_operand, tensors_in
 from qdebug.engine.prelu import QPReLU, integer_prelu
 from qdebug.engine.point import QuantPoint, grid_of, on_grid, pending_of, tag, tag_pending
 from qdebug.safe_text import escaped
@@ -142,13 +142,36 @@ class QuantHandler(Handler):
             # observer after a Dropout): its point quantizes the output like any value call's.
             return self._apply(view, output)
         sources = [t for t in tensors_in(args) if isinstance(t, torch.Tensor)]
-        point = grid_of(sources[0]) if sources else None
-        pending = pending_of(sources[0]) if sources and point is None else None
-        if point is not None or pending is not None:
-            for t in tensors_in(output):
-                if torch.is_floating_point(t):
-                    tag(t, point) if point is not None else tag_pending(t, pending)
+        if not sources:
+            return output
+        for t in tensors_in(output):
+            if not torch.is_floating_point(t):
+                continue
+            # Each output tensor stays on the grid of the input it moves: an ``nn.Identity``
+            # given (a, b) returns a and b on their own grids, never both on a's.
+            source = _source_of(t, sources)
+            if source is t:
+                continue
+            point = grid_of(source) if source is not None else None
+            pending = pending_of(source) if source is not None and point is None else None
+            if point is not None:
+                tag(t, point)
+            elif pending is not None:
+                tag_pending(t, pending)
         return output
+
+
+def _source_of(t: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor | None:
+    """The input whose values the passthrough output ``t`` holds: ``t`` itself, the tensor it
+    is a view of, else the first input (a select, a pool, a view of a view); None when the
+    floating inputs lie on several grids and none of them is ``t``'s own (left untagged: its
+    consumers then compute in float)."""
+    for s in sources:
+        if t is s or (t._base is not None and (t._base is s or t._base is s._base)):
+            return s
+    floating = [s for s in sources if torch.is_floating_point(s)]
+    grids = {id(grid_of(s) if grid_of(s) is not None else pending_of(s)) for s in floating}
+    return sources[0] if len(grids) <= 1 else None
 
 
 # -- integer kernels for inline ops ---------------------------------------------------
@@ -189,7 +212,7 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         total = qa + qb if category == "add" else qa - qb
         y = integer.requantize(total, twice_max / (2**shift * s_out), out_point, activation)
         return tag(y, out_point)
-    if category == "mul" and scalar_operand(args, kwargs) is not None:
+    if category == "mul" and (scalar_operand(args, kwargs) is not None or is_negation(func)):
         return _integer_scalar_mul(func, args, kwargs, out_point, activation)
     if category == "mul" and len(args) == 2 and not kwargs:
         grids = _grid_inputs(list(args))
@@ -225,11 +248,11 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
 
 
 def _integer_scalar_mul(func: Callable, args: tuple, kwargs: dict, out_point: QuantPoint, activation: str | None):
-    """``x * c``, ``c * x``, ``x / c`` (c a Python number) folded into the requantization:
-    y = round_half_away((q_x - z_x) * sign(c) * M) + z_y, M = s_x |c| / s_y (``x / c``:
-    s_x / (|c| s_y)) -- one rounding, as a deployment that folds the constant into the
-    multiplier of the op before or after computes it."""
-    c = scalar_operand(args, kwargs)
+    """``x * c``, ``c * x``, ``x / c`` (c a Python number) and ``-x`` (c = -1) folded into the
+    requantization: y = round_half_away((q_x - z_x) * sign(c) * M) + z_y, M = s_x |c| / s_y
+    (``x / c``: s_x / (|c| s_y)) -- one rounding, as a deployment that folds the constant into
+    the multiplier of the op before or after computes it."""
+    c = -1.0 if is_negation(func) else scalar_operand(args, kwargs)
     tensor = next(a for a in args if isinstance(a, torch.Tensor))
     if is_division(func) and args[0] is not tensor:
         return None  # c / x: a reciprocal, no fold

@@ -10,10 +10,11 @@ Every call the engine sees during a forward falls in one *category*:
   an integer kernel on both inputs' codes (attention's QK^T and attn.V).
 - ``activation``: other element-wise value ops (sigmoid, tanh, softmax, hardswish,
   leaky_relu, GELU, SiLU, Mish, PReLU, ...) and the norms (LayerNorm, GroupNorm,
-  InstanceNorm, RMSNorm): quantized at their output, computed in float (a table lookup
+  InstanceNorm, RMSNorm, ``F.normalize``): quantized at their output, computed in float (a table lookup
   or a float island on an integer target; docs/engine.md, "Modern blocks").
-- ``mul`` also covers ``x * c`` and ``x / c`` with a Python number c: folded into the
-  requantization multiplier in the quantized stage.
+- ``mul`` also covers ``x * c`` and ``x / c`` with a Python number c, and ``-x`` (c = -1,
+  rotary embeddings' ``rotate_half``): folded into the requantization multiplier in the
+  quantized stage.
 - ``passthrough``: ops that only move or select values (view, flatten, maxpool,
   dropout, identity, nearest upsampling, constant-zero padding, ...): the output stays
   on the input's grid, so no new quant point.
@@ -132,6 +133,10 @@ FLOAT_REASONS: dict[str, str] = {
     "rsqrt": "element-wise root: float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
     "exp": "float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
     "erf": "float in torch.ao, ONNX Runtime QDQ and TensorRT int8",
+    "norm": "a vector norm (sum of squares, root): float in torch.ao, ONNX Runtime QDQ and TensorRT int8 -- "
+            "for L2 normalisation write F.normalize(x, dim=...), one op quantized at its output",
+    "linalg_vector_norm": "a vector norm (sum of squares, root): float in torch.ao, ONNX Runtime QDQ and TensorRT "
+                          "int8 -- for L2 normalisation write F.normalize(x, dim=...), one op quantized at its output",
 }
 _DEFAULT_FLOAT_REASON = "no quantized kernel known to qdebug for this op"
 
@@ -164,11 +169,26 @@ def module_category(module: nn.Module) -> str | None:
             if isinstance(module, base):
                 category = cat
                 break
+    if category is None and _is_rms_norm_by_name(module):
+        category = "activation"
     if category == "upsample":
         return "passthrough" if getattr(module, "mode", "nearest") == "nearest" else "activation"
     if category == "recurrent" and cls not in _EXTRA_MODULE_CATEGORIES and cls.forward not in _RECURRENT_FORWARDS:
         return "fallback"
     return category
+
+
+def _is_rms_norm_by_name(module: nn.Module) -> bool:
+    """A model library's own RMSNorm (transformers' ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``T5LayerNorm``,
+    ...): written with pow/mean/rsqrt, one norm to a deployment -- ONNX's RMSNormalization, a fused
+    NPU kernel -- so one op here too, quantized at its output like ``nn.RMSNorm``.  Recognised by
+    its class name and shape: a leaf module holding a weight vector and nothing else to learn."""
+    name = type(module).__name__
+    if not (name.endswith("RMSNorm") or name == "T5LayerNorm") or next(module.children(), None) is not None:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    return weight is not None and weight.dim() == 1 and set(params) <= {"weight"}
 
 
 _RECURRENT_FORWARDS = frozenset({nn.LSTM.forward, nn.GRU.forward, nn.LSTMCell.forward, nn.GRUCell.forward})
@@ -196,8 +216,12 @@ _names(
     "sigmoid", "sigmoid_", "tanh", "tanh_", "softmax", "log_softmax", "hardswish", "hardsigmoid",
     "leaky_relu", "leaky_relu_", "gelu", "silu", "elu", "mish", "prelu",
     "layer_norm", "group_norm", "rms_norm", "instance_norm",
+    "normalize",  # F.normalize: L2 normalisation, one norm op (TFLite's L2_NORMALIZATION kernel)
 )
-# ``x / c`` with a Python number c is ``x * (1/c)``: category ``mul``, folded into the requantization.
+# ``x / c`` with a Python number c is ``x * (1/c)``, and ``-x`` is ``x * -1``: category ``mul``,
+# folded into the requantization.
+_NEGATIONS = frozenset({"neg", "neg_", "negative", "__neg__"})
+_names("mul", *_NEGATIONS)
 _SCALAR_DIVISIONS = frozenset({"div", "div_", "__truediv__", "__itruediv__", "__idiv__", "true_divide", "divide"})
 _names(
     "passthrough",
@@ -258,6 +282,10 @@ def is_division(func: Callable) -> bool:
     return getattr(func, "__name__", "") in _SCALAR_DIVISIONS
 
 
+def is_negation(func: Callable) -> bool:
+    return getattr(func, "__name__", "") in _NEGATIONS
+
+
 def _bounds(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     if name.startswith("hardtanh"):
         lo = kwargs.get("min_val", args[1] if len(args) > 1 else -1.0)
@@ -272,6 +300,8 @@ def canonical_op_name(func: Callable, category: str) -> str:
     """Short name used in quant point names: ``add`` for ``x + y``, ``torch.add``, ``x.add_``."""
     if category == "mul" and is_division(func):
         return "div"
+    if category == "mul" and is_negation(func):
+        return "neg"
     if category in ("add", "sub", "mul", "cat", "relu", "relu6", "mean"):
         return category
     name = getattr(func, "__name__", "op").strip("_")

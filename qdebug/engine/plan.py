@@ -6,6 +6,12 @@ and which consumed its output.  From that dataflow graph it decides:
 
 - Conv->BN pairs: the BN's input is exactly the conv's output and nothing else
   uses it (both modules called once).  Conv->ReLU->BN is not a pair.
+- constants: an inline op that reads no activation (only parameters, buffers and
+  what is computed from them or from integer tensors: a rotary embedding's cos/sin
+  table, a mask built from positions) computes a constant that an exporter folds into
+  an initializer.  It gets no point of its own -- unless an activation op reads it:
+  the last constant before the activations is quantized once, like the initializer
+  a deployed model holds (``constant``: never reported as a float fallback).
 - fused activations: a conv/linear/bn/add/sub whose only consumer is a
   relu/relu6 has no quant point of its own; the activation's point quantizes
   both (as deployed kernels fuse them).  Conv->BN->ReLU fuses all three.
@@ -53,6 +59,7 @@ class CallRecord:
     # Paths of the output's floating tensors when it holds several (``qdebug.engine.members``):
     # each gets a point of its own, ``<point>:<path>``; [] = one point named ``point``.
     members: list[str] = field(default_factory=list)
+    constant: bool = False  # computed from parameters/buffers only (folded by an exporter)
 
     def point_names(self) -> list[str]:
         """The names of the activation points quantizing this call's own output (none when fused)."""
@@ -105,6 +112,23 @@ class TraceHandler(Handler):
         self.records: dict[str, CallRecord] = {}
         self.producer: dict[int, str] = {}
         self.alive: list[torch.Tensor] = []  # keep tensors alive so ids are not reused
+        self.constant_ids: set[int] = set()  # parameters, buffers and what constant ops made of them
+
+    def seed_constants(self, model: nn.Module) -> None:
+        for t in (*model.parameters(), *model.buffers()):
+            self.constant_ids.add(id(t))
+            self.alive.append(t)
+
+    def _reads_no_activation(self, args: Any) -> bool:
+        """Every tensor read is a parameter, a buffer, a constant op's output or an integer tensor
+        (ids, positions: never an activation).  A float tensor of unknown origin -- the model's
+        input, or one an engine layer made internally -- counts as an activation."""
+        return all(not torch.is_floating_point(t) or id(t) in self.constant_ids for t in tensors_in(args))
+
+    def _mark_constant(self, rec: CallRecord, args: Any, output: Any) -> None:
+        if self._reads_no_activation(args):
+            rec.constant = True
+            self.constant_ids.update(id(t) for t in tensors_in(output))
 
     def _inputs(self, args: Any) -> list[str]:
         return [self.producer.get(id(t), "") for t in tensors_in(args)]
@@ -119,6 +143,8 @@ class TraceHandler(Handler):
         members = member_paths(output) if call.category in VALUE_CATEGORIES else []
         rec = CallRecord(call.name, call.category, call.op, call.owner, is_module, self._inputs(args),
                          members=members)
+        if not is_module:  # a layer applied to a constant is still a layer
+            self._mark_constant(rec, args, output)
         self.records[call.name] = rec
         for producer in rec.inputs:
             if producer:
@@ -151,6 +177,7 @@ class TraceHandler(Handler):
         # A passthrough module's call name as its owner (importers anchor re-quantizations there).
         owner = ctx.view_call.name if func is None and ctx.view_call is not None else ""
         rec = CallRecord(name, "passthrough", getattr(func, "__name__", "module"), owner, func is None, producers)
+        self._mark_constant(rec, args, output)
         self.records[name] = rec
         for p in producers:
             self.records[p].consumers.append(name)
@@ -172,6 +199,7 @@ def trace_plan(model: nn.Module, example_inputs: Any, handler: "TraceHandler | N
     call name) its own module hooks may read during the run (the torch.ao importer does).
     """
     handler = handler or TraceHandler()
+    handler.seed_constants(model)
     was_training = model.training
     model.eval()
     try:
@@ -210,9 +238,13 @@ def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, 
         pairs.append((rec.name, bn.name))
         rec.fused_into = bn.name
 
+    constants = {name for name, rec in records.items() if rec.constant}
     for rec in calls.values():
         if rec.category not in VALUE_CATEGORIES and rec.category != "input":
             continue
+        if rec.constant:
+            if all(c in constants for c in _consumers_through_views(records, rec)):
+                continue  # only constants read it: folded away, no point
         fusable = rec.category in FUSABLE_INTO_ACTIVATION and not rec.members  # one tensor, one grid
         if rec.fused_into is None and fusable and len(rec.consumers) == 1:
             follower = calls.get(rec.consumers[0])
@@ -223,6 +255,22 @@ def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, 
 
     resolve_outputs(calls)
     return Plan(calls=calls, pairs=pairs, call_counts=call_counts)
+
+
+def _consumers_through_views(records: dict[str, CallRecord], rec: CallRecord) -> list[str]:
+    """The calls reading ``rec``'s output, looking through views (``~view``); views count as
+    constant when only constants read them, and ``<output>`` as an activation reader."""
+    found, todo, seen = [], list(rec.consumers), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name.startswith("~") and name in records:
+            todo.extend(records[name].consumers)
+        else:
+            found.append(name)
+    return found
 
 
 def resolve_outputs(calls: dict[str, CallRecord]) -> None:

@@ -31,6 +31,7 @@ from qdebug.engine.embedding import QEmbedding, quantizable_embedding
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.members import member_name, split_name
 from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
+from qdebug.engine.norm_input import norm_input_aliases
 from qdebug.engine.observers import merge_ranks
 from qdebug.engine.ops import VALUE_CATEGORIES, fallback_reason
 from qdebug.engine.plan import CallRecord, Plan, trace_plan
@@ -247,6 +248,7 @@ def prepare(
     fallbacks: list[str] = []
     weighted = {path: m for path, m in qm.named_modules() if isinstance(m, (_QWeighted,) + WEIGHT_ONLY)}
     recurrent = {path: m for path, m in qm.named_modules() if isinstance(m, RecurrentLayer)}
+    norm_inputs = norm_input_aliases(plan)  # "@norm_input" names (qdebug.engine.norm_input)
     for rec in plan.calls.values():
         if rec.is_module and recurrent.get(rec.name) is not None:  # its points, in execution order
             used_names += recurrent.pop(rec.name).attach_points(rec.name, qconfig, state.add_point)
@@ -263,15 +265,15 @@ def prepare(
                 state.add_point(point)
                 layer.attach_weight_point(point)
         for point_name in rec.point_names():  # one per tensor of a structured output (qdebug.engine.members)
-            names = activation_names(rec.category, rec.owner, point_name)
+            names = activation_names(rec.category, rec.owner, point_name) + norm_inputs.get(point_name, ())
             used_names.append(names)
             spec = qconfig.spec_for("activation", names)
             if spec is None:
                 continue
             spec = attention_softmax_spec(qm, rec, spec, qconfig.matching_globs(names))
             state.add_point(QuantPoint(point_name, "activation", spec, op=rec.op, owner=rec.owner,
-                                       fallback=rec.category == "fallback"))
-        if rec.category == "fallback" and any(n in state.points for n in rec.point_names()):
+                                       fallback=rec.category == "fallback" and not rec.constant))
+        if rec.category == "fallback" and not rec.constant and any(n in state.points for n in rec.point_names()):
             fallbacks.append(f"{rec.name} ({rec.op}: {fallback_reason(rec.op)})")
     for path, layer in recurrent.items():  # recurrent layers the trace never called (dead)
         used_names += layer.attach_points(path, qconfig, state.add_point)

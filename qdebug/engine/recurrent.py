@@ -12,16 +12,20 @@ and direction (``l{k}``, ``l{k}_reverse``; a cell has no prefix), one LSTM step 
     gates       = igates + hgates
     input_gate  = sigmoid(gates[0:H])     forget_gate = sigmoid(gates[H:2H])
     cell_gate   = tanh(gates[2H:3H])      output_gate = sigmoid(gates[3H:4H])
-    fgate_cx    = forget_gate * c
-    igate_cgate = input_gate * cell_gate
+    fgate_cx    = forget_gate * c                     (int16)
+    igate_cgate = input_gate * cell_gate              (int16)
     cell        = fgate_cx + igate_cgate              (torch.ao: fgate_cx_igate_cgate; int16)
     hidden      = output_gate * tanh(cell)            (torch.ao: ogate_cy; tanh(cell) unquantized)
     projection  = hidden W_hr^T                       (proj_size only; torch.ao has none)
 
 each left-hand side quantized by its point ``<layer path>.l{k}[_reverse].<name>``; weights
-are points ``<layer path>.weight_ih_l{k}`` etc.  The cell state's point defaults to 16 bits
+are points ``<layer path>.weight_ih_l{k}`` etc.  The cell state's points -- ``cell`` and the two
+products it adds, ``fgate_cx`` (f * c spans c's range) and ``igate_cgate`` -- default to 16 bits
 (the qconfig's activation spec with ``bits = 16``), as torch.ao's docs and NPU toolchains
-recommend: its range (tens to hundreds) would leave an int8 grid far too coarse.  Any
+recommend (torch.ao's ``_get_lstm_with_individually_observed_parts`` gives these three its
+cell-state observer; TFLite's integer LSTM computes both products onto the int16 cell grid):
+c's range (tens to hundreds) would leave an int8 grid far too coarse, and an int8 f * c would
+undo an int16 cell.  Any
 override matching the point (or the layer) changes it.  A GRU step (torch has no
 quantizable GRU; the order of ATen's ``GRUCell``)::
 
@@ -34,6 +38,18 @@ quantizable GRU; the order of ATen's ``GRUCell``)::
     hdiff       = h - new_gate
     update      = update_gate * hdiff
     hidden      = new_gate + update
+
+Dynamic GEMM inputs (torch's ``quantize_dynamic`` LSTM/GRU, ``nnqd.LSTM``): two more points
+per layer and direction, made only when the spec a qconfig gives them is ``dynamic`` (no
+default qconfig makes them; an override naming them does)::
+
+    input       the layer's whole input sequence, quantized once per call (one grid for all
+                steps) before the x W_ih^T GEMM of every step
+    h           each step's hidden state, quantized (a grid of its own per step) before h W_hh^T
+
+so a step's GEMMs read fq(x) and fq(h) while h, c and the gates stay as computed, as
+``torch.quantized_lstm`` does (a float emulation of it with these two grids agrees with
+torch's within float rounding).
 
 Initial states are used as given (zeros when absent), unquantized, as torch.ao does.  When
 every point of a layer is in float mode the layer runs torch's own kernel, so float mode is
@@ -58,10 +74,12 @@ from qdebug.engine.spec import QConfig, QuantSpec, _refined
 from qdebug.errors import QDebugError
 
 CELL_STATE_BITS = 16
+CELL_STATE_POINTS = ("fgate_cx", "igate_cgate", "cell")  # on the cell state's grid: int16 by default
 LSTM_STEP_POINTS = ("igates", "hgates", "gates", "input_gate", "forget_gate", "cell_gate", "output_gate",
                     "fgate_cx", "igate_cgate", "cell", "hidden")
 GRU_STEP_POINTS = ("igates", "hgates", "gates", "reset_gate", "update_gate", "rgate_hn", "new_gates", "new_gate",
                    "hdiff", "update", "hidden")
+GEMM_INPUT_POINTS = ("input", "h")  # dynamic only (module docstring)
 
 
 def activation_spec_from(qconfig: QConfig, base: QuantSpec, names: tuple[str, ...]) -> QuantSpec | None:
@@ -109,12 +127,21 @@ class RecurrentLayer:
                     point = QuantPoint(f"{path}.{weight}", "weight", spec, op=op, owner=path)
                     self.qpoints[weight] = point
                     add_point(point)
+            for gemm in GEMM_INPUT_POINTS:  # opt-in: only a dynamic spec makes them
+                local = f"{prefix}.{gemm}" if prefix else gemm
+                names = (path, f"{path}.{local}")
+                used.append(names)
+                spec = activation_spec_from(qconfig, qconfig.activation, names)
+                if spec is not None and spec.dynamic:
+                    point = QuantPoint(f"{path}.{local}", "activation", spec, op=f"{op}.{gemm}", owner=path)
+                    self.qpoints[local] = point
+                    add_point(point)
             for step in self.step_point_names():
                 local = f"{prefix}.{step}" if prefix else step
                 names = (path, f"{path}.{local}")
                 used.append(names)
                 base = qconfig.activation
-                if step == "cell" and isinstance(self, (QLSTM, QLSTMCell)):
+                if step in CELL_STATE_POINTS and isinstance(self, (QLSTM, QLSTMCell)):
                     base = base.replace(bits=CELL_STATE_BITS)
                 spec = activation_spec_from(qconfig, base, names)
                 if spec is not None:
@@ -138,11 +165,14 @@ class RecurrentLayer:
                 point.compute_from(getattr(self, name))
 
     def _all_float(self) -> bool:
-        return all(p.mode == "float" for p in self.qpoints.values())
+        # While ``step_values`` records, the loop runs even in float (the fused kernel has no steps).
+        return self.__dict__.get("_step_trace") is None and all(p.mode == "float" for p in self.qpoints.values())
 
     def _q(self, local: str, x: torch.Tensor) -> torch.Tensor:
         point = self.qpoints.get(local)
-        return x if point is None else point.apply(x)
+        y = x if point is None else point.apply(x)
+        trace = self.__dict__.get("_step_trace")
+        return y if trace is None else trace(local, x, y)
 
     def _w(self, name: str) -> torch.Tensor:
         weight = getattr(self, name)
@@ -155,6 +185,11 @@ class RecurrentLayer:
 
     def _b(self, name: str) -> torch.Tensor | None:
         return getattr(self, name) if self.bias else None
+
+    def _gemm_input(self, local: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a GEMM reads it: on its dynamic point's grid when it has one, else as it is."""
+        point = self.qpoints.get(local)
+        return x if point is None else point.apply(x)
 
     def _point(self, local: str) -> QuantPoint | None:
         return self.qpoints.get(local)
@@ -219,6 +254,7 @@ class _QRNN(RecurrentLayer):
         w_ih, w_hh = self._w(f"weight_ih{suffix}"), self._w(f"weight_hh{suffix}")
         b_ih, b_hh = self._b(f"bias_ih{suffix}"), self._b(f"bias_hh{suffix}")
         extra = self._extra_weights(suffix)
+        seq = self._gemm_input(f"{prefix}.input", seq)  # one grid for the whole sequence
         outputs = []
         for t in range(seq.shape[0]):
             state = self._step(prefix, seq[t], state, w_ih, w_hh, b_ih, b_hh, extra)
@@ -234,7 +270,7 @@ def _lstm_step(m: RecurrentLayer, prefix: str, x, state, w_ih, w_hh, b_ih, b_hh,
     h, c = state
     p = f"{prefix}." if prefix else ""
     igates = m._q(p + "igates", F.linear(x, w_ih, b_ih))
-    hgates = m._q(p + "hgates", F.linear(h, w_hh, b_hh))
+    hgates = m._q(p + "hgates", F.linear(m._gemm_input(p + "h", h), w_hh, b_hh))
     gates = m._q(p + "gates", torch.add(igates, hgates))
     i, f, g, o = gates.chunk(4, -1)
     i = m._q(p + "input_gate", torch.sigmoid(i))
@@ -254,7 +290,7 @@ def _gru_step(m: RecurrentLayer, prefix: str, x, h, w_ih, w_hh, b_ih, b_hh):
     """One GRU step in ATen's GRUCell order (see module docstring)."""
     p = f"{prefix}." if prefix else ""
     igates = m._q(p + "igates", F.linear(x, w_ih, b_ih))
-    hgates = m._q(p + "hgates", F.linear(h, w_hh, b_hh))
+    hgates = m._q(p + "hgates", F.linear(m._gemm_input(p + "h", h), w_hh, b_hh))
     i_rz, i_n = igates.split([2 * m.hidden_size, m.hidden_size], -1)
     h_rz, h_n = hgates.split([2 * m.hidden_size, m.hidden_size], -1)
     gates = m._q(p + "gates", torch.add(i_rz, h_rz))
@@ -335,8 +371,8 @@ class QLSTMCell(RecurrentLayer, nn.LSTMCell):
             hx = (zeros, zeros)
         elif unbatched:
             hx = (hx[0].unsqueeze(0), hx[1].unsqueeze(0))
-        h, c = _lstm_step(self, "", x, hx, self._w("weight_ih"), self._w("weight_hh"), self._b("bias_ih"),
-                          self._b("bias_hh"))
+        h, c = _lstm_step(self, "", self._gemm_input("input", x), hx, self._w("weight_ih"), self._w("weight_hh"),
+                          self._b("bias_ih"), self._b("bias_hh"))
         return (h.squeeze(0), c.squeeze(0)) if unbatched else (h, c)
 
 
@@ -358,8 +394,8 @@ class QGRUCell(RecurrentLayer, nn.GRUCell):
             hx = torch.zeros(x.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         elif unbatched:
             hx = hx.unsqueeze(0)
-        h = _gru_step(self, "", x, hx, self._w("weight_ih"), self._w("weight_hh"), self._b("bias_ih"),
-                      self._b("bias_hh"))
+        h = _gru_step(self, "", self._gemm_input("input", x), hx, self._w("weight_ih"), self._w("weight_hh"),
+                      self._b("bias_ih"), self._b("bias_hh"))
         return h.squeeze(0) if unbatched else h
 
 
@@ -376,6 +412,55 @@ def quantizable_recurrent(module: nn.Module) -> nn.Module | None:
             new._init_points()
             return new
     return None
+
+
+def step_names(module: nn.Module) -> list[str] | None:
+    """The local names of ``module``'s step points in execution order (``l0.igates``, ...,
+    ``l0_reverse.hidden``, ``l1.igates``; a cell's without prefix), whether it is one of these
+    layers or the torch layer prepare would swap for one; None for any other module."""
+    layer = module if isinstance(module, RecurrentLayer) else quantizable_recurrent(module)
+    if layer is None:
+        return None
+    return [f"{prefix}.{step}" if prefix else step for prefix in layer._directions() for step in layer.step_point_names()]
+
+
+def step_values(module: nn.Module, args: tuple, kwargs: dict | None = None, *,
+                teacher: dict[str, torch.Tensor] | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """Every step point's tensor in one call of ``module`` on ``args``, stacked over the steps
+    in the order they run (``[T, batch, ...]``; a reverse direction's from its last step; a
+    cell's ``T`` is 1), by local name (``step_names``): (values after each point, values before
+    it).  None for a module that is no LSTM/GRU (cell) this file runs, or a PackedSequence
+    input.  A torch layer runs this file's loop without points (its float function); one of
+    these layers with its points as they are set (a point in ``observe`` mode observes).
+
+    ``teacher``: another run's values by local name.  Each point's output is recorded, then
+    the teacher's tensor of that step flows on in its place, so every op reads the teacher's
+    operands: the recorded values are each point's own error alone (its op, its weights' and
+    its own quantization) on the teacher's inputs -- compare's isolated error, step by step."""
+    layer = module if isinstance(module, RecurrentLayer) else quantizable_recurrent(module)
+    if layer is None or any(isinstance(a, PackedSequence) for a in args):
+        return None
+    seen: dict[str, list[torch.Tensor]] = {}
+    before: dict[str, list[torch.Tensor]] = {}
+
+    def record(local: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        steps = seen.setdefault(local, [])
+        steps.append(y.detach())
+        before.setdefault(local, []).append(x.detach())
+        if teacher is None or local not in teacher or len(steps) > teacher[local].shape[0]:
+            return y
+        taught = teacher[local][len(steps) - 1]
+        return taught if taught.shape == y.shape else y
+
+    object.__setattr__(layer, "_step_trace", record)
+    try:
+        with torch.no_grad():
+            layer(*args, **(kwargs or {}))
+    finally:
+        object.__delattr__(layer, "_step_trace")
+    return ({local: torch.stack(steps) for local, steps in seen.items()},
+            {local: torch.stack(steps) for local, steps in before.items()})
 
 
 def is_recurrent_layer(module: nn.Module) -> bool:
