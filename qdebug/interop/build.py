@@ -37,6 +37,7 @@ from qdebug.engine.prepare import engine_state, prepare
 from qdebug.engine.recurrent import CELL_STATE_BITS, activation_spec_from
 from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, default_weight_spec
 from qdebug.errors import QDebugError
+from qdebug.interop.attention import attention_points
 from qdebug.interop.recurrent import recurrent_points
 from qdebug.interop.source import EXACT, FLOAT, FROZEN, MOVED, UNMAPPED, SourceModel, SourceQuantizer, spec_of
 
@@ -121,7 +122,7 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
     """Point name -> (quantizer, spec) for activations and weights; edits ``plan``; fills ``rows``."""
     calls = plan.calls
     weighted = {path for path, m in source.float_model.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))}
-    inner = recurrent_points(source.float_model)
+    inner = {**recurrent_points(source.float_model), **attention_points(source.float_model)}
     acts: dict[str, tuple[SourceQuantizer, QuantSpec]] = {}
     weights: dict[str, tuple[SourceQuantizer, QuantSpec]] = {}
     base = {"activation": default_activation_spec(), "weight": default_weight_spec()}
@@ -189,6 +190,8 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
         rows.append(_row(bn, "bn", conv, EXACT, f"folded into {conv!r}'s weights by torch before quantization"))
     for source_name, why in source.unsupported:
         rows.append(_row(source_name, "activation", "", UNMAPPED, why))
+    for source_name, why in source.idle:
+        rows.append(_row(source_name, "activation", "", EXACT, why))
     for rec in calls.values():
         if rec.point and rec.point not in acts:
             for name in rec.point_names():  # a point per tensor of a structured output
@@ -196,8 +199,8 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
     for path in sorted(weighted):
         if f"{path}.weight" not in weights:
             rows.append(_row("", "weight", f"{path}.weight", FLOAT, "the source keeps this weight in float"))
-    for name, (kind, _, _) in inner.items():
-        if name not in (weights if kind == "weight" else acts):
+    for name, (kind, _, role) in inner.items():
+        if role != "dynamic" and name not in (weights if kind == "weight" else acts):
             why = "the source keeps this weight in float" if kind == "weight" else "the source does not quantize this"
             rows.append(_row("", kind, name, FLOAT, why))
     return acts, weights
@@ -205,10 +208,12 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
 
 def _spec_at(qconfig: QConfig, kind: str, name: str, names: tuple, inner: dict) -> QuantSpec | None:
     """The spec ``prepare`` gives point ``name`` under ``qconfig`` (an LSTM's cell state cascades
-    from the 16-bit default, qdebug.engine.recurrent)."""
-    if name in inner and inner[name][2]:
+    from the 16-bit default; a GEMM input exists only with a dynamic spec: qdebug.engine.recurrent)."""
+    role = inner[name][2] if name in inner else ""
+    if role == "cell":
         return activation_spec_from(qconfig, qconfig.activation.replace(bits=CELL_STATE_BITS), names)
-    return qconfig.spec_for(kind, names)
+    spec = qconfig.spec_for(kind, names)
+    return None if role == "dynamic" and spec is not None and not spec.dynamic else spec
 
 
 def _same_grid(a: SourceQuantizer, b: SourceQuantizer) -> bool:
@@ -266,7 +271,7 @@ def _qconfig(plan: Plan, model: nn.Module, acts: dict, weights: dict) -> QConfig
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Linear, _QWeighted)):
             name = f"{path}.weight"
             wanted[("weight", name)] = ((path, name), weights[name][1] if name in weights else None)
-    inner = recurrent_points(model)
+    inner = {**recurrent_points(model), **attention_points(model)}
     for name, (kind, names, _) in inner.items():
         wanted[(kind, name)] = (names, (weights if kind == "weight" else acts).get(name, (None, None))[1])
     defaults = {}

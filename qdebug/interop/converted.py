@@ -62,6 +62,7 @@ from qdebug.engine.context import split_inputs
 from qdebug.engine.ops import function_category, module_category, tensors_in
 from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.errors import QDebugError
+from qdebug.interop.dynamic_rnn import float_rnn, is_dynamic_rnn, rnn_quantizers
 from qdebug.interop.eager import _set, run_once, trace_float, unfuse
 from qdebug.interop.source import SourceModel, SourceQuantizer
 
@@ -253,12 +254,18 @@ def _float_twin(module: nn.Module, path: str) -> tuple[nn.Module, list[nn.Module
                                               ceil_mode=m.ceil_mode),
     }
     make = simple.get(type(module))
+    if is_dynamic_rnn(module):  # nnqd.LSTM/GRU: int8 weights on QLSTM/QGRU (qdebug.interop.dynamic_rnn)
+        return float_rnn(module), []
     if make is None and type(module).__module__.startswith("torch.ao.nn.quantized.dynamic"):
-        # nnqd.LSTM/GRU quantize each gate GEMM's input per call (the whole sequence's x, each
-        # step's h): the engine's recurrent layers have no points there yet.
         raise QDebugError(f"{path}: cannot import torch's dynamic {type(module).__name__} yet",
-                          "quantize_dynamic only the Linear layers ({nn.Linear}), or prepare the model with "
+                          "quantize_dynamic only the Linear, LSTM and GRU layers, or prepare the model with "
                           "torch.ao's eager prepare/prepare_qat (its quantizable LSTM imports exactly)")
+    if isinstance(module, nnq.MultiheadAttention):
+        # Its float bmm/softmax between int8 projections would import, but its linears' weights
+        # and output grids would need the decomposition's names: not done yet.
+        raise QDebugError(f"{path}: cannot import torch's converted MultiheadAttention yet",
+                          "import the model torch's prepare/prepare_qat returned (before convert): its quantizable "
+                          "MultiheadAttention imports exactly, and qdebug convert makes the integer stage")
     if make is None:
         raise QDebugError(f"{path}: cannot import torch's converted {type(module).__name__}",
                           "qdebug reads converted conv, linear, BatchNorm, ReLU6, Hardswish, ELU, LeakyReLU, "
@@ -344,6 +351,10 @@ def _read_eager(converted: nn.Module, example_inputs: Any,
     for path, module in quantized.items():
         if quantized_weight(module) is not None:
             source.quantizers.append(weight_quantizer(path, module))
+        if is_dynamic_rnn(module):
+            weights, unmapped = rnn_quantizers(path, module)
+            source.quantizers.extend(weights)
+            source.unsupported.extend(unmapped)
         if isinstance(module, nnqd.Linear):
             found = _dynamic_input(path, module, plan)
             if isinstance(found, str):

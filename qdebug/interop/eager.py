@@ -17,7 +17,10 @@ weights and the same names.  ``trace_float`` traces the result, finding what eac
 and FloatFunctional quantizes, and ``splice_identities`` keeps a BN that torch folded (its
 identity) from splitting the conv from its ReLU.  A ``torch.ao.nn.quantizable.LSTM`` (the
 custom-module flow's swap of ``nn.LSTM``) goes back to an ``nn.LSTM`` whose quantizers map onto
-the engine's ``QLSTM`` points (``qdebug.interop.recurrent``).  Converted eager models
+the engine's ``QLSTM`` points (``qdebug.interop.recurrent``); a quantizable
+``MultiheadAttention`` to an ``nn.MultiheadAttention``, whose quantizers map onto the calls of
+the engine's ``QMultiheadAttention`` (``qdebug.interop.attention``): the plan is traced on the
+float model with its attentions decomposed, as ``prepare`` traces it.  Converted eager models
 (``qdebug.interop.converted``) share all three.
 """
 
@@ -30,10 +33,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from qdebug.engine.attention import decomposed_copy
 from qdebug.engine.context import split_inputs
 from qdebug.engine.ops import FUSABLE_INTO_ACTIVATION, FUSED_ACTIVATIONS
 from qdebug.engine.plan import CallRecord, Plan, TraceHandler, resolve_outputs, trace_plan
 from qdebug.errors import QDebugError
+from qdebug.interop.attention import attention_quantizers, float_attention, quantizable_attentions
 from qdebug.interop.recurrent import float_lstm, lstm_quantizers, quantizable_lstms
 from qdebug.interop.source import SourceModel, SourceQuantizer, full_range, read_quantizer
 
@@ -204,7 +209,9 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
     # torch.ao's quantizable LSTMs (custom-module flow) go back to nn.LSTM: their quantizers
     # map onto the QLSTM's points (qdebug.interop.recurrent), nothing inside them is a layer.
     lstms = quantizable_lstms(prepared)
-    inside = tuple(f"{path}." for path in lstms)
+    # Likewise torch.ao's quantizable MHAs go back to nn.MultiheadAttention (qdebug.interop.attention).
+    attentions = quantizable_attentions(prepared)
+    inside = tuple(f"{path}." for path in (*lstms, *attentions))
     quantizers = {name: m for name, m in quantizers.items() if not (inside and name.startswith(inside))}
     parts: dict[str, tuple[nn.Module | None, list[nn.Module]]] = {
         path: found for path, m in prepared.named_modules()
@@ -216,11 +223,13 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
                       if path and path not in parts and not (inside and path.startswith(inside))
                       and type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)})
     parts.update({path: (float_lstm(path, m), []) for path, m in lstms.items()})
+    parts.update({path: (float_attention(m), []) for path, m in attentions.items()})
     model, folded, placed = unfuse(prepared, parts, example_inputs, folded_bn=lambda slot: not qat)
     bn_pairs = [(path, placed[path][0]) for path, (_, followers) in parts.items()
                 if qat and followers and isinstance(followers[0], nn.modules.batchnorm._BatchNorm)]
     last_of = {path: slots[-1] for path, slots in placed.items() if slots}
-    plan, _, stub_anchor = trace_float(model, example_inputs, [slot for _, slot in folded])
+    # Traced as prepare traces: each nn.MultiheadAttention decomposed into its calls.
+    plan, _, stub_anchor = trace_float(decomposed_copy(model), example_inputs, [slot for _, slot in folded])
 
     source = SourceModel("eager", "qat" if qat else "calibrated", model, example_inputs, bn_pairs=bn_pairs,
                          folded_bn=folded)
@@ -240,9 +249,13 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
                 full_range(q)
             source.quantizers.append(q)
     if not qat:
-        source.quantizers.extend(_ptq_weights(prepared, model))
+        source.quantizers.extend(_ptq_weights(prepared, model, inside))
     for path, module in lstms.items():
         source.quantizers.extend(lstm_quantizers(path, module, qat))
+    for path, module in attentions.items():
+        found, idle = attention_quantizers(path, module, qat, plan.calls)
+        source.quantizers.extend(found)
+        source.idle.extend(idle)
     return source, plan
 
 
@@ -332,10 +345,13 @@ def _activation_anchors(prepared: nn.Module, owner: str, last_of: dict[str, str]
     return [path if k == 1 else f"{path}#{k}" for k in range(1, count + 1)]
 
 
-def _ptq_weights(prepared: nn.Module, model: nn.Module) -> list[SourceQuantizer]:
-    """PTQ: the weight quantizers torch's convert would build (``qconfig.weight()`` on each weight)."""
+def _ptq_weights(prepared: nn.Module, model: nn.Module, inside: tuple[str, ...] = ()) -> list[SourceQuantizer]:
+    """PTQ: the weight quantizers torch's convert would build (``qconfig.weight()`` on each weight);
+    ``inside``: prefixes of custom modules whose front ends read their own weights."""
     found = []
     for path, module in prepared.named_modules():
+        if inside and path.startswith(inside):
+            continue
         qconfig = getattr(module, "qconfig", None)
         if qconfig is None or getattr(module, "activation_post_process", None) is None:
             continue

@@ -109,12 +109,13 @@ def lstm_quantizers(path: str, module: nn.Module, qat: bool) -> list[SourceQuant
     return found
 
 
-def recurrent_points(model: nn.Module) -> dict[str, tuple[str, tuple[str, str], bool]]:
-    """Every point ``prepare`` gives the recurrent layers of ``model``: name -> (kind, the names
-    qconfig globs match, whether its spec starts from the 16-bit cell-state default)."""
-    from qdebug.engine.recurrent import QLSTM, QLSTMCell, quantizable_recurrent
+def recurrent_points(model: nn.Module) -> dict[str, tuple[str, tuple[str, str], str]]:
+    """Every point ``prepare`` can give the recurrent layers of ``model``: name -> (kind, the names
+    qconfig globs match, its role: "cell" when its spec starts from the 16-bit cell-state default,
+    "dynamic" for a GEMM input, which exists only with a dynamic spec, else "")."""
+    from qdebug.engine.recurrent import CELL_STATE_POINTS, GEMM_INPUT_POINTS, QLSTM, QLSTMCell, quantizable_recurrent
 
-    points: dict[str, tuple[str, tuple[str, str], bool]] = {}
+    points: dict[str, tuple[str, tuple[str, str], str]] = {}
     for path, module in model.named_modules():
         layer = quantizable_recurrent(module)
         if layer is None:
@@ -123,8 +124,11 @@ def recurrent_points(model: nn.Module) -> dict[str, tuple[str, tuple[str, str], 
         for prefix in layer._directions():
             for weight in layer.weight_names():
                 if not prefix or weight.endswith(f"_{prefix}"):
-                    points[f"{path}.{weight}"] = ("weight", (path, f"{path}.{weight}"), False)
+                    points[f"{path}.{weight}"] = ("weight", (path, f"{path}.{weight}"), "")
+            for gemm in GEMM_INPUT_POINTS:
+                name = f"{path}.{prefix}.{gemm}" if prefix else f"{path}.{gemm}"
+                points[name] = ("activation", (path, name), "dynamic")
             for step in layer.step_point_names():
                 name = f"{path}.{prefix}.{step}" if prefix else f"{path}.{step}"
-                points[name] = ("activation", (path, name), lstm and step == "cell")
+                points[name] = ("activation", (path, name), "cell" if lstm and step in CELL_STATE_POINTS else "")
     return points

@@ -88,6 +88,9 @@ class SourceModel:
     quantizers: list[SourceQuantizer] = field(default_factory=list)
     bn_pairs: list[tuple[str, str]] = field(default_factory=list)  # (conv, bn) the source trains folded
     unsupported: list[tuple[str, str]] = field(default_factory=list)  # (source name, why) left float
+    # (source name, why) of quantizers the source holds but never runs (torch.ao MHA's
+    # mul_scalar): nothing to map, and nothing the engine computes differs.
+    idle: list[tuple[str, str]] = field(default_factory=list)
     # (conv, bn) whose BN the source folded into the conv's weights before quantizing (PTQ
     # fusion): the float model holds the folded weights and an nn.Identity at the BN's path.
     folded_bn: list[tuple[str, str]] = field(default_factory=list)

@@ -14,7 +14,10 @@ float model the way the file's keys say it was prepared:
   separate ReLU have the same keys: the ReLU is taken as fused -- what fuse_modules_qat
   recipes do -- unless the quantizer saw negative values, which after a ReLU it cannot;
 - the qconfig: torch's default of ``--backend`` on exactly the modules that have quantizer
-  keys (eager), or the default qconfig mapping (FX).
+  keys (eager), or the default qconfig mapping (FX).  Keys under an ``nn.MultiheadAttention``
+  (``attn.linear_Q.activation_post_process.*``) are torch.ao's quantizable MHA, which eager
+  prepare swaps in (its default custom module config): the qconfig goes on the attention
+  itself, whose ``from_float`` prepares its own Linears.
 
 The rebuilt model must take the file with ``load_state_dict(strict=True)``, and every loaded
 FakeQuantize scale must be the one its observer's range gives under that qconfig (the range
@@ -174,6 +177,15 @@ def _prepare_eager(state: dict, float_model: nn.Module, example_inputs: Any, bac
     qconfig = tq.get_default_qat_qconfig(backend) if qat else tq.get_default_qconfig(backend)
     modules = dict(model.named_modules())
     owners = eager_owners(state)
+    # torch.ao's quantizable MHA: its quantizers sit on children (linear_Q, ...) the float
+    # nn.MultiheadAttention lacks; its from_float makes and prepares them.  Its own out_proj gets
+    # no qconfig: prepare_qat would swap it (NonDynamicallyQuantizableLinear) for a qat.Linear,
+    # which torch refuses; from_float replaces it anyway.
+    attentions = {path for path, m in modules.items()
+                  if type(m) is nn.MultiheadAttention and any(o.startswith(f"{path}.") for o in owners)}
+    inside = tuple(f"{path}." for path in attentions)
+    owners = {path: kinds for path, kinds in owners.items() if not (inside and path.startswith(inside))}
+    owners.update({path: {"activation_post_process"} for path in attentions})
     absent = sorted(path for path in owners if path not in modules)
     if absent:
         raise QDebugError(f"the state_dict quantizes module {absent[0]!r}, which the float model does not have"
