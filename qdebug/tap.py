@@ -95,7 +95,7 @@ class Capture:
     ``release()`` drops the buffers.
     """
 
-    keep_inputs: bool = True
+    keep_inputs: bool | Callable[[Event], bool] = True  # or per call: whether to keep its inputs
     records: dict[str, Record] = field(default_factory=dict)
     # id(original) -> (weak reference to it, its version when copied, the copy)
     _copies: dict[int, tuple] = field(default_factory=dict, repr=False)
@@ -105,12 +105,13 @@ class Capture:
     def __call__(self, event: Event) -> None:
         call = event.call
         name = call.name
+        keep = self.keep_inputs(event) if callable(self.keep_inputs) else self.keep_inputs
         self.records[name] = Record(
             name,
             call.op,
             call.category,
-            self._copies_of(event.args, (name, "args")) if self.keep_inputs else (),
-            self._copies_of(event.kwargs, (name, "kwargs")) if self.keep_inputs else {},
+            self._copies_of(event.args, (name, "args")) if keep else (),
+            self._copies_of(event.kwargs, (name, "kwargs")) if keep else {},
             self._copies_of(event.out, (name, "out")),
             event.func,
             call.module,

@@ -467,3 +467,23 @@ def test_the_fast_ranking_scores_each_member(net_module):
     assert scores["cell:0"] > 0 and scores["cell:1.0"] > 0, scores
     # c = 4 h with h on fc's grid, and c's range exactly 4x h's: c lies on its own grid, no noise.
     assert scores["cell:1.1"] == 0.0
+
+
+def test_step_drill_and_suggest_cli_list_member_rows(net_module, tmp_path, cli):
+    model = _net(net_module)
+    spec = f"{net_module.__name__}:Net"
+    qdebug.save(model, tmp_path / "float.pt", model_spec=spec)
+    qdebug.save(_calibrated(model), tmp_path / "int8.pt", model_spec=spec)
+    torch.save(torch.cat(_batches()), tmp_path / "x.pt")
+    (tmp_path / "qdebug.toml").write_text(f'trust = ["{net_module.__name__}"]\n')
+
+    def column(out: str, name: str) -> list[str]:
+        rows = [line.split(",") for line in out.splitlines()]
+        return [r[rows[0].index(name)] for r in rows[1:]]
+
+    drill = cli("step", "float.pt", "int8.pt", "--data", "x.pt", "--module", "cell", "--drill", "--format", "csv")
+    assert drill.code in (0, 1), drill.err
+    assert [s for s in column(drill.out, "selection") if s.startswith("cell:")] == list(MEMBERS)
+    plan = cli("suggest", "float.pt", "int8.pt", "--data", "x.pt", "--min-sqnr", "60", "--format", "csv")
+    assert plan.code in (0, 1), plan.err
+    assert set(MEMBERS) <= set(column(plan.out, "point"))

@@ -454,3 +454,38 @@ def test_sort_puts_the_worst_first(cli, defect_files):
     assert rows[0][header_index(result.out, "selection")] in ("*", "layer2.0")  # the defect's block: ~7 dB
     values = [float(r[header_index(result.out, "sqnr_db")]) for r in rows]
     assert values == sorted(values)
+
+
+def test_drill_names_a_point_passed_at_an_upper_level_when_it_costs_more_alone():
+    """Six 5-bit Linears are the worst module together (37.0 dB), each alone at best 42.1 dB;
+    the 4-bit model input alone costs 42.0 dB. The drill descends into the group, and costs
+    the most is still the input: the worst point in our own loop, each point alone."""
+    import warnings
+    from collections import OrderedDict
+
+    from qdebug.engine import set_mode
+
+    torch.manual_seed(0)
+    first = nn.Linear(16, 16)  # built in this order: the seeded weights the figures above are of
+    group = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    model = nn.Sequential(OrderedDict(first=first, group=group, last=nn.Linear(16, 4))).eval()
+    x = torch.randn(64, 16)
+    qconfig = QConfig.from_dict({"overrides": {"group.*": {"weight": {"bits": 5}},
+                                               "input": {"activation": {"bits": 4}}}})
+    qm = prepare(model, qconfig, example_inputs=x)
+    calibrate(qm, [x])
+    alone = {}
+    with torch.no_grad():
+        ref = model(x)
+        for name in quant_points(qm):
+            set_mode(qm, "float")
+            set_mode(qm, "fake", name)
+            alone[name] = 10 * torch.log10(ref.pow(2).sum() / (ref - qm(x)).pow(2).sum()).item()
+    set_mode(qm, "fake")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        frame = qdebug.step(model, qm, data=[x], mode="drill")
+    meta = frame.attrs["meta"]
+    assert [e["selection"] for e in meta["drill_path"]] == ["group", "group.4", "group.4.weight"]
+    assert min(alone, key=alone.get) == "input" == meta["culprit"]["selection"]
+    assert "costs the most: input activation" in frame.attrs["summary"]

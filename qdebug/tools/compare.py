@@ -46,6 +46,7 @@ from qdebug.safe_text import escaped
 from qdebug.stats import ErrorStats
 from qdebug.tap import Capture, tap
 from qdebug.tools.isolated import IsolatedReplay
+from qdebug.tools.recurrent_rows import inner_rows, measure, row_op
 
 # Metric columns in display order, and the default table's columns (most useful first).
 METRICS = list(vocab.COMPARE_METRICS)
@@ -163,6 +164,34 @@ class _Listener:
                 iso_y = member_at(isolated, path)
                 if iso_y is not None:
                     stats[1].update(x, iso_y)
+        self._step_rows(event, record)
+
+    def _step_rows(self, event: Event, record: Any) -> None:
+        """The rows of the quant points inside a recurrent layer (``qdebug.tools.recurrent_rows``)."""
+        module = event.call.module
+        rows = inner_rows(event.call.name, module)
+        if not rows or record.module is None:
+            return
+        for name, local in rows:
+            self.seen.add(name)
+            self.kinds.setdefault(name, row_op(module, local))
+        iso_args = self.replay._inputs(event, record) if self.isolated else None
+        found = measure(module, event.args, record.module, record.inputs, record.kwargs, iso_args)
+        for name, local in rows:
+            if found is None or local not in found:
+                self.notes[(name, self.label)] = "its steps could not be replayed (a PackedSequence input)"
+                continue
+            x, y, raw, iso_y = found[local]
+            key = (name, self.label)
+            if key not in self.stats:
+                self.stats[key] = (ErrorStats(want_kl=False), ErrorStats(want_ranges=False, want_kl=False))
+            # The layer's points are its module's (``lstm.l0.cell``), shared by its calls.
+            point = self.points.get(f"{event.call.owner}.{local}")
+            self.stats[key][0].update(x, y, grid=_grid(point), raw=raw)
+            if self.first_batch and key not in self.samples:
+                self.samples[key] = (_sample(x), _sample(y))
+            if iso_y is not None:
+                self.stats[key][1].update(x, iso_y)
 
 
     def _gather_evidence(self, key: tuple[str, str], event: Event, record: Any, path: str, x: torch.Tensor,
@@ -440,7 +469,8 @@ def compare(
     if len({id(model) for _, model in models}) != len(models):
         raise QDebugError("a model is compared with itself", "load each stage from its own checkpoint")
 
-    capture = Capture(keep_inputs=isolated)
+    # Inputs for the isolated replays; a recurrent layer's always (its step rows replay it).
+    capture = Capture(keep_inputs=True if isolated else (lambda event: bool(inner_rows("", event.call.module))))
     stats: dict = {}
     notes: dict = {}
     samples: dict = {}
@@ -468,6 +498,10 @@ def compare(
                 with tap(ref_model, capture):
                     run_model(ref_model, inputs)
                 for call, record in capture.records.items():
+                    for name, local in inner_rows(call, record.module):  # a recurrent layer's points first
+                        if name not in kinds:
+                            kinds[name] = row_op(record.module, local)
+                            order.append(name)
                     for name, _, _ in _rows_of(call, record.output):
                         if name not in kinds:
                             kinds[name] = record.op
@@ -499,7 +533,11 @@ def compare(
         raise QDebugError("compare got no batches", "pass --data with at least one batch")
 
     rows = []
-    for index, name in enumerate(dict.fromkeys(order)):
+    # Constants an exporter folds (rotary tables, positions: ``qdebug.engine.plan``) are no layer of
+    # the deployed graph, and equal in every stage: no row, unless a point quantizes them.
+    folded = {name for _, model in models if is_prepared(model)
+              for name, rec in engine_state(model).plan.calls.items() if rec.constant and not rec.point_names()}
+    for index, name in enumerate(n for n in dict.fromkeys(order) if n not in folded):
         for label, _ in others:
             key = (name, label)
             row: dict[str, Any] = {"index": index, "layer": name, "type": kinds.get(name, ""), "target": label}
@@ -627,7 +665,10 @@ def modern_cause(cause: str, model: nn.Module, row: str, found: dict) -> str:
     call, _ = split_name(row)
     if cause in OWN_ERROR and _spans_few_shared_codes(found):
         return "shared_scale"
-    if cause in OWN_ERROR and _coarse_cell_state(model, call):
+    # A step row of a recurrent layer (``lstm.l0.cell``): its layer's call, for its cell row only.
+    point = engine_state(model).points.get(row) if call not in engine_state(model).plan.calls else None
+    layer = point.owner if point is not None and row.endswith(".cell") else call
+    if cause in OWN_ERROR and _coarse_cell_state(model, layer):
         return "cell_state_range"
     if cause in OWN_ERROR and _softmax_collapsed(found):
         return "softmax_collapse"
@@ -739,7 +780,7 @@ ADVICE = {
     "cell_state_range": "int8 cell state coarser than h: int16 cell points (the default)",
     "softmax_collapse": "probabilities round to 0: uint8 at scale 1/256, or int16",
     "logits_clipped": "attention logits clipped: recalibrate wider, or int16",
-    "norm_input_outliers": "outlier channels into a norm: per-token input, or SmoothQuant",
+    "norm_input_outliers": "outlier channels into a norm: int16 @norm_input, SmoothQuant",
 }
 
 

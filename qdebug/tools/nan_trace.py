@@ -201,10 +201,13 @@ def _pairwise(output: Any, target: Any, kind: str) -> torch.Tensor:
         raise QDebugError(f"cannot compute a loss between a {type(output).__name__} output and a "
                           f"{type(target).__name__} target", "give --train package.module:function for this model")
     if kind in ("auto", "ce") and not torch.is_floating_point(target):
-        if output.dim() != target.dim() + 1 or output.shape[0] != target.shape[0]:
-            raise QDebugError(f"class targets of shape {list(target.shape)} do not fit outputs of shape "
-                              f"{list(output.shape)}", "give class indices with one dimension less than the output")
-        return F.cross_entropy(output.float(), target.long())
+        if output.dim() == target.dim() + 1 and output.shape[:-1] == target.shape:  # classes last: [B, L, C]
+            return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.long().reshape(-1))
+        if output.dim() == target.dim() + 1 and output.shape[:1] + output.shape[2:] == target.shape:  # [B, C, ...]
+            return F.cross_entropy(output.float(), target.long())
+        raise QDebugError(f"class targets of shape {list(target.shape)} do not fit outputs of shape "
+                          f"{list(output.shape)}", "give class indices shaped like the output without its class "
+                          "dimension (the last, or the second)")
     if kind == "ce":
         raise QDebugError("--loss ce needs integer class targets", "use --loss mse for float targets")
     if output.shape != target.shape:

@@ -239,6 +239,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         level = 1
         first = True
         culprit = None
+        leaves: list[TrialResult] = []  # every single point measured alone on the way
         while True:
             children = units.children(group)
             if not children:
@@ -249,12 +250,17 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
             trials = [alone(name, names, level) for name, names in children.items()]
             done = measure(([whole] if first else []) + trials)[(1 if first else 0):]
             first = False
+            leaves += [r for r in done if len(r.trial.quantized) == 1]
             culprit = _worst(done, tolerance())
             drill_path.append(_path_entry(culprit, experiment))
             group = children[culprit.trial.info["selection"]]
             if len(group) <= 1:
                 break
             level += 1
+        if culprit is not None and leaves:
+            # The costliest point: a point left at an upper level (the input beside an LSTM whose
+            # group was worse) can cost more alone than the one the descent ends on.
+            culprit = _worst([culprit, *leaves], tolerance())
         if culprit is None:  # a single point selected: nothing to drill into
             measure([whole, alone(label or units.points[0], selected, 1)])
             culprit = results[1]

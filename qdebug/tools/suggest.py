@@ -194,6 +194,21 @@ def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
     return {row.layer: row.diagnosis for row in frame.itertuples() if row.diagnosis}
 
 
+def _norm_inputs_diagnosed(model: nn.Module, diagnoses: dict[str, str]) -> dict[str, str]:
+    """``diagnoses`` with each norm's ``norm_input_outliers`` also on the point feeding it (its
+    ``@norm_input``, ``qdebug.engine.norm_input``): that point's int16 candidate is the fix, so
+    its row says so (a clipped or non-finite point keeps its own diagnosis)."""
+    from qdebug.engine.norm_input import ALIAS, norm_input_aliases
+
+    out = dict(diagnoses)
+    for point, aliases in norm_input_aliases(engine_state(model).plan).items():
+        norms = [alias[len(ALIAS) + 1:] for alias in aliases if alias != ALIAS]
+        if any(diagnoses.get(n) == "norm_input_outliers" for n in norms) \
+                and out.get(point) not in ("clipping", "nonfinite"):
+            out[point] = "norm_input_outliers"
+    return out
+
+
 def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
             metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
             min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16,
@@ -233,7 +248,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     # A model that already meets the target needs no diagnosis and no ranking: one run says so.
     base = experiment.run([whole])[0]
     done = meets(base)
-    diagnoses = dict(diagnose()) if not done else {}
+    diagnoses = _norm_inputs_diagnosed(model, dict(diagnose())) if not done else {}
     clipping = [c for c in found if c.kind == "activation" and any(diagnoses.get(p) == "clipping" for p in c.points)]
     ranked_pool = [c for c in found if c not in clipping]
     # Clipping points: the range another observer picks, observed on the data as calibration does.
