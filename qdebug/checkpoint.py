@@ -111,6 +111,8 @@ def save(
         raise QDebugError(f"cannot save a {actual} model as stage {stage!r}", f"this model can be saved as: {', '.join(compatible)}")
     if isinstance(model_spec, str):
         spec = ModelSpec(model_spec, dict(model_kwargs or {}))
+    elif model_spec is None and model_kwargs is not None:  # the model's own class, built with these kwargs
+        spec = ModelSpec(spec_of(model).target, dict(model_kwargs))
     else:
         spec = model_spec or spec_of(model)
     ckpt: dict[str, Any] = {
@@ -578,7 +580,8 @@ def _check_plan(plan: dict, net: nn.Module, spec: ModelSpec, path: str) -> None:
         raise bad("lacks its calls, pairs or call_counts")
     types = {"name": str, "category": str, "op": str, "owner": str, "is_module": bool, "inputs": list,
              "consumers": list, "point": (str, type(None)), "output_point": (str, type(None)),
-             "fused_into": (str, type(None)), "fused_activation": (str, type(None)), "members": list}
+             "fused_into": (str, type(None)), "fused_activation": (str, type(None)), "members": list,
+             "constant": bool}
     required = {f.name for f in fields(CallRecord) if f.default is MISSING and f.default_factory is MISSING}
     modules = dict(net.named_modules()) | decomposed_paths(net)  # prepare's attention parts too
     for call in calls:

@@ -544,3 +544,16 @@ def test_state_dicts_are_not_taken_for_data(tmp_path):
     torch.save({"state_dict": nn.Linear(2, 3).state_dict(), "x": torch.ones(2)}, tmp_path / "train.pt")
     with pytest.raises(QDebugError, match="plain state_dict"):
         qdebug.load(tmp_path / "train.pt")
+
+
+def test_save_with_model_kwargs_alone_records_the_models_own_class_with_them(tmp_path):
+    # The kwargs were dropped unless model_spec was a string: the file then named the class with
+    # no kwargs, and loading it built the default architecture and refused the weights.
+    from qdebug.zoo import ResNet
+
+    kwargs = {"layers": [1, 1], "widths": [4, 8], "num_classes": 3, "in_channels": 1, "stem": "small"}
+    model = ResNet(**kwargs).eval()
+    qdebug.save(model, tmp_path / "f.pt", stage="float", model_kwargs=kwargs)
+    loaded, _ = qdebug.load(tmp_path / "f.pt")
+    x = torch.randn(2, 1, 8, 8)
+    assert torch.equal(loaded(x), model(x))
