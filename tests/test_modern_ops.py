@@ -219,6 +219,31 @@ def test_ops_reading_no_activation_are_folded_and_the_tables_quantized_once():
     assert torch.equal(got, expected)
 
 
+def test_what_an_integer_input_becomes_is_an_activation_not_a_constant():
+    class Pixels(nn.Module):  # a deployment wrapper reading uint8 pixels
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x.float() / 255 - 0.5)
+
+    x = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    qm = prepare(Pixels(), example_inputs=x)
+    assert [n for n in quant_points(qm) if not n.startswith("conv")] == ["div", "sub"]
+    calibrate(qm, [x])
+    seen = {}
+    qm.conv.register_forward_pre_hook(lambda m, args: seen.setdefault("in", args[0]))
+    with torch.no_grad():
+        qm(x)
+    div, sub = quant_points(qm)["div"], quant_points(qm)["sub"]
+    fq = lambda t, p: torch.fake_quantize_per_tensor_affine(t, float(p.scale), int(p.zero_point), p.spec.qmin,
+                                                            p.spec.qmax)
+    normalised = x.float() / 255 - 0.5
+    assert torch.equal(seen["in"], fq(fq(x.float() / 255, div) - 0.5, sub))
+    assert not torch.equal(seen["in"], normalised)  # the conv reads quantized pixels, as deployed
+
+
 def test_a_library_rms_norm_module_is_one_norm_op():
     class LlamaRMSNorm(nn.Module):  # transformers' own, as written there
         def __init__(self, size, eps=1e-6):

@@ -91,6 +91,10 @@ class Handler:
     def on_passthrough(self, ctx: "ForwardContext", func: Callable | None, args: tuple, output: Any) -> Any:
         return output
 
+    def on_untracked(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """An op whose result is no activation (integers, masks, creation ops, parameters only):
+        no call, no point -- the trace follows what it was made from (``qdebug.engine.plan``)."""
+
     def on_model_output(self, ctx: "ForwardContext", output: Any) -> Any:
         return output
 
@@ -385,10 +389,10 @@ class ForwardContext(TorchFunctionMode):
         produced = [t for t in tensors_in(out) if torch.is_floating_point(t)]
         # Creation ops (no tensor input) and parameter-only ops are constants, and
         # results with no float tensor (sizes, masks) are not activations.
-        if not produced or not any(not isinstance(t, nn.Parameter) for t in inputs):
+        if not produced or not any(not isinstance(t, nn.Parameter) for t in inputs) or all(
+                t.dim() == 0 for t in produced):  # a scalar (a branch condition, a norm) is not a feature map
+            self.handler.on_untracked(args, kwargs, out)
             return out
-        if all(t.dim() == 0 for t in produced):
-            return out  # a scalar (a branch condition, a norm) is not a feature map
         owner = self.container()
         op = canonical_op_name(func, "fallback")
         call = self.new_call(f"{owner}.{op}" if owner else op, "fallback", op, owner)

@@ -113,22 +113,37 @@ class TraceHandler(Handler):
         self.producer: dict[int, str] = {}
         self.alive: list[torch.Tensor] = []  # keep tensors alive so ids are not reused
         self.constant_ids: set[int] = set()  # parameters, buffers and what constant ops made of them
+        self.from_inputs: set[int] = set()  # integer tensors made from the model's inputs (ids, uint8 pixels)
 
     def seed_constants(self, model: nn.Module) -> None:
         for t in (*model.parameters(), *model.buffers()):
             self.constant_ids.add(id(t))
             self.alive.append(t)
 
+    def seed_inputs(self, inputs: Any) -> None:
+        for t in tensors_in(inputs):
+            self.from_inputs.add(id(t))
+            self.alive.append(t)
+
     def _reads_no_activation(self, args: Any) -> bool:
         """Every tensor read is a parameter, a buffer, a constant op's output or an integer tensor
-        (ids, positions: never an activation).  A float tensor of unknown origin -- the model's
-        input, or one an engine layer made internally -- counts as an activation."""
-        return all(not torch.is_floating_point(t) or id(t) in self.constant_ids for t in tensors_in(args))
+        not made from the model's inputs (positions, sizes).  A float tensor of unknown origin --
+        one an engine layer made internally -- counts as an activation, and so does an integer
+        input (``x.float() / 255`` of uint8 pixels is the first activation)."""
+        return all(id(t) in self.constant_ids if torch.is_floating_point(t) else id(t) not in self.from_inputs
+                   for t in tensors_in(args))
 
-    def _mark_constant(self, rec: CallRecord, args: Any, output: Any) -> None:
+    def _mark_constant(self, rec: CallRecord | None, args: Any, output: Any) -> None:
         if self._reads_no_activation(args):
-            rec.constant = True
+            if rec is not None:
+                rec.constant = True
             self.constant_ids.update(id(t) for t in tensors_in(output))
+        else:  # integer results of the inputs stay the inputs' (a mask from ids, ids.view(...))
+            self.from_inputs.update(id(t) for t in tensors_in(output) if not torch.is_floating_point(t))
+        self.alive.extend(tensors_in(output))
+
+    def on_untracked(self, args, kwargs, output):
+        self._mark_constant(None, (args, kwargs), output)
 
     def _inputs(self, args: Any) -> list[str]:
         return [self.producer.get(id(t), "") for t in tensors_in(args)]
@@ -200,6 +215,7 @@ def trace_plan(model: nn.Module, example_inputs: Any, handler: "TraceHandler | N
     """
     handler = handler or TraceHandler()
     handler.seed_constants(model)
+    handler.seed_inputs(getattr(example_inputs, "inputs", example_inputs))  # a qdebug.data.Batch too
     was_training = model.training
     model.eval()
     try:
