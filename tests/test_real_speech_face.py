@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import qdebug
+from each_point_alone import sqnr_of_each_point_alone
 from qdebug.engine import QConfig, calibrate, prepare, quant_points, set_mode
 from qdebug.engine.ops import FLOAT_REASONS
 from qdebug.modelspec import ModelSpec, build
@@ -248,14 +249,7 @@ def test_step_names_the_point_that_costs_most_when_quantized_alone(speech_lstm):
     model, x, _ = speech_lstm
     qm = prepare(model, QConfig(), example_inputs=x)
     calibrate(qm, [_features(8, FRAMES, seed=1), _features(8, FRAMES, seed=2)])
-    alone = {}
-    with torch.no_grad():
-        ref = model(x)
-        for name in quant_points(qm):
-            set_mode(qm, "float")
-            set_mode(qm, "fake", name)
-            alone[name] = _sqnr(ref, qm(x))
-    set_mode(qm, "fake")
+    alone = sqnr_of_each_point_alone(model, qm, x, _sqnr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         frame = qdebug.step(model, qm, data=[x], mode="drill")

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import qdebug
+from each_point_alone import sqnr_of_each_point_alone
 from qdebug.data import Batch
 from qdebug.engine import QConfig, calibrate, convert, prepare, quant_points, refresh_weight_qparams
 from qdebug.engine.context import run_model
@@ -463,8 +464,6 @@ def test_drill_names_a_point_passed_at_an_upper_level_when_it_costs_more_alone()
     import warnings
     from collections import OrderedDict
 
-    from qdebug.engine import set_mode
-
     torch.manual_seed(0)
     first = nn.Linear(16, 16)  # built in this order: the seeded weights the figures above are of
     group = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
@@ -474,14 +473,8 @@ def test_drill_names_a_point_passed_at_an_upper_level_when_it_costs_more_alone()
                                                "input": {"activation": {"bits": 4}}}})
     qm = prepare(model, qconfig, example_inputs=x)
     calibrate(qm, [x])
-    alone = {}
-    with torch.no_grad():
-        ref = model(x)
-        for name in quant_points(qm):
-            set_mode(qm, "float")
-            set_mode(qm, "fake", name)
-            alone[name] = 10 * torch.log10(ref.pow(2).sum() / (ref - qm(x)).pow(2).sum()).item()
-    set_mode(qm, "fake")
+    alone = sqnr_of_each_point_alone(
+        model, qm, x, lambda ref, out: 10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()).item())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         frame = qdebug.step(model, qm, data=[x], mode="drill")
