@@ -294,3 +294,43 @@ def test_a_quantizer_that_never_saw_data_is_said_so():
     x = torch.randn(1, 3, 8, 8)
     report = import_report(from_torch_ao(prepared, x)).set_index("source")
     assert "never observed" in report.loc["conv.activation_post_process", "note"]
+
+
+class _EndsInFoldedConvBn(nn.Module):
+    """torch's zoo ``ModelForFusionWithBias`` pattern: a Conv-BN that fuse_modules folds feeds the
+    model's output through a DeQuantStub (issue 29 item 2: KeyError '<output>' on import)."""
+
+    def __init__(self):
+        super().__init__()
+        import torch.ao.quantization as tq
+
+        self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+        self.conv = nn.Conv2d(3, 4, 3, bias=True)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.dequant(self.bn(self.conv(self.quant(x))))
+
+
+def test_a_model_ending_in_a_folded_conv_bn_imports_and_computes_torchs_convert():
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    model = _EndsInFoldedConvBn().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+    model.qconfig = tq.get_default_qconfig("x86")  # reduce_range: torch's x86 kernel exact on any CPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = tq.prepare(tq.fuse_modules(model, [["conv", "bn"]]))
+        x = torch.randn(4, 3, 8, 8)
+        prepared(x)
+        converted = tq.convert(prepared)
+        imported = from_torch_ao(prepared, x)
+    with torch.no_grad():
+        expected, got = converted(x), imported(x)
+    assert torch.allclose(got, expected, atol=float(converted.conv.scale) * 1.01)  # within one output step
+    assert float((got - expected).abs().max()) < float((model(x) - expected).abs().max())  # quantized, not float

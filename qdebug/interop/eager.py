@@ -316,7 +316,9 @@ def splice_identities(plan: Plan, records: dict[str, CallRecord], views: list[st
         at = src.consumers.index(view) if view in src.consumers else len(src.consumers)
         src.consumers[at:at + 1] = rec.consumers
         for name in rec.consumers:
-            consumer = records[name]
+            consumer = records.get(name)
+            if consumer is None:  # "<output>": the view was the model's output
+                continue
             consumer.inputs = [src.name if i == view else i for i in consumer.inputs]
         rec.inputs, rec.consumers = [], []
         touched.append(src.name)
