@@ -340,3 +340,37 @@ def test_a_conv_subclass_fx_traces_into_is_its_layer():
     assert any(r["point"] == "stem.weight" and r["status"] == "exact" for r in rows.values())
     with torch.no_grad():
         assert torch.equal(prepared(x), model(x))
+
+
+class _ConvBnAtTheOutput(nn.Module):
+    """torch's zoo FX ``ConvBnModel``: the Conv-BN prepare_fx folds is the model's output (issue 29 item 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_a_folded_conv_bn_at_the_output_imports_and_computes_torchs_convert():
+    import warnings
+
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model = _ConvBnAtTheOutput().eval()
+    x = torch.randn(4, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (x,))  # reduce_range
+        prepared(x)
+        imported = from_torch_ao(prepared, x, float_model=_ConvBnAtTheOutput())
+        converted = convert_fx(copy.deepcopy(prepared))
+    with torch.no_grad():
+        expected, got = converted(x), imported(x)
+    step = float((expected.unique().diff()).min())  # the output grid's step
+    assert torch.allclose(got, expected, atol=step * 1.01)
+    assert float((got - expected).abs().max()) < float((model(x) - expected).abs().max())
