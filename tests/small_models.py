@@ -54,3 +54,43 @@ def randomize_bn(model: nn.Module, seed: int) -> nn.Module:
                 m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
                 m.bias.copy_(torch.randn(n, generator=gen) * 0.2)
     return model
+
+
+def torch_ao_qat(model: nn.Module, batches: list, mapping: dict | None = None) -> nn.Module:
+    """torch.ao's eager QAT as a user runs it: the x86 QAT qconfig, ``prepare_qat`` (with ``mapping``
+    if given), an SGD step per batch on the (first) output's mean square, observers frozen; eval."""
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    model = model.train()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = tq.prepare_qat(model, **({"mapping": mapping} if mapping is not None else {}))
+    opt = torch.optim.SGD(prepared.parameters(), lr=0.05)
+    for x in batches:
+        out = prepared(x)
+        (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    prepared.apply(tq.disable_observer)
+    return prepared.eval()
+
+
+def torch_ao_ptq(model: nn.Module, batches: list) -> nn.Module:
+    """torch.ao's eager PTQ: the x86 qconfig, ``prepare`` (torch's default custom module config swaps
+    an LSTM or MultiheadAttention for its quantizable one), the batches observed; not converted."""
+    import warnings
+
+    import torch.ao.quantization as tq
+
+    model = model.eval()
+    model.qconfig = tq.get_default_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = tq.prepare(model)
+    with torch.no_grad():
+        for x in batches:
+            prepared(x)
+    return prepared

@@ -24,6 +24,7 @@ import torch.nn as nn
 from qdebug.engine import quant_points, set_mode
 from qdebug.errors import QDebugError
 from qdebug.interop import from_torch_ao, import_report
+from small_models import torch_ao_ptq, torch_ao_qat
 
 from user_project import clean_imports
 
@@ -92,32 +93,12 @@ def _qat_mapping():
 
 def _qat(kw, model=None) -> nn.Module:
     torch.manual_seed(0)
-    model = (model or AttnNet(**kw)).train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = tq.prepare_qat(model, mapping=_qat_mapping())
-    opt = torch.optim.SGD(prepared.parameters(), lr=0.05)
-    for x in _batches(kw, 3, seed=1):
-        out = prepared(x)
-        (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    prepared.apply(tq.disable_observer)
-    return prepared.eval()
+    return torch_ao_qat(model or AttnNet(**kw), _batches(kw, 3, seed=1), mapping=_qat_mapping())
 
 
 def _ptq(kw) -> nn.Module:
     torch.manual_seed(0)
-    model = AttnNet(**kw).eval()
-    model.qconfig = tq.get_default_qconfig("x86")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = tq.prepare(model)  # torch's default custom module config swaps the MHA
-    with torch.no_grad():
-        for x in _batches(kw, 3, seed=1):
-            prepared(x)
-    return prepared
+    return torch_ao_ptq(AttnNet(**kw), _batches(kw, 3, seed=1))
 
 
 def _fake_quant_twin(prepared: nn.Module) -> nn.Module:

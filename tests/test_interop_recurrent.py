@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from qdebug.engine import quant_points
 from qdebug.interop import from_torch_ao, import_report
+from small_models import torch_ao_ptq, torch_ao_qat
 
 tq = pytest.importorskip("torch.ao.quantization")
 
@@ -45,31 +46,12 @@ def _batches(kw, n, steps=6):
 
 def _qat(kw) -> nn.Module:
     torch.manual_seed(0)
-    model = SpeechNet(**kw).train()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = tq.prepare_qat(model)
-    opt = torch.optim.SGD(prepared.parameters(), lr=0.05)
-    for x in _batches(kw, 3):
-        prepared(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    prepared.apply(tq.disable_observer)
-    return prepared.eval()
+    return torch_ao_qat(SpeechNet(**kw), _batches(kw, 3))
 
 
 def _ptq(kw) -> nn.Module:
     torch.manual_seed(0)
-    model = SpeechNet(**kw).eval()
-    model.qconfig = tq.get_default_qconfig("x86")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = tq.prepare(model)
-    with torch.no_grad():
-        for x in _batches(kw, 3):
-            prepared(x)
-    return prepared
+    return torch_ao_ptq(SpeechNet(**kw), _batches(kw, 3))
 
 
 def _cells(lstm, kw):

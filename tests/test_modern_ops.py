@@ -477,7 +477,7 @@ def test_a_prelu_agrees_with_torch_ao_quantized_prelu_on_the_same_codes():
 def test_a_prelu_fake_quant_stage_is_torch_prelu_on_the_fake_quantized_slope():
     model, qm, x = _prepared_prelu(QConfig(activation=UINT8))
     points = quant_points(qm)
-    slope, conv_out, out = points["act.weight"], points["conv"], points["act"]
+    slope, out = points["act.weight"], points["act"]
     captured = {}
     qm.act.register_forward_pre_hook(lambda module, args: captured.update(x=args[0]))
     with torch.no_grad():

@@ -6,9 +6,9 @@ and which consumed its output.  From that dataflow graph it decides:
 
 - Conv->BN pairs: the BN's input is exactly the conv's output and nothing else
   uses it (both modules called once).  Conv->ReLU->BN is not a pair.
-- constants: an inline op that reads no activation (only parameters, buffers and
-  what is computed from them or from integer tensors: a rotary embedding's cos/sin
-  table, a mask built from positions) computes a constant that an exporter folds into
+- constants: an inline op that reads no activation (only parameters, buffers, integer
+  tensors not made from the model's inputs, and what is computed from them: a rotary
+  embedding's cos/sin table, a mask built from positions) computes a constant that an exporter folds into
   an initializer.  It gets no point of its own -- unless an activation op reads it:
   the last constant before the activations is quantized once, like the initializer
   a deployed model holds (``constant``: never reported as a float fallback).
@@ -59,7 +59,7 @@ class CallRecord:
     # Paths of the output's floating tensors when it holds several (``qdebug.engine.members``):
     # each gets a point of its own, ``<point>:<path>``; [] = one point named ``point``.
     members: list[str] = field(default_factory=list)
-    constant: bool = False  # computed from parameters/buffers only (folded by an exporter)
+    constant: bool = False  # reads no activation (folded by an exporter)
 
     def point_names(self) -> list[str]:
         """The names of the activation points quantizing this call's own output (none when fused)."""
@@ -274,8 +274,8 @@ def _decide(model: nn.Module, records: dict[str, CallRecord], counts: dict[str, 
 
 
 def _consumers_through_views(records: dict[str, CallRecord], rec: CallRecord) -> list[str]:
-    """The calls reading ``rec``'s output, looking through views (``~view``); views count as
-    constant when only constants read them, and ``<output>`` as an activation reader."""
+    """The calls reading ``rec``'s output, looking through views (``~view``) to their readers;
+    ``<output>`` (the model's output) is one of them and never a constant."""
     found, todo, seen = [], list(rec.consumers), set()
     while todo:
         name = todo.pop()
