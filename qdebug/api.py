@@ -72,14 +72,34 @@ def _check_data_args(data: Any, batches: Any, batch_size: Any) -> None:
 
 
 def _as_model(item: Any, index: int) -> tuple[str, nn.Module, Any]:
+    from qdebug.interop.torch_stage import TorchStage, is_converted
+
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], nn.Module):
-        return str(item[0]), item[1], None
+        label, model = str(item[0]), item[1]
+        return label, TorchStage(model) if is_converted(model) else model, None
     if isinstance(item, nn.Module):
-        return f"model{index}", item, None
+        # A model torch.ao converted runs as it is, by torch's kernels (``qdebug.interop.torch_stage``).
+        return f"model{index}", TorchStage(item) if is_converted(item) else item, None
     if isinstance(item, (str, Path)):
         model, info = load(item)
         return info.stage, model, info
     raise QDebugError(f"cannot compare a {type(item).__name__}", "pass checkpoint paths, models or (label, model) pairs")
+
+
+def _name_torch_stages(models: list[nn.Module], reference: nn.Module) -> None:
+    """Give each converted torch model compared its float model: the reference, which must be one
+    (a graph keeps no class; the rows are named after the float model's calls)."""
+    from qdebug.engine import is_prepared
+    from qdebug.interop.torch_stage import TorchStage
+
+    for model in models:
+        if not isinstance(model, TorchStage) or model.float_model is not None or model.sources is not None:
+            continue
+        if isinstance(reference, TorchStage) or is_prepared(reference):
+            raise QDebugError("a converted torch model is compared against its float model, and the reference is not one",
+                              "pass the float model first (or ref= its index), or "
+                              "qdebug.interop.TorchStage(converted, float_model=..., example_inputs=...)")
+        model.use_float_model(reference)
 
 
 def compare(*models: Any, data: Any = None, batches: int | None = None, batch_size: int | None = None,
@@ -112,10 +132,12 @@ def compare(*models: Any, data: Any = None, batches: int | None = None, batch_si
     if ref is not None and not 0 <= ref < len(loaded):
         raise QDebugError(f"reference index {ref} is out of range for {len(loaded)} models",
                           "ref is an index into models: 0 up to one less than their number")
-    stages = [info.stage if info is not None else infer_stage(m) for _, m, info in loaded]
+    stages = [info.stage if info is not None else getattr(type(m), "stage", None) or infer_stage(m)
+              for _, m, info in loaded]
     ref, warning = choose_reference(stages, ref, names=labels)
     if warning:
         warnings.warn(f"qdebug.compare: {warning}", stacklevel=2)
+    _name_torch_stages([m for _, m, _ in loaded], loaded[ref][1])
     batch_list = _batches(data, batches, batch_size, loaded[ref][2], "the reference")
     with _placed(device, [m for _, m, _ in loaded], models) as where:
         result = run([(label, m) for label, (_, m, _) in zip(labels, loaded)], _moved(batch_list, where), ref=ref,

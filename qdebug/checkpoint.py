@@ -46,7 +46,7 @@ import qdebug
 from qdebug.atomic import atomic_path, output_kind
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
-from qdebug.engine.modules import _QWeighted
+from qdebug.engine.modules import _QWeighted, without_norm
 from qdebug.engine.point import MODES as POINT_MODES
 from qdebug.engine.prepare import POINTS_ATTR, QAT_MODES, refresh_weight_qparams
 from qdebug.errors import QDebugError, shown
@@ -237,24 +237,29 @@ def load(
     overrides the file's; it is built with ``model_kwargs``, except that a class
     (an ``nn.Module`` subclass) the file names too, given no kwargs, takes the
     file's -- a factory function never does.  ``default_model`` (e.g. from the
-    project config) is used only for plain state_dict files, which name no architecture.
+    project config) names the architecture of plain state_dict files, which name none,
+    and acts as ``model`` for a qdebug checkpoint naming that very target: the user
+    named it, so a factory a checkpoint names (``qdebug import --model pkg.mod:factory``
+    writes one) is built when the config names it too, with the user's kwargs.
     """
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise QDebugError(f"model_kwargs must be a dict of keyword arguments, got {type(model_kwargs).__name__}",
                           "e.g. model_kwargs={'num_classes': 10}")
     obj = read_file(path, unsafe=unsafe)
-    user_spec = None
+    user_spec = default_spec = None
     if model is not None:
         user_spec = model if isinstance(model, ModelSpec) else ModelSpec(model, dict(model_kwargs or {}))
-    elif default_model is not None and not (isinstance(obj, dict) and obj.get("format") == FORMAT):
-        user_spec = (
+    elif default_model is not None:
+        default_spec = (
             default_model if isinstance(default_model, ModelSpec) else ModelSpec(default_model, dict(model_kwargs or {}))
         )
+        if not (isinstance(obj, dict) and obj.get("format") == FORMAT):
+            user_spec = default_spec
     if isinstance(obj, nn.Module):
         info = CheckpointInfo(str(path), "float", spec_of(obj), source="pickle")
         return obj.eval(), info
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        return _load_qdebug(obj, str(path), user_spec, trusted_modules)
+        return _load_qdebug(obj, str(path), user_spec, trusted_modules, default_spec)
     state = extract_state_dict(obj)
     _refuse_data_file(obj, state, path)
     if state is not None:
@@ -285,7 +290,8 @@ def _refuse_data_file(obj: Any, state: dict | None, path: str | Path) -> None:
                       f"pass it as --data {path}, and the model's checkpoint as the argument")
 
 
-def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tuple[str, ...]):
+def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tuple[str, ...],
+                 default_spec: ModelSpec | None = None):
     _check_version(obj.get("version"), path)
     stage = obj.get("stage")
     if stage not in STAGES:
@@ -310,6 +316,11 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
         file_spec = ModelSpec.from_dict(obj["model"])
     except QDebugError as exc:
         raise QDebugError(f"{path}: {exc.message}", exc.hint) from None
+    if user_spec is None and default_spec is not None and default_spec.target == file_spec.target:
+        # The config names the file's very target: the user's consent, as --model would be
+        # (a factory is then called, with the user's kwargs only; a different target the
+        # config names only trusts its module).
+        user_spec = default_spec
     sized_by_file = user_spec is None
     if (user_spec is not None and user_spec.target == file_spec.target and not user_spec.kwargs
             and is_model_class(user_spec.target)):
@@ -830,7 +841,7 @@ def _refold(net: nn.Module, folded: list[str], state: dict, path: str) -> None:
         if not isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise QDebugError(f"{path}: 'folded_bn' names {bn!r}, which is no BatchNorm of the model", ARCHITECTURE)
         parent, _, attr = bn.rpartition(".")
-        setattr(net.get_submodule(parent) if parent else net, attr, nn.Identity())
+        setattr(net.get_submodule(parent) if parent else net, attr, without_norm(module))  # a norm-act keeps its act
     biased = [(name, m) for name, m in net.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))
               and m.bias is None and f"{name}.bias" in state]
     if len(biased) > len(folded):

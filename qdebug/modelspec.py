@@ -155,8 +155,7 @@ def resolve(target: str, *, from_user: bool, trusted_modules: tuple[str, ...] = 
     if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
         raise QDebugError(
             f"refusing to call {target!r} named by a file: it is not an nn.Module subclass",
-            "a checkpoint may only name model classes; to build the model with a factory of yours, pass "
-            "--model package.module:function and its --model-kwargs",
+            f"a checkpoint may only name model classes; {FACTORY_HINT}",
         )
     return obj
 
@@ -206,6 +205,14 @@ def _untrusted(target: str, module_name: str, attr: str) -> QDebugError:
         return QDebugError(f"the checkpoint names {target}, in the standard library, which holds no model classes",
                            "the file is damaged or crafted; load only checkpoints saved by qdebug.save from "
                            "sources you trust")
+    if _top_level_kind(module_name, attr) == "function":
+        # A factory (qdebug import --model pkg.mod:factory writes one): trusting its package
+        # would not make qdebug call it; naming it yourself does.  The hint names no function.
+        return QDebugError(
+            f"the checkpoint names {target}, a function, not a model class; qdebug calls a factory only "
+            "when you name it yourself",
+            FACTORY_HINT,
+        )
     also = f", or pass --model {target}" if suggestable(module_name, attr) else ""
     return QDebugError(
         f"the checkpoint names model class {target}; qdebug does not import modules named by a file "
@@ -214,14 +221,24 @@ def _untrusted(target: str, module_name: str, attr: str) -> QDebugError:
     )
 
 
+FACTORY_HINT = ("if it is your factory, pass --model package.module:function with its --model-kwargs, or set "
+                "model = and model_kwargs = in qdebug.toml (a factory gets your kwargs only, never the file's)")
+
+
 SOURCE_LIMIT = 4 << 20  # bytes of a module's source read to find a class name in it
 
 
 def _defines_class(module_name: str, attr: str) -> bool:
     """Whether the source of ``module_name`` -- found as an import would find it, but read with
     ``ast``, never imported -- defines a top-level class ``attr`` with base classes."""
+    return _top_level_kind(module_name, attr) == "class"
+
+
+def _top_level_kind(module_name: str, attr: str) -> str | None:
+    """"class" (with base classes) or "function" when the source of ``module_name`` (found as
+    an import would find it, read with ``ast``, never imported) defines a top-level ``attr`` so."""
     if "." in attr:
-        return False
+        return None
     import ast
     from importlib.machinery import PathFinder
 
@@ -233,17 +250,22 @@ def _defines_class(module_name: str, attr: str) -> bool:
         for i in range(len(parts)):
             spec = PathFinder.find_spec(".".join(parts[: i + 1]), search)
             if spec is None:
-                return False
+                return None
             search = spec.submodule_search_locations
             if search is None and i < len(parts) - 1:
-                return False
+                return None
         if not spec.origin or not spec.origin.endswith(".py"):
-            return False
+            return None
         with open(spec.origin, "rb") as fh:
             tree = ast.parse(fh.read(SOURCE_LIMIT + 1)[:SOURCE_LIMIT])
     except (ImportError, OSError, SyntaxError, ValueError, RecursionError):
-        return False
-    return any(isinstance(node, ast.ClassDef) and node.name == attr and node.bases for node in tree.body)
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == attr and node.bases:
+            return "class"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == attr:
+            return "function"
+    return None
 
 
 def suggestable(module_name: str, attr: str) -> bool:

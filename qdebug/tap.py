@@ -28,6 +28,11 @@ from qdebug.engine.ops import map_tensors, tensors_in
 @contextlib.contextmanager
 def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
     """While active, ``listener`` sees every value call of ``model``'s forward passes."""
+    own = getattr(type(model), "qdebug_tap", None)
+    if own is not None:  # a model that reports its calls itself (``qdebug.interop.torch_stage``)
+        with own(model, listener):
+            yield
+        return
     depth = open_contexts()
     if is_prepared(model):
         state = engine_state(model)

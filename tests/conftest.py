@@ -60,6 +60,20 @@ def _qat_steps(model: nn.Module, steps: int = 2, seed: int = 3) -> nn.Module:
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def x86_engine_one_thread():
+    """torch's x86 quantized engine (what the x86 qconfigs are for), and one intra-op thread:
+    the import tests' models are small, and two threads on two shared cores are many times
+    slower.  A module takes it with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    engine, threads = torch.backends.quantized.engine, torch.get_num_threads()
+    if "x86" in torch.backends.quantized.supported_engines:
+        torch.backends.quantized.engine = "x86"
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch.backends.quantized.engine = engine
+
+
 @pytest.fixture(scope="session")
 def make_resnet():
     return _make_resnet

@@ -42,12 +42,13 @@ def interop_zoo() -> dict:
     return {name: (lambda name=name: MODELS[name](**INTEROP_ZOO[name])) for name in INTEROP_ZOO}
 
 
-def randomize_bn(model: nn.Module, seed: int) -> nn.Module:
-    """Every BatchNorm2d's statistics and affine parameters drawn from a generator seeded ``seed``."""
+def randomize_bn(model: nn.Module, seed: int, types: tuple = (nn.BatchNorm2d,)) -> nn.Module:
+    """Every BatchNorm2d's (every one of ``types``) statistics and affine parameters drawn from a
+    generator seeded ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
+            if isinstance(m, types):
                 n = m.num_features
                 m.running_mean.copy_(torch.randn(n, generator=gen) * 0.3)
                 m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)

@@ -235,8 +235,8 @@ def _realistic_resnet(seed=0) -> nn.Module:
     return model.eval()
 
 
-def _calibrated(model: nn.Module, qconfig: QConfig | None = None) -> nn.Module:
-    cal = prepare(model, qconfig or QConfig(), example_inputs=_images(4, 1))
+def _calibrated(model: nn.Module, qconfig: QConfig | None = None, mode: str = "fuse_bn") -> nn.Module:
+    cal = prepare(model, qconfig or QConfig(), mode=mode, example_inputs=_images(4, 1))
     calibrate(cal, [_images(8, s) for s in (30, 31, 32, 33)])
     return cal
 
@@ -821,3 +821,123 @@ def test_a_planted_outlier_channel_in_an_efficientnet_like_model_is_named_and_no
     assert found["downstream_layer"] == "_blocks.1._expand_conv"
     assert found["downstream_zero_codes"] > 0.2 and found["downstream_zero_codes_elsewhere"] < 0.05
     assert "consequence:   _blocks.1._expand_conv: " in result.summary
+
+
+# -- is the reference the target's float model? (issue 29 item 8) ------------------------------
+def _engine_qat(fp: nn.Module, *, steps: int, lr: float, freeze_bn: bool, input_scale: float) -> nn.Module:
+    """The float model prepared with its BNs kept (``with_bn``), calibrated, then QAT steps of the
+    engine: weights, scales and (unless frozen) BN statistics move; ``input_scale`` makes the
+    training data's statistics other than the float model's (data its BN statistics were not
+    measured on)."""
+    from qdebug.engine.fusebn import freeze_bn_stats
+
+    qat = _calibrated(fp, mode="with_bn").train()
+    if freeze_bn:
+        freeze_bn_stats(qat)
+    gen = torch.Generator().manual_seed(7)
+    opt = torch.optim.SGD([p for p in qat.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        x = input_scale * torch.randn(8, 1, 16, 16, generator=gen)
+        loss = nn.functional.cross_entropy(qat(x), torch.randint(0, 10, (8,), generator=gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return qat.eval()
+
+
+def _sqnr_by_hand(model_a: nn.Module, model_b: nn.Module, batches) -> float:
+    signal = noise = 0.0
+    with torch.no_grad():
+        for x in batches:
+            a, b = model_a(x).double(), model_b(x).double()
+            signal += float((a * a).sum())
+            noise += float(((a - b) ** 2).sum())
+    return 10 * math.log10(signal / noise)
+
+
+@pytest.fixture(scope="module")
+def drifted_and_healthy(tmp_path_factory, realistic):
+    fp, _, batches = realistic
+    d = tmp_path_factory.mktemp("reference_check")
+    drifted = _engine_qat(fp, steps=6, lr=0.05, freeze_bn=False, input_scale=3.0)
+    healthy = _engine_qat(fp, steps=6, lr=1e-3, freeze_bn=True, input_scale=1.0)
+    qdebug.save(fp, d / "float.pt", stage="float", sample_inputs=batches[0])
+    for name, model in (("drifted", drifted), ("healthy", healthy)):
+        qdebug.save(model, d / f"{name}.pt", stage="qat", sample_inputs=batches[0])
+    torch.save(torch.cat(batches), d / "eval.pt")
+    return d, fp, drifted, healthy, batches
+
+
+def test_compare_says_first_when_the_targets_float_model_differs(cli, drifted_and_healthy):
+    """QAT with BN statistics updating on other data: the checkpoint's own float model is not
+    float.pt.  compare measures that (every point off, against the reference) and says it
+    before anything else, in the title, the summary and JSON; its rows blame no rounding."""
+    d, fp, drifted, _, batches = drifted_and_healthy
+    off = copy.deepcopy(drifted)
+    set_mode(off, "float")
+    expected_off, expected_whole = _sqnr_by_hand(fp, off, batches), _sqnr_by_hand(fp, drifted, batches)
+    assert expected_off < 20 and expected_off < expected_whole + 3  # the scenario is what it should be
+
+    result = cli("compare", d / "float.pt", d / "drifted.pt", "--data", d / "eval.pt", "--batch-size", 8,
+                 "--format", "json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    check = payload["meta"]["reference_check"]["qat"]
+    assert check["measured"] and check["float_differs"]
+    assert check["quantization_off_sqnr_db"] == pytest.approx(expected_off, abs=1e-3)
+    assert check["output_sqnr_db"] == pytest.approx(expected_whole, abs=1e-3)
+    assert payload["meta"]["findings"]["qat"]["float_differs"] == check
+    diagnoses = [r["diagnosis"] for r in payload["rows"]]
+    assert "float_differs" in diagnoses and "rounding" not in diagnoses and "propagated" not in diagnoses
+    summary = payload["meta"]["summary"].splitlines()
+    assert summary[0] == "warning: qat's float model differs from float: not quantization"
+    assert summary[1] == (f"  quantization off: {expected_off:.1f} dB output SQNR vs float "
+                          f"({expected_whole:.1f} dB quantized)")
+    assert "suggest" not in payload["meta"]["next"]  # no int16 plan for a float difference
+
+    table = cli("compare", d / "float.pt", d / "drifted.pt", "--data", d / "eval.pt", "--batch-size", 8)
+    assert table.code == 0, table.err
+    assert "qat: float model differs from float" in table.out.splitlines()[0] + table.out
+    assert "at fault:      no layer: the float model differs, not quantization" in table.out
+    assert max(len(line) for line in summary) <= 80
+
+
+def test_a_healthy_qat_checkpoint_gets_no_float_differs_warning(cli, drifted_and_healthy):
+    """QAT with BN statistics frozen and a small learning rate: its float model is still float.pt
+    (within what training moved), so no warning -- nor for a calibrated checkpoint."""
+    d, fp, _, healthy, batches = drifted_and_healthy
+    off = copy.deepcopy(healthy)
+    set_mode(off, "float")
+    result = cli("compare", d / "float.pt", d / "healthy.pt", "--data", d / "eval.pt", "--batch-size", 8,
+                 "--format", "json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    check = payload["meta"]["reference_check"]["qat"]
+    assert check["measured"] and not check["float_differs"]
+    assert check["quantization_off_sqnr_db"] == pytest.approx(_sqnr_by_hand(fp, off, batches), abs=1e-3)
+    assert check["quantization_off_sqnr_db"] >= 30  # far above the 20 dB it takes
+    assert "float_differs" not in {r["diagnosis"] for r in payload["rows"]}
+    assert "warning" not in payload["meta"]["summary"] and "float_differs" not in payload["meta"]["findings"]["qat"]
+
+
+def test_the_reference_check_is_skipped_where_it_cannot_measure(realistic):
+    fp, cal, batches = realistic
+    other = _engine_qat(fp, steps=1, lr=1e-3, freeze_bn=True, input_scale=1.0)
+    result = compare([("calibrated", cal), ("qat", other)], batches[:1])  # a quantized reference
+    assert result.meta["reference_check"]["qat"] == {"measured": False, "reason": "the reference is quantized itself"}
+    # A float target with other weights: its float model is itself, and differs.
+    other_float = _realistic_resnet(seed=5)
+    found = compare([("float", fp), ("other", other_float)], batches[:1]).meta["reference_check"]["other"]
+    assert found["measured"] and found["float_differs"]
+    assert found["quantization_off_sqnr_db"] == found["output_sqnr_db"]
+
+
+def test_the_float_differs_warning_follows_the_sqnr_db_threshold(drifted_and_healthy):
+    """The float difference is blamed only where it alone would be flagged: below ``sqnr_db``."""
+    _, fp, drifted, _, batches = drifted_and_healthy
+    default = compare([("float", fp), ("qat", drifted)], batches).meta["reference_check"]["qat"]
+    below = default["quantization_off_sqnr_db"] - 0.5
+    lowered = compare([("float", fp), ("qat", drifted)], batches, thresholds={"sqnr_db": below})
+    check = lowered.meta["reference_check"]["qat"]
+    assert default["float_differs"] and check["measured"] and not check["float_differs"]
+    assert "float_differs" not in set(lowered.frame["diagnosis"]) and "warning" not in lowered.summary

@@ -228,6 +228,87 @@ def test_integer_kernels_run_without_cudnn_or_nnpack_and_restore_both():
     assert (torch.backends.cudnn.enabled, torch._C._get_nnpack_enabled()) == before
 
 
+def _backend_flags() -> tuple:
+    cudnn = torch.backends.cudnn
+    return (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch._C._get_nnpack_enabled())
+
+
+@pytest.fixture
+def frozen_backend_flags():
+    """What torch's own test harness does on import (``torch.testing._internal.common_utils``
+    calls ``torch.backends.disable_global_flags()``): assigning a cuDNN flag raises from then on,
+    only torch's ``flags()`` context managers may change them.  Undone after the test."""
+    frozen = torch.backends.flags_frozen.__globals__
+    key = "__allow_nonbracketed_mutation_flag"
+    saved = frozen[key]
+    torch.backends.disable_global_flags()
+    assert torch.backends.flags_frozen()
+    yield
+    frozen[key] = saved
+
+
+def test_integer_kernels_restore_the_flags_after_an_exception_and_keep_the_callers_others():
+    def failing(x, w, bias):
+        raise ValueError("inside the kernel")
+
+    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    before = _backend_flags()
+    with pytest.raises(ValueError, match="inside the kernel"):
+        integer.exact_integer_op(failing, x, w, terms=3)
+    assert _backend_flags() == before
+    # Inside a caller's own torch.backends.cudnn.flags(...) block: the caller's settings other
+    # than `enabled` hold inside the kernel too, and are the caller's again after it.
+    seen = []
+
+    def op(x, w, bias):
+        seen.append(_backend_flags())
+        return torch.nn.functional.linear(x, w, bias)
+
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=True, allow_tf32=False):
+        inside = _backend_flags()
+        integer.exact_integer_op(op, x, w, terms=3)
+        assert _backend_flags() == inside
+    assert seen == [(False, True, True, False, False)]
+    assert _backend_flags() == before
+
+
+def test_integer_kernels_run_under_torchs_test_harness(frozen_backend_flags):
+    """Assigning torch.backends.cudnn.enabled raised 'not allowed to set torch.backends.cudnn
+    flags after disable_global_flags' here: every integer kernel, so every converted import."""
+    x, w = torch.randint(-128, 128, (4, 9)).double(), torch.randint(-128, 128, (3, 9)).double()
+    before = _backend_flags()
+    out = integer.exact_integer_op(lambda a, b, bias: torch.nn.functional.linear(a, b, bias), x, w, terms=9)
+    assert torch.equal(out.to(torch.int64), (x @ w.T).to(torch.int64))
+    assert _backend_flags() == before
+
+
+def test_a_converted_import_runs_under_torchs_test_harness(frozen_backend_flags):
+    """torch.ao's converted model imported and run by the integer stage inside the harness's
+    frozen flags: its output is torch's (within the 1 LSB per kernel of docs/interop.md)."""
+    tq = pytest.importorskip("torch.ao.quantization")
+    from qdebug.interop import from_torch_ao
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tq.QuantStub(), torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 2, 3), tq.DeQuantStub()).eval()
+    model.qconfig = tq.get_default_qconfig("qnnpack")
+    x = torch.randn(2, 3, 10, 10)
+    engine, before = torch.backends.quantized.engine, _backend_flags()
+    torch.backends.quantized.engine = "qnnpack"
+    try:
+        prepared = tq.prepare(model)
+        prepared(x)
+        converted = tq.convert(prepared)
+        qm = from_torch_ao(converted, x)
+        with torch.no_grad():
+            ours, theirs = qm(x), converted(x)
+    finally:
+        torch.backends.quantized.engine = engine
+    lsb = float(converted[3].scale)
+    assert float((ours - theirs).abs().max()) <= 2 * lsb + 1e-6
+    assert _backend_flags() == before
+
+
 def test_float32_kernels_are_used_only_where_they_sum_exactly(monkeypatch):
     cpu = torch.device("cpu")
     assert integer._float32_sums_exact(cpu)

@@ -751,17 +751,17 @@ def test_exact_integer_op_stays_exact_when_torch_picks_inexact_kernels(setting):
     x = torch.randint(-128, 128, (16, 32, 28, 28), generator=gen).double()
     w = torch.randint(-127, 128, (32, 32, 3, 3), generator=gen).double()
     expected = F.conv2d(x, w)  # float64 im2col: exact below 2^53
-    saved_mkldnn, saved_precision = torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision()
-    try:
-        if setting == "mkldnn_off":
-            torch.backends.mkldnn.enabled = False
-            inexact = F.conv2d(x.float(), w.float()).double()
-            if torch.backends.nnpack.is_available():
-                assert (inexact - expected).abs().max() > 0  # the trap is real here
-        else:
-            torch.set_float32_matmul_precision("medium")
-        got = exact_integer_op(F.conv2d, x, w, terms=32 * 9)
-    finally:
-        torch.backends.mkldnn.enabled = saved_mkldnn
-        torch.set_float32_matmul_precision(saved_precision)
+    saved_precision = torch.get_float32_matmul_precision()
+    # flags(): a direct assignment raises once torch's test utilities froze the global flags
+    with torch.backends.mkldnn.flags(enabled=setting != "mkldnn_off"):
+        try:
+            if setting == "mkldnn_off":
+                inexact = F.conv2d(x.float(), w.float()).double()
+                if torch.backends.nnpack.is_available():
+                    assert (inexact - expected).abs().max() > 0  # the trap is real here
+            else:
+                torch.set_float32_matmul_precision("medium")
+            got = exact_integer_op(F.conv2d, x, w, terms=32 * 9)
+        finally:
+            torch.set_float32_matmul_precision(saved_precision)
     assert torch.equal(got.double(), expected)

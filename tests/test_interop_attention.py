@@ -250,8 +250,9 @@ def test_batch_first_with_several_heads_keeps_nn_multihead_attentions_layout():
     prepared = _qat(kw)
     (x,) = _batches(kw, 1)
     qm = from_torch_ao(prepared, x)
-    note = _by_source(import_report(qm))["attn.quant_attn_output.activation_post_process"].note
-    assert "mixing heads and positions" in note
+    row = _by_source(import_report(qm))["attn.quant_attn_output.activation_post_process"]
+    assert "mixing heads and positions" in row.note
+    assert row.status == "approximate"  # not torch's values: never "exact" (the self-check measured them)
     seq_first = copy.deepcopy(prepared)
     seq_first.attn.batch_first = False
     attn = seq_first.attn

@@ -26,7 +26,7 @@ from qdebug.interop.build import import_report
 from qdebug.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_RESNET
-from user_project import clean_imports, exit_before_torch
+from user_project import clean_imports, exit_before_torch, forget
 
 tq = pytest.importorskip("torch.ao.quantization")
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning"),
@@ -159,9 +159,13 @@ def test_eager_qat_state_dict_imports_bit_identical(cli, tmp_path, files, name):
     quantizers = sum(isinstance(m, tq.FakeQuantizeBase) for m in files["torch"][name].modules())
     assert meta["quantizers"] == quantizers and set(meta["statuses"]) <= {"exact", "moved"}, meta
     assert "wrote qat.pt (stage qat" in result.err
+    # the import checked itself against torch's model on the first batch: bit-identical
+    check = meta["check"]
+    assert (check["compared_with"], check["max_abs_diff"], check["within_tolerance"]) == ("fake-quant", 0.0, True)
 
     net, info = qdebug.load(tmp_path / "qat.pt")
     assert info.stage == "qat" and info.model == ModelSpec(RESNET, SMALL_RESNET)
+    assert info.meta["import_check"] == check
     assert info.meta["import_flow"] == "eager" and info.meta["import"] == payload["rows"]
     source = files["torch"][name]
     for seed in (1, 2):
@@ -189,6 +193,9 @@ def test_eager_ptq_state_dict_imports_as_calibrated(cli, tmp_path, files):
     source = files["torch"]["eager-ptq-qnnpack"]
     assert sum(map(int, frozen)) == sum(type(m).__name__ == "HistogramObserver" for m in source.modules()) > 0
     assert "5 BatchNorm(s) torch folded into their convs" in result.out
+    # eager PTQ converts to int8 kernels only: the check compares each imported scale with torch's observer's
+    assert "checked on the first batch against torch's observers' qparams:\n  equal, within the tolerance" \
+        in result.out
     net, info = qdebug.load(tmp_path / "qat.pt")
     assert info.stage == "calibrated" and info.meta["import_flow"] == "eager"
     # PTQ: torch's prepared model observes in float; the oracle is the import of that model itself.
@@ -201,6 +208,14 @@ def test_eager_ptq_state_dict_imports_as_calibrated(cli, tmp_path, files):
     folded = [r["source"] for r in import_report(net) if r["kind"] == "bn"]
     assert sorted(folded) == sorted(group[1] for group in FUSED)
     assert all(type(net.get_submodule(bn)) is nn.Identity for bn in folded)
+    # compare on the saved files: each pair torch folded is measured in its BN's row (docs/compare.md)
+    compared = cli("compare", files["dir"] / "float.pt", "qat.pt", "--data", files["dir"] / "data.pt",
+                   "--format", "json")
+    assert compared.code == 0, compared.err
+    rows = {row["layer"]: row for row in json.loads(compared.out)["rows"]}
+    for conv, bn in (group[:2] for group in FUSED):
+        assert rows[conv]["note"].endswith(f"compared at {bn}"), rows[conv]
+        assert isinstance(rows[bn]["sqnr_db"], float) and isinstance(rows[bn]["isolated_sqnr_db"], float), rows[bn]
 
 
 def test_fx_qat_state_dict_imports_bit_identical(cli, tmp_path, files):
@@ -464,3 +479,112 @@ def test_the_summary_under_the_table_fits_80_columns(cli, tmp_path, files, monke
     assert max(len(line.rstrip()) for line in result.out.splitlines()) <= 80
     assert f"fused as torch did: {len(FUSED)} group(s), the first 3 (--format json: all)" in result.out
     assert "  conv1 + bn1 + relu" in result.out
+
+
+# -- a factory --model (torchvision's builders are functions) --------------------------------
+FACTORY_NET = """\
+import torch.nn as nn
+import torch.ao.quantization as tq
+
+
+class Net(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.quant = tq.QuantStub()
+        self.conv = nn.Conv2d(1, width, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(width, 3)
+        self.dequant = tq.DeQuantStub()
+
+    def forward(self, x):
+        return self.dequant(self.fc(self.relu(self.conv(self.quant(x))).mean((2, 3))))
+
+
+def make(width=4, quantize=False):
+    with open(__file__ + ".calls", "a") as fh:
+        fh.write(f"{width}\\n")
+    return Net(width)
+"""
+
+
+@pytest.fixture
+def factory_project(tmp_path):
+    """The user's package ``facnet`` whose float model comes from a factory, ``make(width=6)``
+    (as torchvision's ``resnet18(weights=None, quantize=False)``); its float state_dict and a
+    torch.ao eager QAT state_dict of it."""
+    pkg = tmp_path / "facnet"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "net.py").write_text(FACTORY_NET)
+    with clean_imports(tmp_path):
+        spec = importlib.util.spec_from_file_location("facnet_source", pkg / "net.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        model = module.make(width=6)
+        torch.save(model.state_dict(), tmp_path / "float_state.pt")
+        model.train().qconfig = tq.get_default_qat_qconfig("x86")
+        prepared = _train(tq.prepare_qat(model), shape=(4, 1, 8, 8))
+        torch.save(prepared.state_dict(), tmp_path / "qat_state.pt")
+        torch.save(torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)), tmp_path / "x.pt")
+        yield tmp_path
+
+
+def _factory_calls(project: Path) -> list[str]:
+    """The widths ``facnet.net.make`` was called with, in order."""
+    calls = project / "facnet" / "net.py.calls"
+    return calls.read_text().split() if calls.exists() else []
+
+
+def test_a_checkpoint_imported_with_a_factory_model_works_in_later_commands(cli, factory_project):
+    """qdebug import --model facnet.net:make writes a checkpoint naming that function.  A file
+    never gets a function called (docs/checkpoints.md), so a later command without the user's
+    say-so refuses it -- with a hint saying what to pass -- and with it (--model and its kwargs,
+    or the config's model = naming it) every command accepts the checkpoint."""
+    kwargs = '{"width": 6}'
+    imported = cli("import", "qat_state.pt", "--from", "torch-ao", "--model", "facnet.net:make",
+                   "--model-kwargs", kwargs, "--data", "x.pt", "-o", "qat.pt")
+    assert imported.code == 0, imported.err
+    assert ("qat.pt names the factory facnet.net:make, which qdebug calls only when you name it: pass --model "
+            f"facnet.net:make --model-kwargs '{kwargs}' to later commands, or set model = \"facnet.net:make\" "
+            "and model_kwargs = {width = 6} in qdebug.toml") in " ".join(imported.err.split())
+    called = len(_factory_calls(factory_project))
+
+    forget("facnet")  # a later command, in a fresh process: nothing of the user's imported yet
+    refused = cli("inspect", "qat.pt")
+    refused.assert_error("the checkpoint names facnet.net:make, a function, not a model class; qdebug calls a "
+                         "factory only when you name it yourself",
+                         "pass --model package.module:function with its --model-kwargs, or set model = and "
+                         "model_kwargs = in qdebug.toml")
+    (factory_project / "qdebug.toml").write_text('trust = ["facnet"]\n')  # trusting the package is no consent
+    cli("inspect", "qat.pt").assert_error("refusing to call 'facnet.net:make' named by a file",
+                                          "pass --model package.module:function")
+    (factory_project / "qdebug.toml").write_text('model = "facnet.net:Net"\n')  # another target: no consent
+    cli("inspect", "qat.pt").assert_error("refusing to call 'facnet.net:make' named by a file")
+    assert len(_factory_calls(factory_project)) == called
+
+    flagged = cli("compare", "float_state.pt", "qat.pt", "--model", "facnet.net:make", "--model-kwargs", kwargs,
+                  "--data", "x.pt", "--format", "json")
+    assert flagged.code == 0, flagged.err
+    (factory_project / "qdebug.toml").write_text('model = "facnet.net:make"\nmodel_kwargs = {width = 6}\n')
+    configured = cli("compare", "float_state.pt", "qat.pt", "--data", "x.pt", "--format", "json")
+    assert configured.code == 0, configured.err
+    assert json.loads(configured.out)["rows"] == json.loads(flagged.out)["rows"]
+    for args in (["inspect", "qat.pt"], ["step", "qat.pt", "--data", "x.pt"]):
+        result = cli(*args, "--format", "json")
+        assert result.code == 0, (args, result.err)
+    assert _factory_calls(factory_project)[called:] and set(_factory_calls(factory_project)[called:]) == {"6"}
+    # The config's own model in the import: later commands need nothing more, so no note.
+    again = cli("import", "qat_state.pt", "--from", "torch-ao", "--data", "x.pt", "-o", "qat2.pt")
+    assert again.code == 0 and "names the factory" not in again.err, again.err
+
+
+def test_the_factory_note_omits_the_config_when_toml_cannot_hold_the_kwargs(cli, factory_project):
+    imported = cli("import", "qat_state.pt", "--from", "torch-ao", "--model", "facnet.net:make",
+                   "--model-kwargs", '{"width": 6, "quantize": null}', "--data", "x.pt", "-o", "qat.pt")
+    assert imported.code == 0, imported.err
+    said = " ".join(imported.err.split())
+    assert "--model-kwargs '{\"width\": 6, \"quantize\": null}' to later commands" in said
+    assert "qdebug.toml" not in said  # TOML has no null
+    flagged = cli("inspect", "qat.pt", "--model", "facnet.net:make", "--model-kwargs", '{"width": 6, "quantize": null}')
+    assert flagged.code == 0, flagged.err

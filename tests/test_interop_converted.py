@@ -34,24 +34,11 @@ nnq = pytest.importorskip("torch.ao.nn.quantized")
 quantize_fx = pytest.importorskip("torch.ao.quantization.quantize_fx")
 # torch 2.13 deprecates torch.ao.quantization and its quantized tensors: what this file imports.
 pytestmark = [
+    pytest.mark.usefixtures("x86_engine_one_thread"),  # tests/conftest.py
     pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max:UserWarning"),
     pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor, torch.quantize_per_channel:UserWarning"),
 ]
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _x86_engine_one_thread():
-    """torch's x86 quantized engine (what the x86 qconfigs are for), and one intra-op thread:
-    these models are small, and two threads on two shared cores are many times slower."""
-    engine, threads = torch.backends.quantized.engine, torch.get_num_threads()
-    if "x86" in torch.backends.quantized.supported_engines:
-        torch.backends.quantized.engine = "x86"
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.backends.quantized.engine = engine
 
 
 # -- eager-ready models ------------------------------------------------------------------
@@ -646,3 +633,148 @@ def test_fx_layers_left_float_stay_float_with_the_graphs_weights():
     kernels = _kernel_diffs(run, qm, probe)
     assert {"layer2.0.conv1", "layer2.0.downsample.0", "avgpool input"} <= set(kernels)
     assert all(w <= 1 for w, _ in kernels.values()), kernels
+
+
+# -- transposed convs: one reason in every flow (issue 29 item 7) -----------------------------
+class UpNet(nn.Module):
+    """A conv, then a ConvTranspose2d (the engine has no transposed-conv kernel), then a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.conv2 = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.dequant(self.conv2(self.up(self.relu(self.conv(self.quant(x))))))
+
+
+def _up_flow(flow: str, x: torch.Tensor) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(float model, torch's model of ``flow``, the model its import computes against) -- torch's
+    per-channel weight observers refuse ConvTranspose, so the layer gets per-tensor ones."""
+    torch.manual_seed(0)
+    model = UpNet()
+    float_model = copy.deepcopy(model).eval()
+    qat = "qat" in flow
+    qconfig = _qat_qconfig(False) if qat else _ptq_qconfig(False)
+    model.train(qat)
+    if flow.startswith("eager"):
+        model.qconfig = qconfig
+        prepared = (tq.prepare_qat if qat else tq.prepare)(model)
+    else:
+        mapping = tq.QConfigMapping().set_global(qconfig)
+        prepared = (quantize_fx.prepare_qat_fx if qat else quantize_fx.prepare_fx)(model, mapping, (x,))
+    if qat:
+        _train(prepared, 2)
+        prepared.apply(tq.disable_observer)
+    else:
+        with torch.no_grad():
+            for batch in _batches(2, 5, tuple(x.shape)):
+                prepared(batch)
+    prepared.eval()
+    if flow.endswith("converted"):
+        return float_model, (tq.convert if flow.startswith("eager") else quantize_fx.convert_fx)(prepared), prepared
+    return float_model, prepared, prepared
+
+
+@pytest.mark.parametrize("flow", ["eager-qat", "eager-ptq", "eager-qat-converted", "eager-ptq-converted",
+                                  "fx-qat", "fx-ptq", "fx-qat-converted", "fx-ptq-converted"])
+def test_a_transposed_convs_weight_is_unmapped_with_one_reason_in_every_flow(flow):
+    """torch's convert quantizes a ConvTranspose2d's weight (nnq.ConvTranspose2d); its QAT and PTQ
+    preparations leave it float until then.  The engine has no transposed-conv kernel: in every
+    flow the weight quantizer torch has or will build is listed unmapped, with the same reason,
+    and the layer computes in float as torch's prepared model does (QAT: bit-identical)."""
+    x = _batches(1, 5, (2, 3, 8, 8))[0]
+    float_model, source, prepared = _up_flow(flow, x)
+    with pytest.warns(UserWarning, match=r"no quantized kernel for these ops.*up \(ConvTranspose2d"):
+        qm = from_torch_ao(source, x, float_model=None if flow.startswith("eager") else float_model)
+    report = import_report(qm)
+    rows = [(s, st, p, n) for s, k, st, p, n in zip(report["source"], report["kind"], report["status"],
+                                                     report["point"], report["note"]) if k == "weight"]
+    up = [r for r in rows if r[0].startswith("up.")]
+    expected = ("ConvTranspose2d: no transposed-conv kernel in qdebug yet, its weight stays float "
+                "(torch's convert quantizes it)")
+    assert [(st, p, n) for _, st, p, n in up] == [("unmapped", "", expected)], rows
+    assert up[0][0] == ("up.weight()" if flow.endswith("converted") else "up.qconfig.weight()")
+    assert {p for _, st, p, _ in rows if st != "unmapped"} == {"conv.weight", "conv2.weight"}
+    assert "up.weight" not in quant_points(qm)
+    if flow.endswith("qat"):  # torch's QAT model keeps the layer float: the import computes it exactly
+        with torch.no_grad():
+            assert torch.equal(qm(x), prepared(x))
+
+
+# -- quantize_dynamic's Linear input (issue 29 item 7) ------------------------------------------
+class SharedInputBlock(nn.Module):
+    """Attention's shape: q, k and v projections all read the norm's output; o reads the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h = self.norm(x)
+        attn = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2), -1)
+        return x + self.o(attn @ self.v(h))
+
+
+def _dynamic(flow: str, model: nn.Module, x: torch.Tensor) -> nn.Module:
+    if flow == "eager":
+        return tq.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+    mapping = tq.QConfigMapping().set_object_type(nn.Linear, tq.default_dynamic_qconfig)
+    prepared = quantize_fx.prepare_fx(copy.deepcopy(model), mapping, (x,))
+    prepared(x)
+    return quantize_fx.convert_fx(prepared)
+
+
+@pytest.mark.parametrize("flow", ["eager", "fx"])
+def test_dynamic_linear_inputs_are_dynamic_points_and_compute_torchs_output(flow):
+    """Every nnqd.Linear's input is a dynamic point (torch quantizes it per batch): in the FX flow
+    too (convert_fx's dynamic Linears imported their weights only: off by 1.4% of the output),
+    and where one producer feeds only dynamic Linears (q, k, v read one norm output: each
+    quantizes the same tensor the same way).  The outputs are torch's within 1e-5 of their
+    largest magnitude (docs/interop.md: fbgemm's float64 range and float rescale)."""
+    torch.manual_seed(0)
+    model = SharedInputBlock().eval()
+    x = _batches(1, 5, (2, 5, 8))[0]
+    dynamic = _dynamic(flow, model, x)
+    qm = from_torch_ao(dynamic, x, float_model=None if flow == "eager" else model)
+    report = import_report(qm)
+    inputs = {s: (st, p) for s, k, st, p in zip(report["source"], report["kind"], report["status"], report["point"])
+              if s.endswith(".input")}
+    assert inputs == {"q.input": ("exact", "norm"), "k.input": ("exact", "norm"), "v.input": ("exact", "norm"),
+                      "o.input": ("exact", "matmul#2")}
+    assert "unmapped" not in set(report["status"])
+    points = quant_points(qm)
+    assert points["norm"].spec.dynamic and points["matmul#2"].spec.dynamic
+    assert (points["norm"].spec.qmin, points["norm"].spec.qmax) == (0, 127)  # x86: reduce_range
+    assert engine_state(qm).stage == "fake"  # the fake-quant model: no integer kernel for a dynamic input yet
+    for seed in range(3):
+        batch = _batches(1, 20 + seed, (2, 5, 8))[0]
+        with torch.no_grad():
+            ours, theirs = qm(batch), dynamic(batch)
+        assert float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
+@pytest.mark.parametrize("flow", ["eager", "fx"])
+def test_a_dynamic_input_shared_with_a_float_op_is_unmapped_with_the_reason(flow):
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            return h + self.fc2(h)  # relu's output: fc2 (quantized per batch) and the add (float)
+
+    torch.manual_seed(0)
+    model = Residual().eval()
+    x = _batches(1, 5, (4, 8))[0]
+    qm = from_torch_ao(_dynamic(flow, model, x), x, float_model=None if flow == "eager" else model)
+    report = import_report(qm)
+    rows = {s: (st, p, n) for s, k, st, p, n in zip(report["source"], report["kind"], report["status"],
+                                                    report["point"], report["note"]) if k == "activation" and s}
+    assert rows["fc1.input"][:2] == ("exact", "input")
+    assert rows["fc2"][:2] == ("unmapped", "") and "its producer feeds other calls too" in rows["fc2"][2]

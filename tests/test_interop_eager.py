@@ -161,6 +161,46 @@ def test_eager_ready_model_maps_stub_floatfunctional_and_fixed_qparams():
     assert "pool" in floats
 
 
+class AddReluBlock(nn.Module):
+    """torchvision's QuantizableBasicBlock pattern: a ReLU module (fused into conv1) beside a
+    FloatFunctional whose ``add_relu`` runs an inline ReLU in the same scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant = tq.QuantStub()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.add_relu = torch.ao.nn.quantized.FloatFunctional()
+        self.dequant = tq.DeQuantStub()
+
+    def forward(self, x):
+        x = self.quant(x)
+        out = self.conv2(self.relu(self.bn1(self.conv1(x))))
+        return self.dequant(self.add_relu.add_relu(out, x))
+
+
+def test_an_inline_op_never_takes_the_name_of_a_module():
+    x = torch.randn(2, 4, 8, 8)
+    names = list(trace_plan(AddReluBlock(), x).calls)
+    assert "relu" in names and "relu()" in names and "relu#2" not in names
+
+
+def test_add_relu_beside_a_relu_module_imports_exactly():
+    torch.manual_seed(4)
+    x = torch.randn(2, 4, 8, 8)
+    prepared = _qat(AddReluBlock(), x)
+    assert type(prepared.conv1).__name__ == "ConvBnReLU2d"
+    qm = from_torch_ao(prepared, x)
+    probe = torch.randn(3, 4, 8, 8)
+    assert torch.equal(prepared(probe), qm(probe))
+    report = import_report(qm).set_index("source")
+    assert report.loc["add_relu.activation_post_process", "point"] == "relu()"
+    assert report.loc["conv1.activation_post_process", "point"] == "relu"
+    assert "unmapped" not in set(report["status"])
+
+
 def test_shared_module_called_twice_gets_its_quantizer_at_each_call():
     class Twice(nn.Module):
         def __init__(self):

@@ -160,10 +160,10 @@ def test_qat_is_bit_identical_to_torch(name, kind):
 def test_qat_points_carry_the_float_models_names(tmp_path):
     prepared, x = _qat("inline")
     rows = _rows(from_torch_ao(prepared, x, float_model=InlineNet()))
-    # FX node observed -> the engine call: the functional ReLU fused into conv1-bn1 is the
-    # first "relu" call (it shares the base name with the module ``relu``), so the module's
-    # calls are relu#2 (after conv2) and relu#3 (after torch.add); ``s + a`` is the 2nd add.
-    expected = {"x": "input", "conv1": "relu", "conv2": "relu#2", "relu_2": "relu#3", "add_1": "add#2",
+    # FX node observed -> the engine call: the functional ReLU fused into conv1-bn1 is "relu()"
+    # (an inline op never takes the name of the module ``relu``), the module's calls are relu
+    # (after conv2) and relu#2 (after torch.add); ``s + a`` is the 2nd add.
+    expected = {"x": "input", "conv1": "relu()", "conv2": "relu", "relu_2": "relu#2", "add_1": "add#2",
                 "cat": "cat", "mean": "mean", "fc": "fc"}
     seen = {}
     for target, node in _observer_nodes(prepared).items():

@@ -50,7 +50,7 @@ class Block(nn.Module):
 
 
 OUTPUT_POINTS = ["ln", "gelu", "rms", "silu", "hswish", "mish", "prelu", "gn", "layer_norm", "rms_norm", "softmax",
-                 "silu#2", "gelu#2", "div", "mul"]
+                 "silu()", "gelu()", "div", "mul"]  # F.silu beside the module silu: an inline op never takes its name
 
 
 def _calibrated_block():

@@ -257,13 +257,23 @@ def test_the_config_out_is_the_default_folder(cli, tmp_path, stages):
 
 
 def test_the_next_command_keeps_the_data_options_and_moves_on(cli, tmp_path, stages):
-    args = ("compare", stages.float, stages.quantized, "--data", stages.data, "--batches", "1")
+    import qdebug
+    from qdebug.engine import QConfig, calibrate, prepare
+
+    # A layer at fault for rounding against float (an int4 output planted in a calibrated model,
+    # whose float model is the reference's: the fixture's QAT step moved its BN statistics).
+    int4 = prepare(stages.models["float"], QConfig(overrides={"layer2.0.relu": {"activation": {"bits": 4}}}),
+                   mode="fuse_bn", example_inputs=stages.x)
+    calibrate(int4, [stages.x])
+    target = tmp_path / "int4.pt"
+    qdebug.save(int4, target, stage="calibrated", sample_inputs=stages.x)
+    args = ("compare", stages.float, target, "--data", stages.data, "--batches", "1")
     first = json.loads(cli(*args, "--json").out)["meta"]["next"]
-    # A layer at fault for rounding against float: straight to the verified int16 plan.
-    assert first == f"qdebug suggest {stages.float} {stages.quantized} --data {stages.data} --batches 1", first
+    # straight to the verified int16 plan
+    assert first == f"qdebug suggest {stages.float} {target} --data {stages.data} --batches 1", first
     second = json.loads(cli(*args, "--sort", "isolated_sqnr_db", "--json").out)["meta"]["next"]
     assert "--sort" not in second and second.startswith("qdebug suggest"), second
-    (tmp_path / "qdebug.toml").write_text(f'float = "{stages.float}"\nqat = "{stages.quantized}"\ndata = "{stages.data}"\n')
+    (tmp_path / "qdebug.toml").write_text(f'float = "{stages.float}"\nqat = "{target}"\ndata = "{stages.data}"\n')
     from_config = json.loads(cli("compare", "--json").out)["meta"]["next"]
     assert from_config == "qdebug suggest", from_config  # suggest reads the same config keys
 

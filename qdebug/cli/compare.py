@@ -123,7 +123,7 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
     found = result.meta["findings"]
     again = " ".join(["qdebug compare", *given]) + options
     for target, item in found.items():
-        if not item.get("flagged"):
+        if not item.get("flagged") or item.get("float_differs"):  # no quantization fix: its float model differs
             continue
         cause = item.get("at_fault_diagnosis")
         if cause == "nonfinite":
@@ -163,7 +163,8 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
         "quantized one (or --ref): propagated and isolated error, SQNR, cosine, saturation, per-channel "
         "SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, nonfinite; for recurrent layers, "
         "attention and norms: shared_scale, cell_state_range, softmax_collapse, logits_clipped, "
-        "norm_input_outliers) for flagged layers.\n\n"
+        "norm_input_outliers; float_differs when the compared model's own float model is not the reference) "
+        "for flagged layers.\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/calibrated.pt fixtures/demo/quantized.pt "
         "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl\n\n"
@@ -254,6 +255,9 @@ def compare(
     def render() -> None:
         reordered = " (least quantized)" if asked is None and ref_index != 0 else ""
         title = f"compare vs {labels[ref_index]}{reordered}, {result.meta['batches']} batch(es)"
+        differs = [label for label, item in result.meta["findings"].items() if item.get("float_differs")]
+        if differs:  # in the header: the rows of these targets measure a float difference, not quantization
+            title += f" -- {', '.join(differs)}: float model differs from {labels[ref_index]} (see below)"
         print_table(render_compare(frame, shown, sort=sort, top=top, title=title, width=table_width(wide)))
         for line in result.summary.splitlines():
             say(line)

@@ -55,7 +55,8 @@ def _model_target(model: Optional[str]) -> str:
         "read; torch rebuilds the prepared model from your float class (--model) and --backend's default "
         "qconfig, the file must load into it exactly, and the imported model computes what torch's does "
         "(bit-identical for QAT, in eval mode). Prints the import report: every torch quantizer, the engine "
-        "point it became and how (exact, moved, frozen, unmapped), and the points left float. "
+        "point it became and how (exact, moved, frozen, approximate, unmapped), the points left float, and the "
+        "import's check of itself against torch's model on the first batch (an unexplained mismatch is refused). "
         "Exit 1 with --strict when a quantizer is unmapped (the checkpoint is written all the same). "
         "See docs/interop.md.\n\n"
         "Example: qdebug import qat_state.pt --from torch-ao --model mypkg.net:Net --data eval.pt -o qat.pt\n\n"
@@ -117,9 +118,55 @@ def import_(
 
     emit(Report("import", frame, meta), fmt, out, render)
     note(f"wrote {output} (stage {meta['stage']}, {meta['flow']} {'QAT' if meta['qat'] else 'PTQ'} from {src})")
+    if meta["factory"] and not _config_names(target):
+        note(_factory_note(output, meta["model"]))
     if strict and unmapped:
         note(f"--strict: {unmapped} quantizer(s) of {src} are unmapped")
         raise typer.Exit(1)
+
+
+def _config_names(target: str) -> bool:
+    """Whether later commands build ``target`` with no flag: the config's model names it, with
+    the config's kwargs (not --model-kwargs, which later commands do not see)."""
+    return STATE.config().get("model") == target and STATE.model_kwargs_option is None
+
+
+def _factory_note(output: Path, spec: dict) -> str:
+    """What later commands need to build a checkpoint naming a factory: qdebug calls a function
+    a file names only when the user names it (docs/checkpoints.md), so say how, once."""
+    import json
+
+    target, kwargs = spec["class"], spec["kwargs"]
+    flags = f"--model {target}" + (f" --model-kwargs '{json.dumps(kwargs)}'" if kwargs else "")
+    table = _toml(kwargs)
+    config = "" if table is None else (
+        f", or set model = \"{target}\"" + (f" and model_kwargs = {table}" if kwargs else "") + " in qdebug.toml")
+    return f"{output} names the factory {target}, which qdebug calls only when you name it: pass {flags} " \
+           f"to later commands{config}"
+
+
+def _toml_key(key: str) -> str:
+    import json
+    import re
+
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml(value) -> str | None:
+    """A JSON-typed value as TOML (inline tables), or None when it holds a None: TOML has no null."""
+    import json
+
+    if value is None:
+        return None
+    if isinstance(value, (dict, list)):
+        items = [(_toml_key(k) + " = ", v) for k, v in value.items()] if isinstance(value, dict) \
+            else [("", v) for v in value]
+        parts = [_toml(v) for _, v in items]
+        if any(p is None for p in parts):
+            return None
+        inner = ", ".join(prefix + p for (prefix, _), p in zip(items, parts))
+        return "{" + inner + "}" if isinstance(value, dict) else "[" + inner + "]"
+    return json.dumps(value)
 
 
 def _import(state: dict, src: str, target: str, data: Optional[str], backend: str, qat_mode: str, output: Path):
@@ -128,10 +175,10 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
 
     from qdebug.checkpoint import save
     from qdebug.cli.calibrate import _first_samples  # the samples a checkpoint keeps, as calibrate keeps them
-    from qdebug.interop import from_torch_ao
+    from qdebug.interop import from_torch_ao, import_check
     from qdebug.interop.build import REPORT_COLUMNS, import_report
     from qdebug.interop.state_dict import rebuild
-    from qdebug.modelspec import ModelSpec, build
+    from qdebug.modelspec import ModelSpec, build, is_model_class
 
     spec = ModelSpec(target, dict(user_model_kwargs() or {}))
     float_model = build(spec, from_user=True)
@@ -142,15 +189,18 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
         qm = from_torch_ao(rebuilt.prepared, first.inputs, qat_mode=qat_mode,
                            float_model=rebuilt.float_model if rebuilt.flow != "eager" else None)
     stage = "qat" if rebuilt.qat else "calibrated"
+    check = import_check(qm)
     save(qm, output, stage=stage, model_spec=spec, sample_inputs=_first_samples(first.inputs),
-         meta={"source": str(src), "import_backend": backend, "import_fusions": rebuilt.fusions})
+         meta={"source": str(src), "import_backend": backend, "import_fusions": rebuilt.fusions,
+               "import_check": check})
     frame = pd.DataFrame(import_report(qm), columns=REPORT_COLUMNS)
     quantizers = frame[(frame["source"] != "") & (frame["kind"] != "bn")]
     meta = {"source": str(src), "output": str(output), "stage": stage, "flow": rebuilt.flow, "qat": rebuilt.qat,
-            "backend": backend, "qat_mode": qat_mode, "model": spec.to_dict(), "fusions": rebuilt.fusions,
+            "backend": backend, "qat_mode": qat_mode, "model": spec.to_dict(), "factory": not is_model_class(target),
+            "fusions": rebuilt.fusions,
             "quantizers": len(quantizers),
             "statuses": {str(k): int(v) for k, v in quantizers["status"].value_counts().items()},
-            "float_points": int((frame["status"] == "float").sum()),
+            "float_points": int((frame["status"] == "float").sum()), "check": check,
             "folded_bn": [str(s) for s in frame.loc[frame["kind"] == "bn", "source"]]}
     return frame, meta
 
@@ -179,9 +229,34 @@ def _summary(meta: dict) -> list[str]:
         lines.append(f"{meta['float_points']} engine point(s) left float, as in torch")
     if meta["folded_bn"]:
         lines.append(f"{len(meta['folded_bn'])} BatchNorm(s) torch folded into their convs")
+    if meta.get("check"):
+        lines += check_lines(meta["check"])
     fusions = meta["fusions"]
     if fusions:
         more = f", the first {FUSIONS_SHOWN} (--format json: all)" if len(fusions) > FUSIONS_SHOWN else ""
         lines.append(f"fused as torch did: {len(fusions)} group(s){more}")
         lines += [f"  {' + '.join(group)}" for group in fusions[:FUSIONS_SHOWN]]
+    return lines
+
+
+def check_lines(check: dict) -> list[str]:
+    """The import's self-check (qdebug.interop.check), in lines of at most 80 columns: against
+    what, the measured difference, the tolerance."""
+    against = {"fake-quant": "torch's model (eval, observers off)",
+               "ptq": "torch's reference conversion of it",
+               "converted": "torch's converted model",
+               "quantizer qparams": "torch's observers' qparams"}.get(check.get("compared_with"), "torch")
+    if check.get("max_abs_diff") is None:
+        measured = "equal" if check.get("within_tolerance") else "not equal"
+    elif check["max_abs_diff"] == 0:
+        measured = "bit-identical outputs"
+    else:
+        lsb = f" ({check['max_lsb']:g} output LSB)" if check.get("max_lsb") is not None else ""
+        measured = f"outputs differ by up to {check['max_abs_diff']:.3g}{lsb}"
+    verdict = "within" if check.get("within_tolerance") else "beyond"
+    lines = [f"checked on the first batch against {against}:", f"  {measured}, {verdict} the tolerance",
+             f"  (tolerance: {check.get('tolerance')})"]
+    rows = check.get("rows_differing") or []
+    if rows:
+        lines.append(f"  {len(rows)} row(s) approximate: their values differ from torch's")
     return lines

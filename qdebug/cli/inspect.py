@@ -28,7 +28,7 @@ LAYER_PRIORITY = ["layer", "weight", "activation", "act_scale_max", "fused_into"
                   "weight_scale_max", "weight_scale_min", "act_scale_min"]
 # The import report of a model imported from torch.ao (qdebug.interop; qdebug import prints the same).
 IMPORT_PRIORITY = ["source", "point", "status", "kind", "note", "spec", "scale_max", "scale_min"]
-_IMPORT_STYLE = {"unmapped": "bold red", "frozen": "yellow", "float": "dim"}
+_IMPORT_STYLE = {"unmapped": "bold red", "approximate": "yellow", "frozen": "yellow", "float": "dim"}
 
 
 def render_import(imports: "pd.DataFrame", *, title: str, width: Optional[int]):

@@ -145,6 +145,9 @@ def suggest(
     apply: bool = typer.Option(False, "--apply", help="Write the checkpoint with the plan applied (-o FILE)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="FILE",
                                           help="With --apply: the checkpoint to write."),
+    to: Optional[str] = typer.Option(None, "--to", metavar="torch-ao",
+                                     help="Also write the plan for the torch.ao flow an imported checkpoint came "
+                                          "from (--out DIR: plan_torch_ao.py, plan_torch_ao.json)."),
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
     out: Optional[Path] = OUT_OPTION,
@@ -176,15 +179,24 @@ def suggest(
                           "drop one of them")
     # --min-sqnr asks for an SQNR target: the config's metric then stays out.
     spec = metric or (cfg.get("metric") if min_sqnr is None else None)
+    if to is not None and to != "torch-ao":
+        raise QDebugError(f"--to {to!r}: the only flow a plan goes back to is torch-ao", "e.g. --to torch-ao")
     if output is not None:
         writable_file(output)  # its folder is created only when a plan is written to it
     out = prepare_out(out)
+    if to is not None and out is None:
+        raise QDebugError("--to torch-ao writes plan_torch_ao.py and plan_torch_ao.json into a folder",
+                          "add --out DIR")
 
     from qdebug.metrics import resolve_metric
     from qdebug.tools.suggest import DEFAULT_MIN_SQNR, diagnoses_of, suggest as run_suggest
 
     metric_fn = resolve_metric(spec) if spec else None
     found = load_against_float(paths, model=model, unsafe=unsafe_load, command="suggest")
+    if to is not None:  # before the search: a checkpoint with no torch flow to go back to is refused now
+        from qdebug.tools.plan_torch_ao import check_imported
+
+        check_imported(found.model)
     batch_list = resolve_batches(data, batches, found.info, batch_size=batch_size)
     task, default_ratio, rules = metric_rules(spec, metric_fn, ratio)
     def diagnoses() -> dict[str, str]:  # compare's, asked for only when the model needs a plan
@@ -210,6 +222,7 @@ def suggest(
     exact_command = f"qdebug suggest {' '.join(map(shlex.quote, given))}{options}{shaping} --apply -o fixed.pt"
     meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
     files = []
+    torch_ao = None
     plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
     if out is not None:
         from qdebug.atomic import atomic_path
@@ -222,6 +235,20 @@ def suggest(
             files.append(out.file("plan.toml"))
         else:  # an earlier run's plan would read as this run's
             out.drop_stale("plan.toml")
+        if to is not None and plan_ok:
+            from qdebug.tools.plan_torch_ao import json_document, python_source, torch_ao_plan
+
+            # Before --apply raises the model's points: the plan is read against the checkpoint as loaded.
+            torch_ao = torch_ao_plan(found.model, meta["plan"]["overrides"], bits=bits,
+                                     qat={"qat": True, "calibrated": False}.get(found.info.stage))
+            for name, text in (("plan_torch_ao.py", python_source(torch_ao)),
+                               ("plan_torch_ao.json", json_document(torch_ao))):
+                with atomic_path(out.file(name)) as tmp:
+                    Path(tmp).write_text(text)
+                files.append(out.file(name))
+        elif to is not None:
+            out.drop_stale("plan_torch_ao.py")
+            out.drop_stale("plan_torch_ao.json")
         if frame["rank"].notna().any():  # nothing ranked (the model meets the target): no picture to draw
             files.append(plot_suggest(frame, meta, out.file("suggest.png")))
         else:
@@ -233,7 +260,10 @@ def suggest(
         files.append(output)
         applied = True
     plan = meta.pop("plan")
-    report = Report("suggest", frame, {**meta, "plan_points": plan["points"]}, files=files, json_extra={"plan": plan})
+    extra = {"plan": plan}
+    if torch_ao is not None:
+        extra["torch_ao"] = {"meta": torch_ao.attrs["meta"], "rows": torch_ao.to_dict("records")}
+    report = Report("suggest", frame, {**meta, "plan_points": plan["points"]}, files=files, json_extra=extra)
 
     def render() -> None:
         if not frame.empty:
@@ -254,6 +284,13 @@ def suggest(
             if out is not None:
                 say(f"  or recalibrate the float model with {plan_path} on the data it was calibrated on:")
                 say(f"  {apply_command}")
+        if torch_ao is not None:  # with --apply too
+            torch_meta = torch_ao.attrs["meta"]
+            say(f"torch.ao ({torch_meta['flow']}): {torch_meta['expressible']} tensor(s) in "
+                f"{out.final / 'plan_torch_ao.py'} and plan_torch_ao.json")
+            for row in torch_ao.itertuples():
+                if not row.expressible:
+                    say(f"  not expressible: {row.point} ({row.tensor}): {row.reason}")
 
     emit(report, fmt, out, render)
     if not plan["passed"]:

@@ -13,9 +13,16 @@ While a model runs inside a context, two interceptors are active:
 Call names follow the module tree: a module call is its path (``layer1.0.conv1``),
 an inline op is ``<container path>.<op>`` (``layer1.0.add``), a model input is
 ``input``; the k-th call of the same name in one forward gets ``#k``
-(``layer1.0.relu#2``).  The tensors of a call returning several are named by
-their place in the output, ``lstm:1.1`` (``qdebug.engine.members``).  A ``Handler`` decides what happens at each call
-(record a graph, quantize, tap for statistics); the context itself only names.
+(``layer1.0.relu#2``).  An inline op never takes a module's name: where the model has a
+module at ``<container path>.<op>`` (torchvision's ``self.relu`` beside the ``F.relu`` its
+``add_relu`` FloatFunctional runs), the op is ``<container path>.<op>()``
+(``layer1.0.relu()``), so it cannot pass for that module's next call.  The tensors of a call returning several are named by
+their place in the output, ``lstm:1.1`` (``qdebug.engine.members``).  A norm-act layer (timm's
+``BatchNormAct2d``: batch_norm, then ``self.drop``, then ``self.act``; ``ops.is_norm_act``) is a
+container whose norm function call is the layer's own call (``blocks.0.bn1``, a ``bn``) and whose
+children are calls of their own (``blocks.0.bn1.act``); an ``nn.Identity`` child is none.  A
+``Handler`` decides what happens at each call (record a graph, quantize, tap for statistics);
+the context itself only names.
 """
 
 from __future__ import annotations
@@ -36,10 +43,13 @@ except ImportError:  # pragma: no cover
     _current_mode = _pop_mode = _push_mode = None
 
 from qdebug.engine.ops import (
+    NORM_FUNCTIONS,
     canonical_op_name,
     function_category,
+    is_norm_act,
     map_tensors,
     module_category,
+    norm_only,
     tensors_in,
 )
 
@@ -163,6 +173,11 @@ class ForwardContext(TorchFunctionMode):
         self.handler = handler or Handler()
         self.listeners = list(listeners or [])
         self.module_names = {id(m): n for n, m in root.named_modules()}
+        self.module_paths = {n for n, _ in root.named_modules(remove_duplicate=False)}
+        # Norm-act layers by path, and their nn.Identity children, which are no calls (``ops.is_norm_act``).
+        self.norm_acts = {n: m for n, m in root.named_modules() if is_norm_act(m)}
+        owners = [*self.norm_acts.values(), *(m for m in root.modules() if getattr(type(m), "norm_act_tail", False))]
+        self.silent = {id(c) for m in owners for c in m.children() if type(c) is nn.Identity}
         self.counts: dict[str, int] = defaultdict(int)
         self.frames: list[_Frame] = [_Frame("container", "")]
         self.leaf_depth = 0
@@ -203,6 +218,11 @@ class ForwardContext(TorchFunctionMode):
         index = self.counts[base]
         name = base if index == 1 else f"{base}#{index}"
         return Call(name=name, base=base, index=index, category=category, op=op, owner=owner, module=module)
+
+    def inline_base(self, owner: str, op: str) -> str:
+        """The name of inline op ``op`` written in container ``owner``, before its call index."""
+        base = f"{owner}.{op}" if owner else op
+        return f"{base}()" if base in self.module_paths else base
 
     def container(self) -> str:
         for frame in reversed(self.frames):
@@ -266,7 +286,9 @@ class ForwardContext(TorchFunctionMode):
             if event.func is None:
                 module = call.module
                 self.handler.before_module(self, call, module, args)
-                return self.handler.on_module_output(self, call, module, args, module(*args, **kwargs))
+                # A norm-act layer's call is its norm alone (its act is a call of its own).
+                output = norm_only(module, *args) if call.base in self.norm_acts else module(*args, **kwargs)
+                return self.handler.on_module_output(self, call, module, args, output)
             if call.category == "fallback":
                 return self.handler.on_fallback(self, call, event.func, args, event.func(*args, **kwargs))
             return self.handler.on_op(self, call, event.func, args, kwargs)
@@ -306,12 +328,20 @@ class ForwardContext(TorchFunctionMode):
         if self.busy or module is self.root or active_context() is not self:
             return None
         name = self.module_names.get(id(module))
-        if name is None or self.leaf_depth:
+        if name is None or self.leaf_depth or id(module) in self.silent:
             self.frames.append(_Frame("skip"))
             return None
         category = module_category(module)
         if category is None:
             self.frames.append(_Frame("container", name))
+            return None
+        if name in self.norm_acts:
+            # A container whose norm function is the module's own call (``_norm_call``); the
+            # placeholder of one folded into its conv makes that call on its input, here.
+            frame = _Frame("container", name)
+            self.frames.append(frame)
+            if getattr(type(module), "norm_act_placeholder", False) and args:
+                return (self._norm_call(frame, module, args[0], args[0]), *args[1:])
             return None
         call = self.new_call(name, category, type(module).__name__, name, module)
         self.frames.append(_Frame("leaf", name, call))
@@ -349,11 +379,33 @@ class ForwardContext(TorchFunctionMode):
             self.emit(frame.call, args, {}, None, output, new)
         return new
 
+    def _norm_call(self, frame: _Frame, module: nn.Module, x: Any, output: Any) -> Any:
+        """The norm of norm-act layer ``module`` (its container ``frame``) as the module's call,
+        with input ``x`` and float output ``output``."""
+        call = self.new_call(frame.name, module_category(module), type(module).__name__, frame.name, module)
+        frame.call = call  # one norm call per forward of the module: a second is an inline op
+        self.busy += 1
+        try:
+            self.handler.before_module(self, call, module, (x,))
+            new = self.handler.on_module_output(self, call, module, (x,), output)
+        finally:
+            self.busy -= 1
+        self.emit(call, (x,), {}, None, output, new)
+        return new
+
     # -- inline ops -----------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.busy or self.leaf_depth:
             return func(*args, **kwargs)
+        if self.norm_acts:
+            frame = self.frames[-1]
+            if frame.kind == "container" and frame.call is None and frame.name in self.norm_acts:
+                if args and getattr(func, "__name__", "") in NORM_FUNCTIONS:
+                    return self._norm_call(frame, self.norm_acts[frame.name], args[0], func(*args, **kwargs))
+                # Before its norm, a norm-act layer only checks its input (timm: ``x.ndim == 4``):
+                # no op of the model, and no reader of the conv's output that would keep its BN apart.
+                return func(*args, **kwargs)
         if func is _SDPA:  # decomposed: QK^T, softmax and attn.V become calls (qdebug.engine.attention)
             from qdebug.engine.attention import decomposed_sdpa
 
@@ -370,7 +422,7 @@ class ForwardContext(TorchFunctionMode):
             return self._fallback(func, args, kwargs)
         owner = self.container()
         op = canonical_op_name(func, category)
-        call = self.new_call(f"{owner}.{op}" if owner else op, category, op, owner)
+        call = self.new_call(self.inline_base(owner, op), category, op, owner)
         stored = self.served.take(call.name) if self.served is not None else None
         self.busy += 1
         try:
@@ -395,7 +447,7 @@ class ForwardContext(TorchFunctionMode):
             return out
         owner = self.container()
         op = canonical_op_name(func, "fallback")
-        call = self.new_call(f"{owner}.{op}" if owner else op, "fallback", op, owner)
+        call = self.new_call(self.inline_base(owner, op), "fallback", op, owner)
         self.busy += 1
         try:
             new = self.handler.on_fallback(self, call, func, args, out)

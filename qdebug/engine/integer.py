@@ -19,6 +19,7 @@ Kernels then compute in integers:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -64,14 +65,23 @@ def _direct_kernels() -> Iterator[None]:
     convolves float32 in TF32 by default): neither sums exact products.  Without cuDNN, CUDA
     convolves by im2col and a cuBLAS matrix product, whose float32 precision
     ``_float32_sums_exact`` checks.  (The cuDNN flag is set on the CPU too, where it changes
-    nothing: one code path everywhere.)"""
-    cudnn = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = False
-    try:
-        with torch.backends.nnpack.flags(enabled=False):
-            yield
-    finally:
-        torch.backends.cudnn.enabled = cudnn
+    nothing: one code path everywhere.)
+
+    Both through torch's own ``flags()`` context managers, never by assignment: torch's test
+    harness (``torch.testing._internal.common_utils``) calls ``torch.backends.disable_global_flags()``,
+    after which assigning ``torch.backends.cudnn.enabled`` raises; and the managers restore the
+    caller's values on an exception and when nested in the caller's own ``flags()`` block."""
+    with torch.backends.cudnn.flags(**_only_cudnn_disabled()), torch.backends.nnpack.flags(enabled=False):
+        yield
+
+
+def _only_cudnn_disabled() -> dict:
+    """Arguments of ``torch.backends.cudnn.flags`` that disable cuDNN and leave every other
+    cuDNN setting as the caller has it: its other parameters default to values of their own
+    (benchmark, deterministic, TF32...), and ``None`` means "unchanged".  Read from its
+    signature, which differs between torch versions."""
+    parameters = inspect.signature(torch.backends.cudnn.flags).parameters
+    return {name: (False if name == "enabled" else None) for name in parameters}
 
 
 def _float32_sums_exact(device: torch.device) -> bool:

@@ -65,6 +65,58 @@ class FoldedBatchNorm(nn.Module):
         return f"{self.num_features}, folded_into={self.folded_into!r}"
 
 
+class FoldedNormAct(FoldedBatchNorm):
+    """A ``FoldedBatchNorm`` for a norm-act layer (timm's ``BatchNormAct2d``, ``ops.is_norm_act``):
+    its norm is folded into the conv, its children (``drop``, ``act``) still run, in their order."""
+
+    norm_act_placeholder = True  # the context makes the (identity) norm call on its input
+
+    def __init__(self, norm_act: nn.Module, folded_into: str):
+        super().__init__(norm_act.num_features, folded_into)
+        for name, child in norm_act.named_children():
+            self.add_module(name, child)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for child in self.children():
+            x = child(x)
+        return x
+
+
+def folded_placeholder(bn: nn.Module, folded_into: str) -> FoldedBatchNorm:
+    """What holds the place of BatchNorm ``bn`` once folded into ``folded_into``: an identity,
+    which keeps a norm-act layer's activation."""
+    from qdebug.engine.ops import is_norm_act
+
+    if is_norm_act(bn):
+        return FoldedNormAct(bn, folded_into)
+    return FoldedBatchNorm(bn.num_features, folded_into)
+
+
+class NormActTail(nn.Module):
+    """What is left of a norm-act layer whose norm torch folded into the conv before it (an
+    imported PTQ or converted model): its children (``drop``, ``act``), run in order."""
+
+    norm_act_tail = True  # its nn.Identity children are no calls, as a norm-act layer's (context)
+
+    def __init__(self, norm_act: nn.Module):
+        super().__init__()
+        for name, child in norm_act.named_children():
+            self.add_module(name, child)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for child in self.children():
+            x = child(x)
+        return x
+
+
+def without_norm(bn: nn.Module) -> nn.Module:
+    """The module that replaces BatchNorm ``bn`` once torch folded it into its conv: an
+    ``nn.Identity`` (no call), or the activation a norm-act layer still applies."""
+    from qdebug.engine.ops import is_norm_act
+
+    return NormActTail(bn) if is_norm_act(bn) else nn.Identity()
+
+
 class _QWeighted(nn.Module):
     """Shared machinery of QConv and QLinear: weight point, stage, integer path."""
 
@@ -355,3 +407,4 @@ class QLinear(_QWeighted):
 register_module_category(QConv, "conv")
 register_module_category(QLinear, "linear")
 register_module_category(FoldedBatchNorm, "bn")
+register_module_category(FoldedNormAct, "bn")

@@ -193,6 +193,35 @@ def _is_rms_norm_by_name(module: nn.Module) -> bool:
 
 _RECURRENT_FORWARDS = frozenset({nn.LSTM.forward, nn.GRU.forward, nn.LSTMCell.forward, nn.GRUCell.forward})
 
+# Norm-act layers (timm's ``BatchNormAct2d``, ``GroupNormAct``, ``LayerNormAct``): a subclass of a
+# torch norm whose own forward calls the norm function, then child modules (``self.drop``,
+# ``self.act``) -- a BN followed by its activation, written as one module so that its weights keep
+# the BN's names.  The engine sees the norm and each child as calls of their own: the norm
+# function's call is the module's (its path, its category: a ``bn`` that pairs with the conv
+# before it), then ``<path>.act``; an ``nn.Identity`` child (no dropout, no activation) is no call.
+NORM_FUNCTIONS = frozenset({"batch_norm", "group_norm", "layer_norm", "rms_norm"})
+_NORM_BASES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+def is_norm_act(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm-act layer (see ``NORM_FUNCTIONS``): a torch norm subclass with
+    child modules and a forward of its own, or the engine's placeholder of one folded into its conv."""
+    if getattr(type(module), "norm_act_placeholder", False):
+        return True
+    if not isinstance(module, _NORM_BASES) or next(module.children(), None) is None:
+        return False
+    base = next(c for c in type(module).__mro__ if c.__module__.startswith("torch.nn."))
+    return type(module).forward is not base.forward
+
+
+def norm_only(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm part of a norm-act layer's forward (its torch base class's forward) on ``x``; the
+    placeholder of a folded one returns ``x``."""
+    if getattr(type(module), "norm_act_placeholder", False):
+        return x
+    base = next(c for c in type(module).__mro__ if c.__module__.startswith("torch.nn."))
+    return base.forward(module, x)
+
 
 _FUNCTION_NAMES: dict[str, str] = {}
 

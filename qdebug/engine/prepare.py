@@ -30,7 +30,7 @@ from qdebug.engine.context import Call, ForwardContext, active_context, run_mode
 from qdebug.engine.embedding import QEmbedding, quantizable_embedding
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.members import member_name, split_name
-from qdebug.engine.modules import FoldedBatchNorm, QConv, QLinear, _QWeighted
+from qdebug.engine.modules import QConv, QLinear, _QWeighted, folded_placeholder
 from qdebug.engine.norm_input import norm_input_aliases
 from qdebug.engine.observers import merge_ranks
 from qdebug.engine.ops import VALUE_CATEGORIES, fallback_reason
@@ -337,7 +337,7 @@ def _absorb_pair(qm: nn.Module, conv_path: str, bn_path: str) -> None:
     conv = qm.get_submodule(conv_path)
     bn = conv.bn
     conv.absorb()
-    placeholder = FoldedBatchNorm(bn.num_features, conv_path)
+    placeholder = folded_placeholder(bn, conv_path)  # a norm-act layer keeps its activation
     placeholder.train(bn.training)
     _replace_modules(qm, lambda path, m: placeholder if m is bn else None)
 

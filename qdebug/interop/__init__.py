@@ -16,11 +16,19 @@ import torch.nn as nn
 
 from qdebug.errors import QDebugError
 
-__all__ = ["from_torch_ao", "import_report"]
+__all__ = ["from_torch_ao", "import_check", "import_report", "TorchStage"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchStage":  # torch's own kernels as a compare stage (docs/interop.md)
+        from qdebug.interop.torch_stage import TorchStage
+
+        return TorchStage
+    raise AttributeError(f"module 'qdebug.interop' has no attribute {name!r}")
 
 
 def from_torch_ao(model: nn.Module, example_inputs: Any, *, float_model: nn.Module | None = None,
-                  qat_mode: str = "with_bn_reverse_fold") -> nn.Module:
+                  qat_mode: str = "with_bn_reverse_fold", check: bool = True) -> nn.Module:
     """An engine model computing what the torch.ao ``model`` computes, with the float model's names.
 
     ``model``: prepared (eager ``prepare_qat``/``prepare``, FX ``prepare_qat_fx``/``prepare_fx``,
@@ -29,6 +37,9 @@ def from_torch_ao(model: nn.Module, example_inputs: Any, *, float_model: nn.Modu
     FX and PT2E graphs, which do not keep it (its weights are replaced by the source's).
     ``qat_mode``: how torch's Conv-BN modules map; the default, with_bn_reverse_fold, is torch's
     own scheme and bit-identical, fuse_bn folds them (equal within float rounding).
+    ``check``: run torch's model and the import on ``example_inputs`` and compare them
+    (``qdebug.interop.check``: rows that differ become ``approximate``, an unexplained mismatch
+    is refused; the result is ``import_check(model)``); False imports unchecked.
     """
     from qdebug.interop.build import build
 
@@ -63,12 +74,17 @@ def from_torch_ao(model: nn.Module, example_inputs: Any, *, float_model: nn.Modu
         from qdebug.interop.converted import read_converted
 
         source, plan = read_converted(model, example_inputs, float_model, flow)
-    model = build(source, plan, qat_mode)
+    imported = build(source, plan, qat_mode)
     if source.stage == "quantized":
         from qdebug.engine import convert
 
-        model = convert(model)  # torch's converted model computes in integers: so does the import
-    return model
+        imported = convert(imported)  # torch's converted model computes in integers: so does the import
+    if check:
+        from qdebug.interop.check import self_check
+
+        # fuse_bn folds torch's Conv-BN: equal within float rounding only, as documented
+        self_check(model, imported, source, example_inputs, folded_by_choice=qat_mode == "fuse_bn")
+    return imported
 
 
 def detect_flow(model: nn.Module) -> str | None:
@@ -111,3 +127,12 @@ def import_report(model: nn.Module):
     from qdebug.interop.build import REPORT_COLUMNS, import_report as rows
 
     return pd.DataFrame(rows(model), columns=REPORT_COLUMNS)
+
+
+def import_check(model: nn.Module) -> dict:
+    """How the import checked itself against torch on the example batch (docs/interop.md, *How the
+    import checks itself*): what it compared with, the tolerance, the measured difference; {} when
+    not checked."""
+    from qdebug.interop.check import import_check as result
+
+    return result(model)

@@ -112,6 +112,7 @@ def attention_quantizers(path: str, module: nn.Module, qat: bool,
                 else LAYOUT_NOTE if layout and site == "quant_attn_output" else "")
         for anchor in anchors or [None]:  # an attention called k times shares its quantizers (torch's modules)
             q = read_quantizer(quantizer, f"{path}.{site}.activation_post_process", "activation", anchor, note=note)
+            q.approximate = layout and site == "quant_attn_output"  # torch's own layout differs: not exact
             if not qat:
                 full_range(q)
             found.append(q)

@@ -39,9 +39,17 @@ from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, defa
 from qdebug.errors import QDebugError
 from qdebug.interop.attention import attention_points
 from qdebug.interop.recurrent import recurrent_points
-from qdebug.interop.source import EXACT, FLOAT, FROZEN, MOVED, UNMAPPED, SourceModel, SourceQuantizer, spec_of
+from qdebug.interop.source import (APPROXIMATE, EXACT, FLOAT, FROZEN, MOVED, TRANSPOSED_CONVS, UNMAPPED, SourceModel,
+                                   SourceQuantizer, layer_bn_pairs, spec_of, transposed_weight_note)
 
 REPORT_COLUMNS = ["source", "kind", "point", "status", "spec", "scale_min", "scale_max", "note"]
+
+
+def _module_at(model: nn.Module, path: str | None) -> nn.Module | None:
+    try:
+        return model.get_submodule(path) if path else None
+    except AttributeError:
+        return None
 REPORT_ATTR = "import_report"  # on the engine state; saved in the checkpoint's meta["import"]
 FLOW_ATTR = "import_flow"  # on the engine state: the torch.ao flow; saved as meta["import_flow"]
 
@@ -103,6 +111,16 @@ def _follow_bn_pairs(plan: Plan, source: SourceModel) -> None:
     """Keep exactly the Conv-BN pairs the source folds; split the others."""
     wanted = {tuple(p) for p in source.bn_pairs}
     traced = {tuple(p) for p in plan.pairs}
+    linear = sorted((wanted - traced) & set(layer_bn_pairs(plan, source.float_model)))
+    for layer, bn in linear:
+        # A Linear-BN pair (torch's QAT LinearBn1d): the engine's plan pairs convs only, its
+        # layers run any pair in reverse-fold mode (``_QWeighted``).
+        rec = plan.calls[layer]
+        rec.fused_into, rec.point = bn, None
+        plan.pairs.append((layer, bn))
+        traced.add((layer, bn))
+    if linear:
+        resolve_outputs(plan.calls)
     missing = sorted(wanted - traced)
     if missing:
         conv, bn = missing[0]
@@ -129,7 +147,11 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
     for q in source.quantizers:
         spec, note = spec_of(q, base[q.kind])
         notes = [n for n in (q.note, note) if n]
-        status = FROZEN if note else EXACT
+        if q.observes_only and source.stage == "qat":
+            q.approximate = True
+            notes.append(f"a {q.observer or 'observer'} in a QAT model: torch's forward passes these values on "
+                         "unquantized, the import quantizes them as torch's convert would")
+        status = APPROXIMATE if q.approximate else FROZEN if note else EXACT
         if spec is None:
             rows.append(_row(q.source, q.kind, "", UNMAPPED, "; ".join(notes)))
             continue
@@ -145,7 +167,10 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
             table = weights if q.kind == "weight" else acts
         elif q.kind == "weight":
             if q.anchor not in weighted:
-                rows.append(_row(q.source, q.kind, "", UNMAPPED, f"no conv or linear layer {q.anchor!r}"))
+                layer = _module_at(source.float_model, q.anchor)
+                why = (transposed_weight_note(layer) if isinstance(layer, TRANSPOSED_CONVS)
+                       else f"no conv or linear layer {q.anchor!r}")
+                rows.append(_row(q.source, q.kind, "", UNMAPPED, why))
                 continue
             name = f"{q.anchor}.weight"
             table = weights
@@ -188,8 +213,9 @@ def _assign(plan: Plan, source: SourceModel, rows: list) -> tuple[dict, dict]:
     for conv, bn in source.folded_bn:
         # point: the conv whose output now carries the BN (compare compares it with the float BN's)
         rows.append(_row(bn, "bn", conv, EXACT, f"folded into {conv!r}'s weights by torch before quantization"))
-    for source_name, why in source.unsupported:
-        rows.append(_row(source_name, "activation", "", UNMAPPED, why))
+    for entry in source.unsupported:  # (source name, why[, kind]): an activation unless it says
+        source_name, why, kind = (*entry, "activation")[:3]
+        rows.append(_row(source_name, kind, "", UNMAPPED, why))
     for source_name, why in source.idle:
         rows.append(_row(source_name, "activation", "", EXACT, why))
     for rec in calls.values():

@@ -59,12 +59,13 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.context import split_inputs
-from qdebug.engine.ops import function_category, module_category, tensors_in
+from qdebug.engine.modules import without_norm
+from qdebug.engine.ops import NORM_FUNCTIONS, function_category, is_norm_act, module_category, tensors_in
 from qdebug.engine.plan import CallRecord, Plan, trace_plan
 from qdebug.errors import QDebugError
 from qdebug.interop.dynamic_rnn import float_rnn, is_dynamic_rnn, rnn_quantizers
 from qdebug.interop.eager import _set, run_once, trace_float, unfuse
-from qdebug.interop.source import SourceModel, SourceQuantizer
+from qdebug.interop.source import SourceModel, SourceQuantizer, layer_bn_pairs
 
 QUANTIZED_PREFIXES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")
 # Integer range of each torch quantized dtype: what its kernels clamp to.
@@ -340,8 +341,6 @@ def _module_grids(model: nn.Module, example_inputs: Any) -> dict[str, list[Grid 
 
 def _read_eager(converted: nn.Module, example_inputs: Any,
                 float_model: nn.Module | None) -> tuple[SourceModel, Plan]:
-    import torch.ao.nn.quantized.dynamic as nnqd
-
     quantized = top_quantized(converted)
     model, folded = _eager_float_model(converted, quantized, example_inputs, float_model)
     grids = _module_grids(converted, example_inputs)
@@ -355,12 +354,7 @@ def _read_eager(converted: nn.Module, example_inputs: Any,
             weights, unmapped = rnn_quantizers(path, module)
             source.quantizers.extend(weights)
             source.unsupported.extend(unmapped)
-        if isinstance(module, nnqd.Linear):
-            found = _dynamic_input(path, module, plan)
-            if isinstance(found, str):
-                source.unsupported.append((path, found))
-            else:
-                source.quantizers.append(found)
+    _dynamic_inputs(quantized, plan, source)
     assigned: dict[str, Grid] = {}
     for path, calls in anchors.items():
         for k, anchor in enumerate(calls):
@@ -383,15 +377,34 @@ def _read_eager(converted: nn.Module, example_inputs: Any,
     return source, plan
 
 
-def _dynamic_input(path: str, module: nn.Module, plan: Plan) -> SourceQuantizer | str:
+def _dynamic_inputs(modules: dict[str, nn.Module], plan: Plan, source: SourceModel) -> None:
+    """The input quantizer of every dynamic Linear among ``modules`` (path -> torch's module, eager
+    or FX converted), or the reason it is unmapped."""
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    linears = {path: m for path, m in modules.items() if isinstance(m, nnqd.Linear)}
+    int8 = frozenset(p for p, m in linears.items() if getattr(m._packed_params, "dtype", None) == torch.qint8)
+    for path, module in linears.items():
+        found = _dynamic_input(path, module, plan, int8)
+        if isinstance(found, str):
+            source.unsupported.append((path, found))
+        else:
+            source.quantizers.append(found)
+
+
+def _dynamic_input(path: str, module: nn.Module, plan: Plan,
+                   dynamic: frozenset[str] = frozenset()) -> SourceQuantizer | str:
     """torch's per-batch quantization of dynamic Linear ``path``'s input, as a dynamic point on
     the call producing it; or why it cannot be (the engine quantizes a call's output, for
-    every consumer: the producer must feed this layer alone)."""
+    every consumer: the producer must feed this layer alone, or only int8 dynamic Linears --
+    ``dynamic`` -- which quantize the same tensor the same way: attention's q, k, v projections)."""
     rec = plan.calls.get(path)
     producer = plan.calls.get(rec.inputs[0]) if rec is not None and rec.inputs and rec.inputs[0] else None
     if getattr(module._packed_params, "dtype", None) != torch.qint8:
         return f"dynamic {module._packed_params.dtype} quantization: the engine has no float16 weights; left float"
-    if producer is None or len(producer.consumers) != 1:
+    consumers = producer.consumers if producer is not None else []
+    if producer is None or not consumers or not (
+            len(consumers) == 1 or all(c.split("#")[0] in dynamic for c in consumers)):
         return ("dynamic quantization: torch quantizes this layer's input per batch; its producer feeds other "
                 "calls too, and an engine point would quantize them as well: the input stays float")
     # nnqd.Linear (version 4+) asks for reduce_range: fbgemm/x86 then quantize to [0, 127];
@@ -515,8 +528,22 @@ def _op_name(node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _norm_act_node(node, float_modules: dict[str, nn.Module]) -> str | None:
+    """The path of the norm-act layer (timm's BatchNormAct2d) whose norm the FX ``node`` computes
+    (FX traced into the layer: a batch_norm reading the layer's parameters), else None."""
+    if node.op != "call_function" or _op_name(node) not in NORM_FUNCTIONS:
+        return None
+    owners = {str(a.target).rpartition(".")[0] for a in (*node.args, *node.kwargs.values())
+              if isinstance(a, torch.fx.Node) and a.op == "get_attr"}
+    path = owners.pop() if len(owners) == 1 else None
+    return path if path is not None and is_norm_act(float_modules.get(path, nn.Module())) else None
+
+
 def _fx_category(node, modules: dict[str, nn.Module], float_modules: dict[str, nn.Module]) -> str:
     """The engine category of an FX node: "quantize"/"dequantize" for torch's borders."""
+    norm_act = _norm_act_node(node, float_modules)
+    if norm_act is not None:
+        return module_category(float_modules[norm_act]) or "fallback"
     if node.op == "call_module":
         module = float_modules.get(node.target)
         if module is None:
@@ -565,22 +592,32 @@ def _read_fx(gm: nn.Module, example_inputs: Any, float_model: nn.Module) -> tupl
     graph_modules = [n for n in gm.graph.nodes if n.op == "call_module"]
     called = {n.target for n in graph_modules}
 
-    # FX folds every Conv-BN pair into the conv (a float conv left out of quantization too):
+    # FX folds every Conv-BN (Linear-BN) pair into the layer (one left out of quantization too):
     # the BN's path is no longer called.
-    folded = [(conv, bn) for conv, bn in trace_plan(model, example_inputs).pairs if conv in called and bn not in called]
+    # Linear-BN pairs too (``layer_bn_pairs``): convert_fx folds a BatchNorm1d into its Linear.
+    # A norm-act layer (timm's BatchNormAct2d) is no module call of the graph: FX traced into it,
+    # its batch_norm reads the BN's parameters (get_attr) when it still runs.
+    read = {str(n.target).rpartition(".")[0] for n in gm.graph.nodes if n.op == "get_attr"}
+    folded = [(conv, bn) for conv, bn in layer_bn_pairs(trace_plan(model, example_inputs), model)
+              if conv in called and bn not in called and bn not in read]
     for _, bn in folded:
-        _set(model, bn, nn.Identity())
+        _set(model, bn, without_norm(_submodule(model, bn)))
     source = SourceModel("fx-converted", "quantized", model, example_inputs, folded_bn=folded)
     for path in sorted(called):
         _load_fx_module(model, path, modules[path], source)
 
     plan, records, _ = trace_float(model, example_inputs, [bn for _, bn in folded])
+    quantized = {path: modules[path] for path in sorted(called) if is_torch_quantized(modules[path])}
+    _dynamic_inputs(quantized, plan, source)
+    if quantized and all(type(m).__module__.startswith("torch.ao.nn.quantized.dynamic") for m in quantized.values()):
+        source.stage = "calibrated"  # only dynamic layers: as in the eager flow (``_read_eager``)
 
     grids, inputs = _fx_grids(gm, example_inputs)
     float_modules = dict(model.named_modules())
     categories = {n: _fx_category(n, modules, float_modules) for n in gm.graph.nodes
                   if n.op in ("call_module", "call_function", "call_method")}
-    matched = _match_fx(gm, categories, plan, records, inputs, example_inputs)
+    norm_acts = {n: p for n in categories if (p := _norm_act_node(n, float_modules)) is not None}
+    matched = _match_fx(gm, categories, plan, records, inputs, example_inputs, norm_acts)
     for node, category in categories.items():
         grid = grids.get(node)
         if grid is None:
@@ -589,6 +626,9 @@ def _read_fx(gm: nn.Module, example_inputs: Any, float_model: nn.Module) -> tupl
             anchor = _fx_value(node.args[0], matched, categories)
             source.quantizers.append(quantizer_of(grid, node.name, "activation", anchor,
                                                   "torch's quantize_per_tensor of this value"))
+            # After a view module (timm's global_pool.flatten), on a grid of its own: ``build``
+            # gives that module's call a point (as for a prepared FX model's observer there).
+            source.quantizers[-1].view = _view_module(node.args[0], categories)
         elif node in matched:
             note = f"output of torch's {_describe(node, modules)}"
             if category in ("conv", "linear", "add", "avgpool", "mean"):
@@ -640,6 +680,16 @@ def _describe(node, modules: dict[str, nn.Module]) -> str:
     return f"{_op_name(node)} (FX node {node.name!r})"
 
 
+def _view_module(node, categories: dict) -> str | None:
+    """The passthrough module (an ``nn.Flatten``) whose output FX ``node`` is, looking through
+    dequantize nodes, else None."""
+    while isinstance(node, torch.fx.Node) and categories.get(node) == "dequantize" and node.args:
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "call_module" and categories.get(node) == "passthrough":
+        return str(node.target)
+    return None
+
+
 def _fx_value(node, matched: dict, categories: dict) -> str | None:
     """The engine call whose value the FX ``node`` carries: its own, or (through quantize,
     dequantize and passthrough nodes) its source's."""
@@ -653,13 +703,14 @@ def _fx_value(node, matched: dict, categories: dict) -> str | None:
 
 
 def _match_fx(gm, categories: dict, plan: Plan, records: dict[str, CallRecord], inputs: dict,
-              example_inputs: Any) -> dict:
+              example_inputs: Any, norm_acts: dict | None = None) -> dict:
     """FX node -> the engine call (in ``plan``) computing the same thing.
 
     Placeholders: the engine's inputs, by tensor identity.  Module nodes: the call of the
     same path (the k-th node of a path: its k-th call).  Inline ops: the engine call of the
     same category whose inputs carry the same values (compared as the ends of fused chains:
-    torch's fused ConvReLU2d is the engine's conv -> relu); the first such call in order.
+    torch's fused ConvReLU2d is the engine's conv -> relu); the first such call in order.  The
+    norm of a norm-act layer (``norm_acts``: node -> the layer's path) is that layer's call.
     """
     args, kwargs = split_inputs(example_inputs)
     float_inputs = [id(t) for t in tensors_in((args, kwargs)) if torch.is_floating_point(t)]
@@ -678,10 +729,11 @@ def _match_fx(gm, categories: dict, plan: Plan, records: dict[str, CallRecord], 
         category = categories.get(node)
         if category is None or category in ("quantize", "dequantize", "passthrough", "ignore"):
             continue
-        if node.op == "call_module":
-            occurrences[node.target] += 1
-            k = occurrences[node.target]
-            name = node.target if k == 1 else f"{node.target}#{k}"
+        if node.op == "call_module" or node in (norm_acts or {}):
+            path = node.target if node.op == "call_module" else norm_acts[node]
+            occurrences[path] += 1
+            k = occurrences[path]
+            name = path if k == 1 else f"{path}#{k}"
             if name in plan.calls:
                 matched[node] = name
                 taken.add(name)

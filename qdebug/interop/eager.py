@@ -40,7 +40,8 @@ from qdebug.engine.plan import CallRecord, Plan, TraceHandler, resolve_outputs, 
 from qdebug.errors import QDebugError
 from qdebug.interop.attention import attention_quantizers, float_attention, quantizable_attentions
 from qdebug.interop.recurrent import float_lstm, lstm_quantizers, quantizable_lstms
-from qdebug.interop.source import SourceModel, SourceQuantizer, full_range, read_quantizer
+from qdebug.interop.source import (TRANSPOSED_CONVS, SourceModel, SourceQuantizer, full_range, read_quantizer,
+                                   transposed_weight_note)
 
 try:
     from torch.ao.quantization import FakeQuantizeBase, ObserverBase
@@ -242,6 +243,7 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
             note = ("torch's slow Conv-BN path folds in eval: equal to the engine's up to float rounding "
                     "(qat_mode='fuse_bn' is its order)") if slow else ""
             source.quantizers.append(read_quantizer(quantizer, name, "weight", owner, note=note))
+            source.quantizers[-1].approximate = bool(slow)  # another float order: not bit-identical
             continue
         for anchor in _activation_anchors(prepared, owner, last_of, stub_anchor, plan):
             q = read_quantizer(quantizer, name, "activation", anchor)
@@ -250,6 +252,7 @@ def read_eager(prepared: nn.Module, example_inputs: Any) -> tuple[SourceModel, P
             source.quantizers.append(q)
     if not qat:
         source.quantizers.extend(_ptq_weights(prepared, model, inside))
+    source.unsupported.extend(_transposed_weights(prepared))
     for path, module in lstms.items():
         source.quantizers.extend(lstm_quantizers(path, module, qat))
     for path, module in attentions.items():
@@ -345,6 +348,18 @@ def _activation_anchors(prepared: nn.Module, owner: str, last_of: dict[str, str]
         return [path] if path in plan.calls else [None]
     # A module called k times shares its one quantizer between its calls (torch's hook).
     return [path if k == 1 else f"{path}#{k}" for k in range(1, count + 1)]
+
+
+def _transposed_weights(prepared: nn.Module) -> list[tuple[str, str, str]]:
+    """The weight quantizers torch's convert builds for transposed convs (``qconfig.weight()``; in
+    QAT too: torch's prepare_qat leaves them float, its convert quantizes them): unmapped rows."""
+    found = []
+    for path, module in prepared.named_modules():
+        if getattr(module, "qconfig", None) is None or getattr(module, "activation_post_process", None) is None:
+            continue
+        if isinstance(module, TRANSPOSED_CONVS):
+            found.append((f"{path}.qconfig.weight()", transposed_weight_note(module), "weight"))
+    return found
 
 
 def _ptq_weights(prepared: nn.Module, model: nn.Module, inside: tuple[str, ...] = ()) -> list[SourceQuantizer]:

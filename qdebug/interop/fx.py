@@ -46,7 +46,8 @@ from qdebug.engine.ops import VALUE_CATEGORIES, tensors_in
 from qdebug.engine.plan import Plan, TraceHandler, trace_plan
 from qdebug.errors import QDebugError
 from qdebug.interop.eager import is_quantizer
-from qdebug.interop.source import SourceModel, SourceQuantizer, full_range, read_quantizer
+from qdebug.interop.source import (TRANSPOSED_CONVS, SourceModel, SourceQuantizer, full_range, read_quantizer,
+                                   transposed_weight_note)
 
 OBSERVER_PREFIX = "activation_post_process_"
 _ARCH_HINT = ("pass float_model=an instance of the class you gave prepare_fx/prepare_qat_fx, built with the same "
@@ -80,6 +81,11 @@ def read_fx(prepared: torch.fx.GraphModule, example_inputs: Any, float_model: nn
                          folded_bn=folded)
     resolver = _Anchors(names, records, plan, nodes, chains, {bn for _, bn in folded})
     source.quantizers.extend(_activation_quantizers(prepared, resolver))
+    batch_statistics = _batch_statistics(prepared, attrs.node_name_to_scope)
+    for q in source.quantizers:  # the BN's own quantizer (those after its drop come later: the same grid)
+        if q.kind == "activation" and q.anchor in batch_statistics:
+            q.approximate = True
+            q.note = "; ".join(n for n in (q.note, batch_statistics.pop(q.anchor)) if n)
     source.quantizers.extend(_weight_quantizers(prepared, model, attrs, qat, source))
     if not qat:
         for q in source.quantizers:
@@ -163,6 +169,24 @@ def _fused_chains(prepared: torch.fx.GraphModule, nodes: dict[str, torch.fx.Node
             chain.append(users[0])
         chains[node.name] = chain
     return chains
+
+
+def _batch_statistics(prepared: torch.fx.GraphModule, scopes: dict) -> dict[str, str]:
+    """Engine call -> why it differs, for each batch_norm of the graph computed with the batch's
+    own statistics whatever the mode: FX traced a forward passing ``self.training`` to
+    ``F.batch_norm`` (timm's BatchNormAct2d) in train mode, and training=True became a constant."""
+    found = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != "batch_norm":
+            continue
+        training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+        path = scopes.get(node.name, ("", None))[0]
+        if training is True and path:
+            found[path] = (f"torch's graph normalizes {path!r} with each batch's own statistics, in eval and after "
+                           "convert_fx too: prepare_qat_fx traced its F.batch_norm(training=self.training) in train "
+                           "mode, so training=True is a constant of the graph; the engine uses the running "
+                           "statistics, as the float model in eval")
+    return found
 
 
 # -- weights -----------------------------------------------------------------------------
@@ -306,11 +330,17 @@ def _engine_names(model: nn.Module, graph: torch.fx.Graph, scopes: dict,
     args, kwargs = split_inputs(example_inputs)
     was_training = model.training
     model.eval()
+    # A graph traced in train mode may hold a batch_norm with training=True as a constant (timm's
+    # BatchNormAct2d passes self.training): its run would move the running statistics just copied.
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad(), ForwardContext(model, handler) as ctx:
             args, kwargs = ctx.process_inputs(args, kwargs)
             namer = _Namer(gm, ctx, handler, scopes)
             namer.run(*_positional(graph, args, kwargs))
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
     except QDebugError:
         raise
     except Exception as exc:
@@ -511,9 +541,14 @@ def _weight_quantizers(prepared: torch.fx.GraphModule, model: nn.Module, attrs: 
         if isinstance(fake_quant, nn.Module) and is_quantizer(fake_quant):
             found.append(read_quantizer(fake_quant, f"{path}.weight_fake_quant", "weight", path))
             continue
+        layer = model.get_submodule(path)
+        if isinstance(layer, TRANSPOSED_CONVS):  # in QAT too: prepare_qat_fx leaves it float, convert_fx quantizes it
+            qconfig = getattr(module, "qconfig", None) or attrs.node_name_to_qconfig.get(node.name)
+            if qconfig is not None and node.name in attrs.observed_node_names and qconfig.weight is not None:
+                source.unsupported.append((f"{path}.qconfig.weight()", transposed_weight_note(layer), "weight"))
+            continue
         if qat:
             continue
-        layer = model.get_submodule(path)
         if not isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Linear)):
             continue
         qconfig = getattr(module, "qconfig", None) or attrs.node_name_to_qconfig.get(node.name)

@@ -20,7 +20,8 @@ a quantize op with constant qparams) quantizes its input node's output, looking 
 layer's weight.
 
 A quantizer torch applies on one edge only (another reader takes the float value) is
-imported with a note: the engine quantizes an output for all its readers.
+imported ``approximate``, with a note: the engine quantizes an output for all its readers (the
+import's self-check measures the difference, ``qdebug.interop.check``).
 
 Conv-BN: ``prepare_qat_pt2e`` rewrites conv -> BN into ``conv(x, fq(W f)) / f (+ b)`` then the
 BN, f = gamma / sqrt(running_var + eps) -- the engine's reverse-fold computation op for op, so
@@ -56,10 +57,11 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from qdebug.engine.ops import canonical_op_name, function_category, module_category
+from qdebug.engine.ops import canonical_op_name, function_category, is_norm_act, module_category
+from qdebug.engine.modules import without_norm
 from qdebug.engine.plan import Plan, trace_plan
 from qdebug.errors import QDebugError
-from qdebug.interop.source import SourceModel, SourceQuantizer, read_quantizer
+from qdebug.interop.source import SourceModel, SourceQuantizer, layer_bn_pairs, read_quantizer
 
 _INSTALL_HINT = "pip install 'qdebug[torchao]'"
 _QUANT_NAMESPACE = "quantized_decomposed"
@@ -231,6 +233,11 @@ class _GraphCalls:
             if module is None:
                 break
             if path and (category := module_category(module)) is not None:
+                if is_norm_act(module) and "norm" not in _op_name(node):
+                    # A norm-act layer (timm's BatchNormAct2d): its call is its norm alone; its
+                    # act is a module call of its own, deeper in the stack.
+                    owner = path
+                    continue
                 if category in _LAYERS and node.target not in _WEIGHTED:
                     # An op a conv/linear subclass runs in its own forward before its conv (TF
                     # SAME padding): not the layer's output, which only its conv computes; the
@@ -472,7 +479,7 @@ def _folded_pairs(model: nn.Module, example_inputs: Any, calls: _GraphCalls) -> 
               if isinstance(m, nn.modules.batchnorm._BatchNorm) and path not in calls.seen_paths]
     if not absent:
         return []
-    pairs = trace_plan(model, example_inputs).pairs
+    pairs = layer_bn_pairs(trace_plan(model, example_inputs), model)  # Linear-BN too: prepare_pt2e folds it
     return [(conv, bn) for conv, bn in pairs if bn in absent and conv in calls.seen_paths]
 
 
@@ -483,7 +490,7 @@ def _float_model(gm: torch.fx.GraphModule, model: nn.Module, example_inputs: Any
     pattern_convs = {calls.calls[p.conv].path for p in patterns if p.conv in calls.calls}
     _load_weights(model, gm, calls, folded, pattern_convs, is_quantizer)
     for _, bn in folded:
-        _set_module(model, bn, nn.Identity())
+        _set_module(model, bn, without_norm(model.get_submodule(bn)))  # a norm-act layer keeps its act
     return folded
 
 
@@ -592,16 +599,18 @@ def _add(source: SourceModel, module: nn.Module, name: str, kind: str, anchor: s
 
 
 def _activation_anchor(value: torch.fx.Node, calls: "_GraphCalls", plan: Plan, quantizers: set,
-                       is_quantizer) -> tuple[str | None, str]:
-    """(the engine call a quantizer of ``value`` quantizes, or None; the note saying how)."""
+                       is_quantizer) -> tuple[str | None, str, bool]:
+    """(the engine call a quantizer of ``value`` quantizes, or None; the note saying how; whether
+    torch quantizes one edge only, which the engine point cannot: the row is approximate)."""
     producer, through = calls.produced(value, is_quantizer)
     anchor, note = calls.anchor(producer, plan)
     notes = [note] if note else []
     if through:
         notes.append(f"quantizes {producer.name!r} through {', '.join(through)}")
-    if anchor is not None and (edge := _edge_note(value, quantizers, calls)):
+    edge = _edge_note(value, quantizers, calls) if anchor is not None else ""
+    if edge:
         notes.append(edge)
-    return anchor, "; ".join(notes)
+    return anchor, "; ".join(notes), bool(edge)
 
 
 def read_pt2e(prepared: torch.fx.GraphModule, example_inputs: Any, float_model: nn.Module) -> tuple[SourceModel, Plan]:
@@ -626,8 +635,10 @@ def read_pt2e(prepared: torch.fx.GraphModule, example_inputs: Any, float_model: 
             note = "; ".join(n for n in (note, bn_notes.pop(layer, "")) if n)
             _add(source, module, node.name, "weight", layer, note)
             continue
-        anchor, note = _activation_anchor(node.args[0], calls, plan, members, is_quantizer)
+        anchor, note, approximate = _activation_anchor(node.args[0], calls, plan, members, is_quantizer)
         _add(source, module, node.name, "activation", anchor, note)
+        if approximate and source.quantizers and source.quantizers[-1].source == node.name:
+            source.quantizers[-1].approximate = True
     source.unsupported.extend(bn_notes.items())  # pairs whose weight torch does not quantize
     return source, plan
 
@@ -683,6 +694,7 @@ def read_pt2e_converted(converted: torch.fx.GraphModule, example_inputs: Any,
                 note = f"dequantizes the constant {node.args[0].name!r}, which feeds no conv/linear weight"
             source.quantizers.append(SourceQuantizer(node.name, "weight", layer, note=note, **fields))
             continue
-        anchor, note = _activation_anchor(node.args[0], calls, plan, quantizes, lambda n: False)
-        source.quantizers.append(SourceQuantizer(node.name, "activation", anchor, note=note, **fields))
+        anchor, note, approximate = _activation_anchor(node.args[0], calls, plan, quantizes, lambda n: False)
+        source.quantizers.append(SourceQuantizer(node.name, "activation", anchor, note=note, approximate=approximate,
+                                                 **fields))
     return source, plan

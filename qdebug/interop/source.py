@@ -30,6 +30,9 @@ MOVED = "moved"  # quantizes an equivalent place (after a ReLU the source quanti
 FROZEN = "frozen"  # scale imported, but the source's way of updating it has no engine twin
 UNMAPPED = "unmapped"  # nothing in the engine quantizes this (listed, never dropped silently)
 FLOAT = "float"  # the engine has a quant point here that the source leaves in float
+# the engine point computes something else than the source quantizer on some path (torch quantizes
+# one reader's edge, the engine the output for all): the note says why, the self-check by how much
+APPROXIMATE = "approximate"
 
 # torch observer class -> engine observer name; anything else is imported frozen.
 OBSERVER_NAMES = {
@@ -67,6 +70,12 @@ class SourceQuantizer:
     # torch's dynamic quantization: qparams from each batch's own range (scale, zero_point are
     # one batch's, for the report); the engine point is a per-tensor ``dynamic`` spec.
     dynamic: bool = False
+    # A front end knows the engine point cannot compute what this quantizer does on every path
+    # (torch quantizes one edge only): the row is ``approximate`` (``qdebug.interop.check``).
+    approximate: bool = False
+    # An observer, not a fake quant: in a QAT model torch's forward passes its values on
+    # unquantized (a PTQ qconfig on one module of a QAT model); its convert quantizes with it.
+    observes_only: bool = False
 
     @property
     def per_channel(self) -> bool:
@@ -192,7 +201,8 @@ def read_quantizer(module: nn.Module, source: str, kind: str, anchor: str | None
         # FixedQParamsFakeQuantize, LearnableFakeQuantize, a user's subclass: its values are
         # imported, its own way of choosing them is not.
         settings["observer"] = type(module).__name__
-    return SourceQuantizer(source, kind, anchor, scale, zero_point, note=note, **settings)
+    observes_only = not hasattr(module, "fake_quant_enabled") and "FakeQuantize" not in type(module).__name__
+    return SourceQuantizer(source, kind, anchor, scale, zero_point, note=note, observes_only=observes_only, **settings)
 
 
 def _observed(module: nn.Module) -> bool:
@@ -220,3 +230,41 @@ def full_range(q: SourceQuantizer) -> None:
             f"{q.dtype}'s [{bounds[0]}, {bounds[1]}]")
     q.quant_min, q.quant_max = bounds
     q.note = f"{q.note}; {note}" if q.note else note
+
+
+def layer_bn_pairs(plan: Any, model: nn.Module) -> list[tuple[str, str]]:
+    """The (layer, BN) pairs torch folds: the engine plan's Conv-BN pairs, and Linear-BN pairs
+    by the same rule (the BN's only input is the Linear's output, nothing else reads it, both
+    called once, the BN tracks running statistics over the Linear's features).  torch fuses
+    Linear + BatchNorm1d (FX ``LinearBn1d`` in QAT, folded by ``prepare_fx``/``prepare_pt2e``);
+    the engine's own plan pairs convs only, so the importer adds these (``build``)."""
+    pairs = [tuple(p) for p in plan.pairs]
+    modules = dict(model.named_modules())
+    for rec in plan.calls.values():
+        if rec.category != "linear" or not rec.is_module or plan.call_counts.get(rec.name) != 1:
+            continue
+        if len(rec.consumers) != 1:
+            continue
+        bn = plan.calls.get(rec.consumers[0])
+        if bn is None or bn.category != "bn" or not bn.is_module or plan.call_counts.get(bn.name) != 1 \
+                or len(bn.inputs) != 1:
+            continue
+        linear, norm = modules.get(rec.name), modules.get(bn.name)
+        if not isinstance(linear, nn.Linear) or not isinstance(norm, nn.modules.batchnorm._BatchNorm):
+            continue
+        if not norm.track_running_stats or norm.running_var is None or norm.num_features != linear.out_features:
+            continue
+        pairs.append((rec.name, bn.name))
+    return pairs
+
+
+# Transposed convolutions: torch's convert quantizes their weights (nnq.ConvTranspose*d), the
+# engine has no kernel for them (qdebug.engine.ops: "fallback").  Every flow -- eager and FX,
+# QAT and PTQ, prepared and converted -- lists the weight quantizer torch has or will build for
+# one as unmapped, with this one reason (docs/interop.md).
+TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def transposed_weight_note(layer: nn.Module) -> str:
+    return (f"{type(layer).__name__}: no transposed-conv kernel in qdebug yet, its weight stays float "
+            "(torch's convert quantizes it)")

@@ -91,7 +91,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if isinstance(obj, dict) and _converted_keys(obj):
         raise QDebugError(f"{p} is the state_dict of a converted model (torch's quantized modules)",
                           "qdebug import reads prepared models' state_dicts; import a converted model in Python "
-                          "with qdebug.interop.from_torch_ao(converted, example_inputs) (docs/interop.md)")
+                          "with qdebug.interop.from_torch_ao(converted, example_inputs), or compare it as torch runs "
+                          "it: qdebug.compare(float_model, converted, data=...) (docs/interop.md)")
     state = extract_state_dict(obj)
     if state is None:
         raise QDebugError(f"{p} is not a state_dict (found {type(obj).__name__})", RESAVE_HINT)

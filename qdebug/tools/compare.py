@@ -13,6 +13,11 @@ are kept; each other model is then tapped and, at every call with the same name:
   the same float function as the reference's only has its quant point applied
   to the reference output (``qdebug.tools.isolated``).
 
+A Conv-BN pair torch folded before quantizing (a model imported from torch.ao: the folded
+conv, an ``nn.Identity`` at the BN's path) is measured in the BN's row, as a pair the engine
+folds: the folded conv's output against the reference BN's, replayed from the reference conv's
+input for the isolated error (``_measured_at_bn``).
+
 Statistics stream into float64 sums (``qdebug.stats``); nothing is stored across
 batches, so memory does not grow with the number of batches.  Flagged rows get a
 diagnosis: ``nonfinite``, ``clipping``, ``outlier_channels``, ``rounding``,
@@ -111,9 +116,13 @@ class _Listener:
 
     def __init__(self, label: str, model: nn.Module, reference: nn.Module, capture: Capture, skip: dict[str, str],
                  isolated: bool, stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False,
-                 evidence: dict | None = None):
+                 evidence: dict | None = None, at_bn: dict[str, str] | None = None):
         self.label, self.model, self.capture, self.skip = label, model, capture, skip
-        self.isolated = isolated
+        # conv -> BN torch folded into it (``_measured_at_bn``), and the ReLUs run in its integer kernel.
+        self.at_bn = at_bn or {}
+        self.kernel_fused = _fused_in_integer_kernels(model)
+        # A model run by torch's own kernels (``qdebug.interop.torch_stage``) has no layer to replay alone.
+        self.isolated = isolated and not getattr(type(model), "propagated_only", "")
         self.kl_feature_maps = kl_feature_maps
         self.stats, self.notes, self.samples, self.kinds = stats, notes, samples, kinds
         self.evidence = evidence if evidence is not None else {}
@@ -124,12 +133,31 @@ class _Listener:
 
     def __call__(self, event: Event) -> None:
         call = event.call.name
+        if call in self.at_bn.values() and event.call.category == "passthrough":
+            return  # the place (an nn.Identity) of a BN torch folded: its conv's call has its row
         members = _rows_of(call, event.out)
         for name, _, _ in members:
             self.seen.add(name)
             self.kinds.setdefault(name, event.call.op)
         record = self.capture.records.get(call)
-        if record is None or call in self.skip:
+        inputs_from = record  # the reference call whose inputs the isolated replay takes
+        bn = self.at_bn.get(call) if event.call.category in ("conv", "linear") else None
+        bn_record = self.capture.records.get(bn) if bn is not None and record is not None else None
+        if bn_record is not None and bn_record.category != "bn":
+            bn_record = None  # the reference's call of that name is no BN: nothing to stand for
+        if bn_record is not None:
+            # torch folded the BN into this conv: its output is the reference BN's, and its row
+            # is the BN's -- unless a ReLU runs in its integer kernel (then the ReLU's row is the pair's).
+            self.seen.add(bn)
+            self.kinds.setdefault(bn, bn_record.op)
+            if call in self.kernel_fused:
+                for name in (call, bn):
+                    self.notes[(name, self.label)] = self.kernel_fused[call]
+                return
+            self.notes[(call, self.label)] = f"torch folded {bn!r} into it in {self.label} only: compared at {bn}"
+            members = [(bn, path, y) for _, path, y in members]
+            record = bn_record
+        elif record is None or call in self.skip:
             for name, _, _ in members:
                 self.notes[(name, self.label)] = "not in the reference model" if record is None else self.skip[call]
             if record is not None and event.call.category == "conv":
@@ -152,7 +180,7 @@ class _Listener:
             raw = member_at(event.raw, path) if event.raw is not None else None
             # The point of this very tensor (a member's own, or the call's when it has one tensor):
             # applied once per call, so its count of clipped values is this tensor's.
-            point = self.points.get(name)
+            point = self.points.get(call if bn_record is not None else name)
             clipped = point.clipped if point is not None and (path or isinstance(event.out, torch.Tensor)) else None
             stats[0].update(x, y, grid=_grid(point), raw=None if clipped is not None else raw, clipped=clipped)
             if self.first_batch and key not in self.samples:
@@ -160,7 +188,7 @@ class _Listener:
             self._gather_evidence(key, event, record, path, x, point)
             if self.isolated and event.call.category != "input":
                 if isolated is None:
-                    isolated = self.replay.output(event, record, self.capture.records)
+                    isolated = self.replay.output(event, inputs_from, self.capture.records)
                 iso_y = member_at(isolated, path)
                 if iso_y is not None:
                     stats[1].update(x, iso_y)
@@ -294,6 +322,20 @@ def _skips(ref: nn.Module, other: nn.Module, ref_label: str, label: str) -> dict
     return skip
 
 
+def folded_bn_rows(model: nn.Module) -> dict[str, str]:
+    """BN row -> the conv (its call and output point) of each pair torch folded in ``model``, an
+    import: that row holds the conv's numbers (``_measured_at_bn``)."""
+    return {bn: conv for conv, bn in _torch_folded(model).items()}
+
+
+def _measured_at_bn(ref: nn.Module, other: nn.Module) -> dict[str, str]:
+    """conv -> BN of the pairs torch folded in ``other`` (an import) but not in ``ref``: the
+    folded conv's output is conv + BN, so it is measured against the reference BN's output, in
+    the BN's row -- the row an engine-folded pair has (its point named after the BN)."""
+    ref_torch = _torch_folded(ref)
+    return {conv: bn for conv, bn in _torch_folded(other).items() if conv not in ref_torch}
+
+
 def _torch_folded(model: nn.Module) -> dict[str, str]:
     """conv -> BN of the BNs torch folded into their convs before quantizing, in a model imported
     from torch.ao (the BN's place is an ``nn.Identity``; the import report's ``bn`` row names the conv)."""
@@ -310,8 +352,14 @@ def _calls_without_output_point(model: nn.Module) -> set[str]:
     channels -- is not theirs, the range that is quantized is the next op's."""
     if not is_prepared(model):
         return set()
-    return {name for name, rec in engine_state(model).plan.calls.items()
-            if rec.point is None and rec.category != "input"}
+    found = {name for name, rec in engine_state(model).plan.calls.items()
+             if rec.point is None and rec.category != "input"}
+    return found | _rows_of_torch_folded(model, found)
+
+
+def _rows_of_torch_folded(model: nn.Module, calls: set[str]) -> set[str]:
+    """The BN rows of the convs in ``calls`` that torch folded: such a row is its conv's output."""
+    return {bn for conv, bn in _torch_folded(model).items() if conv in calls}
 
 
 def _unquantized_calls(model: nn.Module) -> set[str]:
@@ -331,7 +379,7 @@ def _unquantized_calls(model: nn.Module) -> set[str]:
         module = model.get_submodule(owner) if rec.is_module and owner else None
         if getattr(module, "weight_point", None) is None:
             found.add(name)
-    return found
+    return found | _rows_of_torch_folded(model, found)
 
 
 def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[str, Any]:
@@ -344,6 +392,7 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
         return {}
     plan = engine_state(model).plan
     layer = plan.call_of_point(layer)  # a member row (``lstm:1.1``): its call's consumers
+    layer = folded_bn_rows(model).get(layer, layer)  # a torch-folded BN's row: its conv's consumers
     frontier, seen = list(plan.calls[layer].consumers) if layer in plan.calls else [], set()
     while frontier:
         name = frontier.pop(0)
@@ -479,9 +528,10 @@ def compare(
     order: list[str] = []
     listeners = [
         _Listener(label, model, ref_model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples,
-                  kinds, kl_feature_maps, evidence)
+                  kinds, kl_feature_maps, evidence, _measured_at_bn(ref_model, model))
         for label, model in others
     ]
+    check = _ReferenceCheck(ref_model, others)  # before count_clipped: it applies weight points
     states = [(m, m.training) for _, m in models]
     counting = [p for _, m in models if is_prepared(m) for p in engine_state(m).points.values()]
     for _, model in models:
@@ -492,11 +542,11 @@ def compare(
     group = distributed.current()
     try:
         with torch.no_grad():
-            for _, batch in group.shard(batches):  # every batch, or this rank's share (docs/scale.md)
+            for batch_index, batch in group.shard(batches):  # every batch, or this rank's share (docs/scale.md)
                 inputs = getattr(batch, "inputs", batch)
                 capture.clear()
                 with tap(ref_model, capture):
-                    run_model(ref_model, inputs)
+                    ref_out = run_model(ref_model, inputs)
                 for call, record in capture.records.items():
                     for name, local in inner_rows(call, record.module):  # a recurrent layer's points first
                         if name not in kinds:
@@ -508,7 +558,8 @@ def compare(
                             order.append(name)
                 for (label, model), listener in zip(others, listeners):
                     with tap(model, listener):
-                        run_model(model, inputs)
+                        out = run_model(model, inputs)
+                    check.update(batch_index, ref_out, label, model, out, inputs)
                     listener.first_batch = False
                     for name in listener.seen:
                         if name not in kinds or name not in order:
@@ -531,6 +582,9 @@ def compare(
             listener.seen = seen.get(listener.label, set())
     if count == 0:
         raise QDebugError("compare got no batches", "pass --data with at least one batch")
+    for label, model in others:  # the rows a self-tapping model computes inside another row's kernel
+        for name, note in (getattr(model, "row_notes", {}) if hasattr(type(model), "qdebug_tap") else {}).items():
+            notes.setdefault((name, label), note)
 
     rows = []
     # Constants an exporter folds (rotary tables, positions: ``qdebug.engine.plan``) are no layer of
@@ -556,8 +610,15 @@ def compare(
     frame = frame[["index", "layer", "type", "target", *METRICS, "note"]]
     frame["diagnosis"] = [diagnose(r, limits) for r in frame.to_dict("records")]
     models_by_label = dict(others)
+    if group.active:
+        check.sums = group.combine(check.sums, _ReferenceCheck.merge)
+    reference_check = check.result(limits["sqnr_db"])
+    differs = {label for label, found in reference_check.items() if found.get("float_differs")}
     frame["diagnosis"] = [  # the causes that know recurrent layers, attention and norms
         modern_cause(r["diagnosis"], models_by_label[r["target"]], r["layer"], evidence.get((r["layer"], r["target"]), {}))
+        for r in frame.to_dict("records")]
+    frame["diagnosis"] = [  # the error a float difference explains is no quantization's
+        FLOAT_DIFFERS if r["target"] in differs and r["diagnosis"] in NOT_QUANTIZATION else r["diagnosis"]
         for r in frame.to_dict("records")]
     unquantized = {label: _unquantized_calls(model) for label, model in others}
     unranged = {label: _calls_without_output_point(model) for label, model in others}
@@ -568,7 +629,13 @@ def compare(
             at_fault.update(_downstream_underflow(model, at_fault["at_fault"], at_fault["outlier_channel"]))
         if at_fault.get("at_fault"):
             at_fault.update(_cause_details(at_fault["at_fault_diagnosis"], evidence.get((at_fault["at_fault"], label), {})))
+    for label in differs:
+        found[label]["float_differs"] = reference_check[label]
     summary = summarize(frame, limits, ref_label, unquantized, found)  # found: made just above
+    propagated_only = {label: type(model).propagated_only for label, model in others
+                       if getattr(type(model), "propagated_only", "")}
+    if propagated_only:
+        summary += "".join(f"\n{escaped(label)}: {reason}" for label, reason in propagated_only.items())
     meta = {
         "reference": ref_label,
         "targets": [label for label, _ in others],
@@ -579,7 +646,10 @@ def compare(
         "layers": int(frame["layer"].nunique()),
         "flagged": int((frame["diagnosis"] != "").sum()),
         "findings": found,
+        "reference_check": reference_check,
     }
+    if propagated_only:
+        meta["propagated_only"] = propagated_only
     return CompareResult(frame, meta, summary, samples)
 
 
@@ -770,6 +840,140 @@ def _norm_input_outliers(model: nn.Module, call: str, found: dict) -> bool:
     return median / grid[0] < NORM_TYPICAL_CODES  # the typical channel keeps few codes (an int16 input keeps many)
 
 
+# -- is the reference the target's float model? ------------------------------------------------
+# A QAT run that did not freeze its BN statistics (or trained its weights far) leaves a checkpoint
+# whose own float model is no longer the reference: measured against it, every layer looks
+# quantized badly.  Each target is therefore also run with every quant point in float mode, on the
+# first REFERENCE_CHECK_BATCHES batches, and its output measured against the reference's: when
+# that "quantization off" SQNR is below the ``sqnr_db`` threshold (the float difference alone would
+# be flagged) and within FLOAT_DIFFERS_MARGIN_DB of the target's own output SQNR (it is at least
+# half the target's output error), the error is not quantization (docs/compare.md).
+REFERENCE_CHECK_BATCHES = 8
+FLOAT_DIFFERS_MARGIN_DB = 3.0
+FLOAT_DIFFERS = "float_differs"  # the rows' diagnosis under the warning, instead of rounding/propagated
+NOT_QUANTIZATION = ("rounding", "propagated")  # the diagnoses an SQNR alone made: the float difference explains them
+
+
+class _ReferenceCheck:
+    """Per target, float64 sums of its output and of its output with quantization off against the
+    reference's output (``result``: the figures and the verdict, JSON's ``meta.reference_check``)."""
+
+    def __init__(self, reference: nn.Module, others: Sequence[tuple[str, nn.Module]]):
+        self.skipped: dict[str, str] = {}
+        if is_prepared(reference) or hasattr(type(reference), "qdebug_tap"):
+            reason = "the reference is quantized itself"
+            self.skipped = {label: reason for label, _ in others}
+        for label, model in others:
+            if label not in self.skipped and hasattr(type(model), "qdebug_tap"):
+                self.skipped[label] = "run by torch's kernels: its quantization cannot be turned off"
+            elif label not in self.skipped and _weights_on_their_grids(model):
+                self.skipped[label] = "its float weights are its quantized ones (a converted import)"
+        self.sums: dict[str, dict[str, list[float]]] = {label: {} for label, _ in others if label not in self.skipped}
+
+    def update(self, index: int, ref_out: Any, label: str, model: nn.Module, out: Any, inputs: Any) -> None:
+        if index >= REFERENCE_CHECK_BATCHES or label not in self.sums:
+            return
+        off = _quantization_off(model, inputs, out)
+        ref, ours, floats = (_named_float(o) for o in (ref_out, out, off))
+        if not (ref.keys() == ours.keys() == floats.keys()) or any(
+                ref[k].shape != ours[k].shape or ref[k].shape != floats[k].shape for k in ref):
+            self.sums.pop(label)
+            self.skipped[label] = "its outputs are not the reference's"
+            return
+        sums = self.sums[label]
+        for name, x in ref.items():
+            x64 = x.detach().double()
+            row = sums.setdefault(name, [0.0, 0.0, 0.0])  # signal, error of the target, error with quantization off
+            row[0] += float((x64 * x64).sum())
+            row[1] += float(((x64 - ours[name].detach().double()) ** 2).sum())
+            row[2] += float(((x64 - floats[name].detach().double()) ** 2).sum())
+
+    @staticmethod
+    def merge(a: dict, b: dict) -> dict:
+        merged = {}
+        for label in {**a, **b}:
+            rows_a, rows_b = a.get(label, {}), b.get(label, {})
+            merged[label] = {name: [x + y for x, y in zip(rows_a.get(name, [0.0] * 3), rows_b.get(name, [0.0] * 3))]
+                             for name in {**rows_a, **rows_b}}
+        return merged
+
+    def result(self, limit_db: float) -> dict[str, dict[str, Any]]:
+        """``limit_db``: the ``sqnr_db`` threshold, below which a float difference alone is flagged."""
+        out: dict[str, dict[str, Any]] = {label: {"measured": False, "reason": reason}
+                                          for label, reason in self.skipped.items()}
+        for label, rows in self.sums.items():
+            if not rows:
+                out[label] = {"measured": False, "reason": "no batch"}
+                continue
+            # The worst output (the lowest SQNR with quantization off) speaks for the model.
+            name = min(rows, key=lambda n: _db(rows[n][0], rows[n][2]))
+            signal, err, err_off = rows[name]
+            off_db, whole_db = _db(signal, err_off), _db(signal, err)
+            differs = off_db < limit_db and off_db < whole_db + FLOAT_DIFFERS_MARGIN_DB
+            out[label] = {"measured": True, "output": name, "quantization_off_sqnr_db": off_db,
+                          "output_sqnr_db": whole_db, "float_differs": bool(differs)}
+        return out
+
+
+def _db(signal: float, noise: float) -> float:
+    if noise <= 0:
+        return math.inf
+    if signal <= 0:
+        return -math.inf
+    return 10 * math.log10(signal / noise)
+
+
+def _named_float(out: Any) -> dict[str, torch.Tensor]:
+    from qdebug.tools.experiment import named_outputs
+
+    return named_outputs(out)
+
+
+def _weights_on_their_grids(model: nn.Module) -> bool:
+    """Whether every weight of a prepared model already lies on its point's grid -- an import of a
+    model torch converted, whose float weights are gone: turning its points off undoes nothing."""
+    if not is_prepared(model):
+        return False
+    found = False
+    with torch.no_grad():
+        for module in model.modules():
+            point = getattr(module, "weight_point", None) if isinstance(module, _QWeighted) else None
+            weight = getattr(module, "weight", None)
+            if point is None or not isinstance(weight, torch.Tensor) or not torch.is_floating_point(weight):
+                continue
+            found = True
+            if not torch.equal(point.apply(weight.detach()), weight.detach()):
+                return False
+    return found
+
+
+def _quantization_off(model: nn.Module, inputs: Any, out: Any) -> Any:
+    """The model's output with every quant point in float mode (its own float model); a model
+    with no point (a float target) is its own."""
+    if not is_prepared(model):
+        return out
+    points = engine_state(model).points.values()
+    modes = [(point, point.mode) for point in points]
+    try:
+        for point in points:
+            if point.mode == "fake":
+                point.mode = "float"
+        return run_model(model, inputs)
+    finally:
+        for point, mode in modes:
+            point.mode = mode
+
+
+def reference_warning(label: str, ref_label: str, check: dict[str, Any]) -> str:
+    """The summary's first lines for a target whose float model is not the reference."""
+    return "\n".join([
+        f"warning: {label}'s float model differs from {ref_label}: not quantization",
+        (f"  quantization off: {_fmt_db(check['quantization_off_sqnr_db'])} output SQNR vs {ref_label} "
+         f"({_fmt_db(check['output_sqnr_db'])} quantized)"),
+        "  its weights or BN statistics changed (QAT with BN statistics not frozen?)",
+        f"  the errors this explains: rows {FLOAT_DIFFERS}, not rounding"])
+
+
 # One short line of advice per cause (the summary's "cause" line; docs/compare.md explains more).
 ADVICE = {
     "clipping": "range cut off: recalibrate (observer, data), not more bits",
@@ -781,6 +985,7 @@ ADVICE = {
     "softmax_collapse": "probabilities round to 0: uint8 at scale 1/256, or int16",
     "logits_clipped": "attention logits clipped: recalibrate wider, or int16",
     "norm_input_outliers": "outlier channels into a norm: int16 @norm_input, SmoothQuant",
+    FLOAT_DIFFERS: "float weights differ: compare with the float model it came from",
 }
 
 
@@ -817,7 +1022,7 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
             first = flagged.iloc[0]
             found.update(first_flagged=first["layer"], first_diagnosis=first["diagnosis"])
             range_problem = flagged["diagnosis"].isin(["clipping", "outlier_channels", "logits_clipped"])
-            cause = flagged[(flagged["diagnosis"] != "propagated")
+            cause = flagged[~flagged["diagnosis"].isin(["propagated", FLOAT_DIFFERS])
                             & ~flagged["layer"].isin(unquantized.get(target, set()))
                             & ~(range_problem & flagged["layer"].isin(unranged.get(target, set())))]
             if cause.empty:  # every flagged row only inherits its error: no single layer is to blame
@@ -841,6 +1046,8 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
         if not found["layers"]:
             lines.append(f"{target} vs {ref_label}: no comparable layer")
             continue
+        if found.get("float_differs"):  # said first: what the rows below measure is mostly not quantization
+            lines += reference_warning(target, ref_label, found["float_differs"]).splitlines()
         own = found["worst_isolated_sqnr_db"]
         worst = f"{found['worst_layer']} ({_fmt_db(found['worst_sqnr_db'])}" + (
             f"; its own error {_fmt_db(own)} isolated)" if own is not None and not math.isnan(own) else ")")
@@ -852,7 +1059,9 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
         lines += [f"{target} vs {ref_label}: {found['flagged']} of {found['layers']} layers flagged",
                   f"  worst layer:   {worst}",
                   f"  first flagged: {found['first_flagged']} ({found['first_diagnosis']})"]
-        if found["at_fault"] is None:  # the worst layer above is the one with the largest own error
+        if found.get("float_differs") and found["at_fault"] is None:
+            lines += ["  at fault:      no layer: the float model differs, not quantization"]
+        elif found["at_fault"] is None:  # the worst layer above is the one with the largest own error
             lines += ["  at fault:      no layer alone: the loss builds up over many layers"]
         else:
             diagnosis = found["at_fault_diagnosis"]

@@ -156,10 +156,15 @@ def _import_rows(model: nn.Module | None) -> pd.DataFrame:
 
 
 def _import_checks(imports: pd.DataFrame, checks: list) -> None:
-    """A torch quantizer the engine could not map computes nothing in the imported model."""
+    """A torch quantizer the engine could not map computes nothing in the imported model; one it
+    maps approximately computes something else there (docs/interop.md)."""
     for row in imports[imports["status"] == "unmapped"].itertuples():
         checks.append({"severity": "warning", "layer": row.source, "check": "unmapped quantizer",
                        "detail": f"the torch.ao {row.kind} quantizer is not in the imported model: {row.note}"})
+    for row in imports[imports["status"] == "approximate"].itertuples():
+        checks.append({"severity": "warning", "layer": row.source, "check": "approximate quantizer",
+                       "detail": f"the imported point {row.point!r} does not compute what torch's {row.kind} "
+                                 f"quantizer does: {row.note}"})
 
 
 def _structure_checks(model, plan: Plan, prepared: bool, modules: dict, checks: list, *, imported: bool = False) -> None:

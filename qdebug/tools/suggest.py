@@ -184,14 +184,16 @@ def diagnoses_of(reference, model, batches, advance=None) -> dict[str, str]:
     """compare's diagnosis per call of ``model`` against the float model (its own float run when
     no float checkpoint was given): ``clipping`` rows are not int16 candidates."""
     from qdebug.engine import set_mode
-    from qdebug.tools.compare import compare
+    from qdebug.tools.compare import compare, folded_bn_rows
 
     if reference is None:
         reference = copy.deepcopy(model)
         set_mode(reference, "float")
     result = compare([("float", reference), ("quantized", model)], batches, progress=advance)
     frame = result.frame
-    return {row.layer: row.diagnosis for row in frame.itertuples() if row.diagnosis}
+    # A pair torch folded (an import) is measured in its BN's row: its point is the conv's.
+    point_of = folded_bn_rows(model)
+    return {point_of.get(row.layer, row.layer): row.diagnosis for row in frame.itertuples() if row.diagnosis}
 
 
 def _norm_inputs_diagnosed(model: nn.Module, diagnoses: dict[str, str]) -> dict[str, str]:
