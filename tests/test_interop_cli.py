@@ -10,9 +10,11 @@ the same bits on the same input, and ``qdebug compare`` must work on it like on 
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ import qdebug
 from qdebug.errors import QDebugError
 from qdebug.interop import from_torch_ao
 from qdebug.interop.build import import_report
+from qdebug.interop.torch_stage import PROPAGATED_ONLY
 from qdebug.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_RESNET
@@ -400,6 +403,9 @@ def test_usage_errors_answer_before_torch_loads(tmp_path):
 def test_help_has_an_example(cli):
     result = cli("import", "--help")
     assert result.code == 0 and "Example: qdebug import" in result.out and "--from" in result.out
+    assert "Example: qdebug import converted_state.pt" in result.out
+    compared = cli("compare", "--help")
+    assert compared.code == 0 and "--torch-kernels converted_state.pt" in compared.out
 
 
 # -- the checkpoint keeps the report -----------------------------------------------------------
@@ -588,3 +594,204 @@ def test_the_factory_note_omits_the_config_when_toml_cannot_hold_the_kwargs(cli,
     assert "qdebug.toml" not in said  # TOML has no null
     flagged = cli("inspect", "qat.pt", "--model", "facnet.net:make", "--model-kwargs", '{"width": 6, "quantize": null}')
     assert flagged.code == 0, flagged.err
+
+
+# -- a converted model's state_dict ------------------------------------------------------------
+# A user's eager model torch.ao converts: a Conv-BN-ReLU (fused: nnq.ConvReLU2d), a Conv-BN whose
+# ReLU is left unfused, a conv without bias with its own ReLU unfused, a residual add_relu, a linear.
+CONVERTED_NET = """\
+import torch.nn as nn
+import torch.ao.quantization as tq
+
+
+class Net(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.quant = tq.QuantStub()
+        self.conv = nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.relu2 = nn.ReLU()
+        self.conv3 = nn.Conv2d(width, width, 3, padding=1, bias=False)  # saved as conv3.bias = None
+        self.relu3 = nn.ReLU()
+        self.skip = nn.quantized.FloatFunctional()
+        self.fc = nn.Linear(width, 3)
+        self.dequant = tq.DeQuantStub()
+
+    def forward(self, x):
+        x = self.quant(x)
+        x = self.relu(self.bn(self.conv(x)))
+        y = self.relu3(self.conv3(self.relu2(self.bn2(self.conv2(x)))))
+        x = self.skip.add_relu(x, y)
+        return self.dequant(self.fc(x.mean((2, 3))))
+"""
+CONVERTED_FUSED = [["conv", "bn", "relu"], ["conv2", "bn2"]]
+
+
+@pytest.fixture
+def converted_net(tmp_path):
+    """The user's package ``convnet`` (CONVERTED_NET), torch's converted model of it (x86 PTQ),
+    and the files: its state_dict, the whole pickled model, the float checkpoint, data."""
+    pkg = tmp_path / "convnet"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "net.py").write_text(CONVERTED_NET)
+    with clean_imports(tmp_path):
+        sys.path.insert(0, str(tmp_path))  # importable by name: torch.save(converted) pickles its class
+        module = importlib.import_module("convnet.net")
+        torch.manual_seed(0)
+        float_model = module.Net().eval()
+        gen = torch.Generator().manual_seed(6)
+        for bn in (float_model.bn, float_model.bn2):  # randomized statistics: folding them matters
+            bn.running_mean.uniform_(-0.5, 0.5, generator=gen)
+            bn.running_var.uniform_(0.5, 2.0, generator=gen)
+        model = tq.fuse_modules(copy.deepcopy(float_model), CONVERTED_FUSED)
+        model.qconfig = tq.get_default_qconfig("x86")
+        prepared = tq.prepare(model)
+        with torch.no_grad():
+            for _ in range(3):
+                prepared(torch.randn(4, 1, 8, 8, generator=gen))
+        converted = tq.convert(prepared)
+        torch.save(converted.state_dict(), tmp_path / "converted_state.pt")
+        torch.save(converted, tmp_path / "converted_whole.pt")
+        torch.save(torch.randn(6, 1, 8, 8, generator=gen), tmp_path / "x.pt")
+        qdebug.save(float_model, tmp_path / "float.pt", model_spec=ModelSpec("convnet.net:Net", {}))
+        yield float_model, converted
+
+
+def test_a_converted_state_dict_imports_as_torchs_integer_model(cli, tmp_path, converted_net):
+    float_model, converted = converted_net
+    args = ["import", "converted_state.pt", "--from", "torch-ao", "--model", "convnet.net:Net", "--data", "x.pt"]
+    result = cli(*args, "-o", "q.pt", "--format", "json")
+    assert result.code == 0, result.err
+    assert "wrote q.pt (stage quantized, eager converted from converted_state.pt)" in result.err
+    meta = json.loads(result.out)["meta"]
+    assert (meta["flow"], meta["converted"], meta["stage"]) == ("eager", True, "quantized")
+    # conv3's ReLU is not fused: its output grid covers negative values (zero point > 0)
+    assert meta["fusions"] == CONVERTED_FUSED
+    assert int(converted.conv3.zero_point) > 0 and int(converted.conv.zero_point) == 0
+    assert meta["check"]["compared_with"] == "converted" and meta["check"]["within_tolerance"]
+    net, info = qdebug.load(tmp_path / "q.pt")
+    assert info.stage == "quantized"
+    # qdebug's integer simulation of torch's kernels: within 4 output steps, as
+    # tests/test_interop_converted.py bounds it end to end (here: measured 0)
+    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        steps = (net(x) - converted(x)).abs() / float(converted.fc.scale)
+    assert float(steps.max()) <= 4 + 1e-3, float(steps.max())
+    table = cli(*args, "-o", "q2.pt", "--format", "table")
+    assert table.code == 0 and "torch.ao eager converted (x86)" in table.out
+    assert "taken as fused where that layer's" in table.out
+
+
+def test_compare_runs_torchs_own_kernels_next_to_the_import(cli, tmp_path, converted_net):
+    float_model, converted = converted_net
+    assert cli("import", "converted_state.pt", "--from", "torch-ao", "--model", "convnet.net:Net", "--data",
+               "x.pt", "-o", "q.pt").code == 0
+    result = cli("compare", "float.pt", "q.pt", "--torch-kernels", "converted_state.pt", "--data", "x.pt",
+                 "--model", "convnet.net:Net", "--format", "json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    rows = {(r["layer"], r["target"]): r for r in payload["rows"]}
+    assert payload["meta"]["propagated_only"] == {"torch": PROPAGATED_ONLY}
+    assert payload["meta"]["checkpoints"]["torch"] == "converted_state.pt"
+    x = torch.load(tmp_path / "x.pt")
+    hooked = {}
+    handles = [converted.get_submodule(name).register_forward_hook(
+        lambda m, a, out, name=name: hooked.__setitem__(name, out.dequantize())) for name in ("relu2", "relu3")]
+    with torch.no_grad():
+        ref, got = float_model(x), converted(x)
+        float_out = {}
+        for name in ("relu2", "relu3"):
+            handles.append(float_model.get_submodule(name).register_forward_hook(
+                lambda m, a, out, name=name: float_out.__setitem__(name, out)))
+        float_model(x)
+    for handle in handles:
+        handle.remove()
+
+    def sqnr(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.double(), b.double()
+        return 10 * float(torch.log10((a * a).sum() / ((a - b) ** 2).sum()))
+
+    # the torch rows are torch's own tensors: its output, and an unfused ReLU's output (not its conv's)
+    assert rows[("fc", "torch")]["sqnr_db"] == pytest.approx(sqnr(ref, got), abs=1e-4)
+    for name in ("relu2", "relu3"):
+        assert rows[(name, "torch")]["sqnr_db"] == pytest.approx(sqnr(float_out[name], hooked[name]), abs=1e-4)
+        assert rows[(name, "torch")]["isolated_sqnr_db"] is None
+    assert isinstance(rows[("fc", "quantized")]["isolated_sqnr_db"], float)
+    assert "torch" not in payload["meta"]["next"].replace("--torch-kernels", "")
+    cli("compare", "q.pt", "q.pt", "--torch-kernels", "converted_state.pt", "--data", "x.pt", "--model",
+        "convnet.net:Net").assert_error("--torch-kernels needs a float reference")
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")  # torch.load of quantized tensors
+def test_a_converted_state_dict_that_does_not_fit_is_one_error(cli, tmp_path, converted_net):
+    common = ["--from", "torch-ao", "--data", "x.pt", "-o", "bad.pt"]
+    for name, key, value in (("float_weight", "conv.weight", lambda v: v.dequantize()),
+                             ("nan_scale", "conv2.scale", lambda v: torch.full_like(v, float("nan")))):
+        state = torch.load(tmp_path / "converted_state.pt", weights_only=True)
+        state[key] = value(state[key])
+        torch.save(state, tmp_path / f"{name}.pt")
+    cases = {
+        "a float weight": (["float_weight.pt", "--model", "convnet.net:Net"],
+                           ("dtype mismatch for conv.weight: the file has torch.float32, the model torch.qint8",)),
+        "a NaN scale": (["nan_scale.pt", "--model", "convnet.net:Net"],
+                        ("conv2.scale holds a scale that is not a finite positive number",)),
+        "other kwargs": (["converted_state.pt", "--model", "convnet.net:Net", "--model-kwargs", '{"width": 6}'],
+                         ("size mismatch for conv.weight",)),
+        "other class": (["converted_state.pt", "--model", RESNET, "--model-kwargs", json.dumps(SMALL_RESNET)],
+                        ("which the float model does not have",)),
+        "a pickled whole model": (["converted_whole.pt", "--model", "convnet.net:Net"],
+                                  ("is a whole pickled model", "never code from a file")),
+    }
+    for case, (args, fragments) in cases.items():
+        result = cli("import", *args, *common)
+        try:
+            result.assert_error(*fragments)
+        except AssertionError as exc:
+            raise AssertionError(f"{case}: {exc}") from None
+        assert not (tmp_path / "bad.pt").exists(), case
+    # convert_pt2e's graph keeps its int8 weights as plain tensors named _frozen_paramN
+    torch.save({"_frozen_param0": torch.zeros(4, 1, 3, 3, dtype=torch.int8), "fc.weight": torch.zeros(3, 4)},
+               tmp_path / "pt2e_state.pt")
+    cli("import", "pt2e_state.pt", "--model", "convnet.net:Net", *common).assert_error(
+        "convert_pt2e graph", "qdebug.from_torch_ao(converted")
+    cli("compare", "float.pt", "float.pt", "--torch-kernels", "pt2e_state.pt", "--model", "convnet.net:Net",
+        "--data", "x.pt").assert_error("convert_pt2e graph")
+    cli("compare", "float.pt", "float.pt", "--torch-kernels", "converted_state.pt", "--backend", "arm",
+        "--model", "convnet.net:Net", "--data", "x.pt").assert_error("--backend 'arm' is not one of")
+    cli("compare", "float.pt", "float.pt", "--backend", "x86", "--model", "convnet.net:Net",
+        "--data", "x.pt").assert_error("--backend applies only with --torch-kernels")
+    refused = cli("compare", "float.pt", "float.pt", "--torch-kernels", "x.pt", "--model", "convnet.net:Net",
+                  "--data", "x.pt")
+    refused.assert_error("not a state_dict")
+    prepared = cli("compare", "float.pt", "float.pt", "--torch-kernels", "converted_whole.pt", "--model",
+                   "convnet.net:Net", "--data", "x.pt")
+    prepared.assert_error("whole pickled model")
+
+
+def test_a_convert_fx_state_dict_imports_as_torchs_integer_model(cli, tmp_path, files):
+    """FX: torch's default qconfig mapping fuses by pattern; ``convert_fx`` keeps each quantize
+    op's qparams at the root (``conv1_input_scale_0``), which the rebuilt graph must have too."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    _project(tmp_path)
+    x = files["x"]
+    prepared = prepare_fx(_float().eval(), get_default_qconfig_mapping("x86"), (x,))
+    converted = convert_fx(_calibrate(prepared))
+    torch.save(converted.state_dict(), tmp_path / "fx_converted.pt")
+    result = cli("import", "fx_converted.pt", "--from", "torch-ao", "--model", RESNET, "--data",
+                 files["dir"] / "data.pt", "-o", "q.pt", "--format", "json")
+    assert result.code == 0, result.err
+    meta = json.loads(result.out)["meta"]
+    assert (meta["flow"], meta["converted"], meta["stage"]) == ("fx", True, "quantized")
+    net, info = qdebug.load(tmp_path / "q.pt")
+    probe = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out, expected = net(probe), converted(probe)
+    # within 4 steps of the output's grid, as tests/test_interop_converted.py bounds it end to end
+    assert float(((out - expected).abs() / float(converted.fc.scale)).max()) <= 4 + 1e-3
+    assert meta["check"]["compared_with"] == "converted" and meta["check"]["within_tolerance"]

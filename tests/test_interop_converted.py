@@ -778,3 +778,54 @@ def test_a_dynamic_input_shared_with_a_float_op_is_unmapped_with_the_reason(flow
                                                     report["point"], report["note"]) if k == "activation" and s}
     assert rows["fc1.input"][:2] == ("exact", "input")
     assert rows["fc2"][:2] == ("unmapped", "") and "its producer feeds other calls too" in rows["fc2"][2]
+
+
+# -- torch's quantized kernels on packed weights at the graph root (issue 29 item 5) ----------
+class OwnForwardLinear(nn.Linear):
+    """A Linear with a forward of its own (timm's ``Linear``): FX traces into it."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class PackedNet(nn.Module):
+    """A conv, a Linear with its own forward, and a functional linear on a plain tensor (torch's
+    zoo ``FunctionalLinear``): convert_fx lowers both linears to torch.ops.quantized.linear on
+    packed weights held at the graph's root."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = OwnForwardLinear(4, 6)
+        self.w = torch.randn(3, 6)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.fc(torch.relu(self.conv(x)).mean((2, 3))), self.w)
+
+
+@pytest.mark.filterwarnings("ignore:qdebug. no quantized kernel")  # the functional linear: float, re-quantized
+def test_fx_packed_weights_load_into_the_layer_fx_traced_into_and_a_functional_weight_is_listed():
+    torch.manual_seed(0)
+    model, x = PackedNet().eval(), _batches(1, 5, (2, 3, 8, 8))[0]
+    prepared = quantize_fx.prepare_fx(copy.deepcopy(model), tq.get_default_qconfig_mapping("x86"), (x,))
+    prepared(x)
+    converted = quantize_fx.convert_fx(prepared)
+    packed = {str(n.args[1].target): n for n in converted.graph.nodes
+              if n.op == "call_function" and str(n.target) == "quantized.linear"}
+    fc_attr = next(a for a in packed if a.startswith("fc_"))
+    functional_attr = next(a for a in packed if a != fc_attr)
+    qm = from_torch_ao(converted, x, float_model=model)
+    report = import_report(qm)
+    rows = {s: (p, st, n) for s, p, st, n in zip(report["source"], report["point"], report["status"], report["note"])}
+    # As a converted nn.quantized.Linear at 'fc': torch's int8 weight and float bias, its output grid.
+    assert rows[fc_attr][:2] == ("fc.weight", "exact") and rows[packed[fc_attr].name][:2] == ("fc", "exact")
+    weight, bias = getattr(converted, fc_attr).unpack()
+    assert torch.equal(qm.fc.weight, weight.dequantize()) and torch.equal(qm.fc.bias, bias)
+    assert torch.equal(quant_points(qm)["fc.weight"].scale.flatten(), weight.q_per_channel_scales().float())
+    # The functional linear's weight: no engine weight point, listed with the reason.
+    assert rows[functional_attr][1] == "unmapped" and "no engine weight point" in rows[functional_attr][2]
+    assert rows[packed[functional_attr].name][1] == "exact"  # its output grid is read
+    with torch.no_grad():
+        ours, theirs = qm(x), converted(x)
+    step = float(getattr(converted, str(packed[functional_attr].args[2].target)))
+    assert float((ours - theirs).abs().max()) <= 2 * step

@@ -155,10 +155,6 @@ def test_fx_qat_is_bit_identical(name):
     assert want.unique().numel() > 4 and torch.equal(have, want)
 
 
-# timm's Linear (MobileNetV3's classifier) has a forward of its own: convert_fx calls
-# torch.ops.quantized.linear on packed weights at the root, which the import does not read yet.
-CONVERTED_UNMAPPED = {"mobilenetv3_small_050": ["linear"]}
-
 
 @pytest.mark.parametrize("name", ["resnet10t", "mobilenetv3_small_050", "efficientnet_lite0"])
 def test_fx_ptq_and_its_converted_model(name):
@@ -177,8 +173,21 @@ def test_fx_ptq_and_its_converted_model(name):
     converted = convert_fx(copy.deepcopy(prepared))
     imported = from_torch_ao(converted, x, float_model=model)  # torch's int8 kernels: checked too
     check = import_check(imported)
-    assert _unmapped(imported) == CONVERTED_UNMAPPED.get(name, [])
-    assert check["within_tolerance"] or CONVERTED_UNMAPPED.get(name), check
+    assert _unmapped(imported) == [] and check["within_tolerance"], check
+    # timm's Linear (MobileNetV3's classifier) has a forward of its own: convert_fx calls
+    # torch.ops.quantized.linear on packed weights at the graph root.  The import reads them
+    # into the classifier, as for a converted nn.quantized.Linear module.
+    packed = [n for n in converted.graph.nodes if n.op == "call_function"
+              and str(n.target) == "quantized.linear" and n.args[1].op == "get_attr"]
+    assert bool(packed) == (name == "mobilenetv3_small_050")
+    for node in packed:
+        weight, bias = getattr(converted, node.args[1].target).unpack()
+        rows = {r["source"]: r for r in _rows(imported)}
+        assert (rows[node.args[1].target]["point"], rows[node.args[1].target]["status"]) == ("classifier.weight", "exact")
+        assert rows[node.name]["point"] == "classifier"
+        layer = imported.get_submodule("classifier")
+        assert torch.equal(layer.weight, weight.dequantize()) and torch.equal(layer.bias, bias)
+        assert torch.equal(layer.weight_point.scale.flatten(), weight.q_per_channel_scales().float())
 
 
 def _pt2e_qat(model: torch.nn.Module, kind: str):

@@ -168,12 +168,18 @@ def test_an_unlabelled_converted_model_is_a_torch_stage(case):
     assert frame.attrs["meta"]["propagated_only"] == {"model1": PROPAGATED_ONLY}
 
 
-def test_qdebug_import_refuses_a_converted_state_dict_and_names_the_python_route(case, tmp_path):
-    from qdebug.interop.state_dict import read_state_dict
+def test_a_converted_state_dict_is_rebuilt_by_torch_into_the_model_it_came_from(case, tmp_path):
+    """What ``qdebug import`` and ``compare --torch-kernels`` read: the converted model's tensors
+    alone, and torch converts the float model again (eager: fused as the keys say) to load them."""
+    from qdebug.interop.state_dict import is_converted_state, read_state_dict, rebuild_converted
 
-    converted = case[2]
+    flow, float_model, converted, batches = case
     path = tmp_path / "converted_state.pt"
     torch.save(converted.state_dict(), path)
-    with pytest.raises(QDebugError, match="converted model") as error:
-        read_state_dict(str(path))
-    assert "qdebug.compare(float_model, converted" in error.value.hint
+    state = read_state_dict(str(path))
+    assert is_converted_state(state)
+    rebuilt = rebuild_converted(state, float_model, batches[0], "x86", source=str(path))
+    assert (rebuilt.flow, rebuilt.converted) == (flow, True)
+    with torch.no_grad():
+        for x in batches:
+            assert torch.equal(rebuilt.prepared(x), converted(x))

@@ -116,11 +116,12 @@ def render_compare(frame: "pd.DataFrame", metrics: list[str], *, sort: Optional[
 
 
 def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *, given: list[str],
-                  options: str, sort: Optional[str]) -> tuple[str, str]:
+                  options: str, sort: Optional[str], skip: tuple[str, ...] = ()) -> tuple[str, str]:
     """(why, command): the next step of the debug flow, for the first compared model with a
     finding.  ``given``: the checkpoints as typed (none when they came from the config);
-    ``options``: the data options as typed, so the suggestion runs on the same data."""
-    found = result.meta["findings"]
+    ``options``: the data options as typed, so the suggestion runs on the same data; ``skip``:
+    labels of models no command takes as a checkpoint (``--torch-kernels``' torch model)."""
+    found = {target: item for target, item in result.meta["findings"].items() if target not in skip}
     again = " ".join(["qdebug compare", *given]) + options
     for target, item in found.items():
         if not item.get("flagged") or item.get("float_differs"):  # no quantization fix: its float model differs
@@ -169,7 +170,9 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
         "--data fixtures/demo/eval.pt --batches 4 --out compare-out\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt --metrics sqnr_db,kl --sort kl\n\n"
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
-        "--device cuda (on the GPU; the same results as on the CPU, within float32 rounding)"
+        "--device cuda (on the GPU; the same results as on the CPU, within float32 rounding)\n\n"
+        "Example: qdebug compare float.pt q.pt --torch-kernels converted_state.pt --data eval.pt (q.pt: qdebug "
+        "import of converted_state.pt; torch's own int8 kernels as one more model, 'torch')"
     )
 )
 def compare(
@@ -197,6 +200,15 @@ def compare(
     model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
+    torch_kernels: Optional[str] = typer.Option(
+        None, "--torch-kernels", metavar="STATE_DICT",
+        help="A converted model's state_dict (torch.save(converted.state_dict()) after eager convert or "
+        "convert_fx): torch converts the float reference's model again as qdebug import does, loads it, and "
+        "compare runs it by torch's own int8 kernels as one more model, 'torch' (propagated error only).",
+    ),
+    backend: Optional[str] = typer.Option(None, "--backend", metavar="x86|fbgemm|qnnpack|onednn",
+                                          help="With --torch-kernels: the backend whose default qconfig made it "
+                                          "(default x86)."),
 ) -> None:
     cfg = STATE.config()
     paths = list(checkpoints or [])
@@ -214,6 +226,16 @@ def compare(
     check_data(data, batches, batch_size)
     if ref is not None and ref.isdigit() and int(ref) >= len(paths):
         raise QDebugError(f"--ref {ref} is not an index below {len(paths)}", "e.g. --ref 0 (or a stage label)")
+    if backend is not None and torch_kernels is None:
+        raise QDebugError("--backend applies only with --torch-kernels", "e.g. --torch-kernels converted_state.pt "
+                          f"--backend {backend}")
+    if torch_kernels is not None:  # said before torch loads
+        from qdebug.cli.import_ import BACKENDS, _choice
+
+        backend = backend or "x86"
+        _choice("--backend", backend, BACKENDS)
+        if not Path(torch_kernels).exists():
+            raise QDebugError(f"no such file: {torch_kernels}", "check the path")
     out = prepare_out(out)
 
     from qdebug.tools.compare import choose_reference, compare as run_compare
@@ -237,6 +259,14 @@ def compare(
         err_console.print(escaped(f"warning: {warning}"), markup=False, highlight=False, soft_wrap=True)
     batch_list = resolve_batches(data, batches, infos[ref_index], batch_size=batch_size)
     pairs = [(label, net) for label, (net, _) in zip(labels, loaded)]
+    skip: tuple[str, ...] = ()
+    if torch_kernels is not None:
+        label = "torch"
+        while label in labels:
+            label += "'"
+        pairs.append((label, _torch_kernels(torch_kernels, loaded[ref_index][0], infos[ref_index], batch_list,
+                                            backend)))
+        labels, paths, skip = [*labels, label], [*paths, torch_kernels], (label,)
     with progress_bar("comparing", batch_list.count) as advance, model_errors("comparing", batch_list):
         result = run_compare(pairs, batch_list, ref=ref_index, thresholds=limits, isolated=isolated,
                              kl_feature_maps="kl" in shown, progress=advance)
@@ -246,7 +276,7 @@ def compare(
     options = "".join(f" {flag} {value}" for flag, value in (("--data", data), ("--batches", batches),
                                                               ("--batch-size", batch_size)) if value is not None)
     why, next_command = _next_command(result, labels, paths, ref_index, given=list(checkpoints or []),
-                                      options=options, sort=sort)
+                                      options=options, sort=sort, skip=skip)
     meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command}
     if warning:
         meta["warning"] = warning
@@ -266,6 +296,34 @@ def compare(
             say(f"  {next_command}")
 
     emit(report, fmt, out, render)
+
+
+def _torch_kernels(path: str, reference, info, batch_list, backend: str):
+    """torch's converted model of ``path`` (a converted state_dict), rebuilt from the float
+    reference's model as ``qdebug import`` rebuilds it, as a compare stage run by torch's kernels
+    (``qdebug.interop.torch_stage``).  The model class is the reference checkpoint's, loaded under
+    the usual trust rules; the file gives tensors only."""
+    import copy
+
+    from qdebug.engine.ops import map_tensors
+    from qdebug.interop.state_dict import is_converted_state, read_state_dict, rebuild_converted, refuse_pt2e
+    from qdebug.interop.torch_stage import TorchStage
+
+    if info.stage != "float":
+        raise QDebugError(f"--torch-kernels needs a float reference: torch converts its model again, and "
+                          f"{info.path} is {info.stage}", "pass the float checkpoint first (or --ref its label)")
+    state = read_state_dict(path)
+    if not is_converted_state(state):
+        refuse_pt2e(state, path)
+        raise QDebugError(f"--torch-kernels {path} is not a converted model's state_dict (it holds no quantized "
+                          "tensors)", "save torch.save(converted.state_dict()) after torch.ao's convert or "
+                          "convert_fx; a prepared model's state_dict: qdebug import it, and compare the checkpoint")
+    first = next(iter(batch_list))
+    inputs = map_tensors(first.inputs, lambda t: t.cpu())  # torch's int8 kernels run on the CPU
+    float_model = copy.deepcopy(reference).cpu().eval()
+    with model_errors("rebuilding the torch.ao model", first):
+        rebuilt = rebuild_converted(state, float_model, inputs, backend, source=path)
+        return TorchStage(rebuilt.prepared, float_model=rebuilt.float_model, example_inputs=inputs)
 
 
 def _plots(result, out: "StagedDir", reference: str) -> list[Path]:

@@ -1,9 +1,10 @@
-"""``qdebug import``: a torch.ao prepared model's state_dict -> a qdebug checkpoint.
+"""``qdebug import``: a torch.ao prepared (or converted) model's state_dict -> a qdebug checkpoint.
 
-Reads tensors only (``qdebug.interop.state_dict``): torch rebuilds the prepared model from the
-user's float class (``--model``), ``qdebug.interop.from_torch_ao`` imports it, and the engine
-model is saved as an ordinary qat or calibrated checkpoint with its import report (printed
-here, kept in the file's meta, shown by ``qdebug inspect``).  See docs/interop.md.
+Reads tensors only (``qdebug.interop.state_dict``): torch rebuilds the prepared model (or the
+converted one, from a state_dict of torch's int8 modules) from the user's float class
+(``--model``), ``qdebug.interop.from_torch_ao`` imports it, and the engine model is saved as an
+ordinary qat, calibrated or quantized checkpoint with its import report (printed here, kept in
+the file's meta, shown by ``qdebug inspect``).  See docs/interop.md.
 """
 
 from __future__ import annotations
@@ -48,24 +49,28 @@ def _model_target(model: Optional[str]) -> str:
 
 @app.command(
     "import",
-    short_help="A torch.ao QAT or PTQ model's state_dict as a qdebug checkpoint, exactly.",
+    short_help="A torch.ao QAT, PTQ or converted model's state_dict as a qdebug checkpoint.",
     help=(
         "Import SRC, the state_dict of a model prepared by torch.ao (eager prepare_qat/prepare, FX "
-        "prepare_qat_fx/prepare_fx), as a qdebug checkpoint: qat for QAT, calibrated for PTQ. Only tensors are "
-        "read; torch rebuilds the prepared model from your float class (--model) and --backend's default "
-        "qconfig, the file must load into it exactly, and the imported model computes what torch's does "
+        "prepare_qat_fx/prepare_fx), as a qdebug checkpoint: qat for QAT, calibrated for PTQ; or of a model "
+        "torch.ao converted to its int8 modules (eager convert, convert_fx): quantized, qdebug's integer "
+        "simulation of torch's kernels. Only tensors are "
+        "read; torch rebuilds the prepared (or converted) model from your float class (--model) and --backend's "
+        "default qconfig, the file must load into it exactly, and the imported model computes what torch's does "
         "(bit-identical for QAT, in eval mode). Prints the import report: every torch quantizer, the engine "
         "point it became and how (exact, moved, frozen, approximate, unmapped), the points left float, and the "
         "import's check of itself against torch's model on the first batch (an unexplained mismatch is refused). "
         "Exit 1 with --strict when a quantizer is unmapped (the checkpoint is written all the same). "
         "See docs/interop.md.\n\n"
         "Example: qdebug import qat_state.pt --from torch-ao --model mypkg.net:Net --data eval.pt -o qat.pt\n\n"
+        "Example: qdebug import converted_state.pt --from torch-ao --model mypkg.net:Net --data eval.pt "
+        "--backend x86 -o q.pt (torch.save(converted.state_dict(), ...) after convert)\n\n"
         "Example: qdebug compare float.pt qat.pt --data eval.pt (the imported checkpoint, like any other)"
     ),
 )
 def import_(
     src: str = typer.Argument(..., metavar="SRC", hidden=True, show_default=False,
-                              help="The prepared model's state_dict (torch.save(m.state_dict()))."),
+                              help="The prepared or converted model's state_dict (torch.save(m.state_dict()))."),
     source: str = typer.Option(..., "--from", metavar="torch-ao", help="What made SRC: torch-ao."),
     model: Optional[str] = typer.Option(None, "--model", metavar="PKG.MODULE:CLASS",
                                         help="Your float model's class or factory (default: the config's model; "
@@ -108,7 +113,7 @@ def import_(
     unmapped = meta["statuses"].get("unmapped", 0)
 
     def render() -> None:
-        kind = "QAT" if meta["qat"] else "PTQ"
+        kind = "converted" if meta["converted"] else "QAT" if meta["qat"] else "PTQ"
         title = f"{src}: torch.ao {meta['flow']} {kind} ({backend}) -> {output}"
         print_table(render_import(frame, title=title, width=table_width(wide)))
         for line in _summary(meta):
@@ -117,7 +122,8 @@ def import_(
             say(line)
 
     emit(Report("import", frame, meta), fmt, out, render)
-    note(f"wrote {output} (stage {meta['stage']}, {meta['flow']} {'QAT' if meta['qat'] else 'PTQ'} from {src})")
+    kind = "converted" if meta["converted"] else "QAT" if meta["qat"] else "PTQ"
+    note(f"wrote {output} (stage {meta['stage']}, {meta['flow']} {kind} from {src})")
     if meta["factory"] and not _config_names(target):
         note(_factory_note(output, meta["model"]))
     if strict and unmapped:
@@ -177,18 +183,21 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
     from qdebug.cli.calibrate import _first_samples  # the samples a checkpoint keeps, as calibrate keeps them
     from qdebug.interop import from_torch_ao, import_check
     from qdebug.interop.build import REPORT_COLUMNS, import_report
-    from qdebug.interop.state_dict import rebuild
+    from qdebug.interop.state_dict import is_converted_state, rebuild, rebuild_converted
     from qdebug.modelspec import ModelSpec, build, is_model_class
 
     spec = ModelSpec(target, dict(user_model_kwargs() or {}))
     float_model = build(spec, from_user=True)
     first = resolve_batches(data, 1, None, announce=False)[0]
+    # A converted model's state_dict (torch's int8 modules): torch converts the float model
+    # again and the file loads into it; the import is then qdebug's integer simulation of it.
+    remake = rebuild_converted if is_converted_state(state) else rebuild
     with model_errors("rebuilding the torch.ao model", first):
-        rebuilt = rebuild(state, float_model, first.inputs, backend, source=src)
+        rebuilt = remake(state, float_model, first.inputs, backend, source=src)
     with model_errors("importing the torch.ao model", first):
         qm = from_torch_ao(rebuilt.prepared, first.inputs, qat_mode=qat_mode,
                            float_model=rebuilt.float_model if rebuilt.flow != "eager" else None)
-    stage = "qat" if rebuilt.qat else "calibrated"
+    stage = "quantized" if rebuilt.converted else "qat" if rebuilt.qat else "calibrated"
     check = import_check(qm)
     save(qm, output, stage=stage, model_spec=spec, sample_inputs=_first_samples(first.inputs),
          meta={"source": str(src), "import_backend": backend, "import_fusions": rebuilt.fusions,
@@ -196,6 +205,7 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
     frame = pd.DataFrame(import_report(qm), columns=REPORT_COLUMNS)
     quantizers = frame[(frame["source"] != "") & (frame["kind"] != "bn")]
     meta = {"source": str(src), "output": str(output), "stage": stage, "flow": rebuilt.flow, "qat": rebuilt.qat,
+            "converted": rebuilt.converted,
             "backend": backend, "qat_mode": qat_mode, "model": spec.to_dict(), "factory": not is_model_class(target),
             "fusions": rebuilt.fusions,
             "quantizers": len(quantizers),
@@ -236,7 +246,16 @@ def _summary(meta: dict) -> list[str]:
         more = f", the first {FUSIONS_SHOWN} (--format json: all)" if len(fusions) > FUSIONS_SHOWN else ""
         lines.append(f"fused as torch did: {len(fusions)} group(s){more}")
         lines += [f"  {' + '.join(group)}" for group in fusions[:FUSIONS_SHOWN]]
+    if meta.get("converted") and meta["flow"] == "eager":
+        lines += CONVERTED_RELU_NOTE
     return lines
+
+
+# torch's ConvReLU2d (LinearReLU) saves the keys of a Conv2d (Linear): what decides (docs/interop.md).
+CONVERTED_RELU_NOTE = [
+    "a ReLU after a converted conv or linear is taken as fused where that layer's",
+    "  output zero point is 0 (the keys cannot say; on such a grid both compute the same)",
+]
 
 
 def check_lines(check: dict) -> list[str]:

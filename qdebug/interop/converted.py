@@ -207,8 +207,12 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
 
 def _load_weighted(layer: nn.Module, module: nn.Module, path: str) -> None:
     """Put ``module``'s dequantized weight and float bias into the float layer ``layer``."""
-    weight = dequantized_weight(quantized_weight(module))
-    bias = _bias(module)
+    _load_weights(layer, quantized_weight(module), _bias(module), path)
+
+
+def _load_weights(layer: nn.Module, qweight: torch.Tensor, bias: torch.Tensor | None, path: str) -> None:
+    """Put the dequantized ``qweight`` and the float ``bias`` into the float layer ``layer``."""
+    weight = dequantized_weight(qweight)
     if tuple(layer.weight.shape) != tuple(weight.shape):
         raise QDebugError(f"{path}: float_model's weight has shape {tuple(layer.weight.shape)}, the converted "
                           f"model's {tuple(weight.shape)}",
@@ -539,6 +543,32 @@ def _norm_act_node(node, float_modules: dict[str, nn.Module]) -> str | None:
     return path if path is not None and is_norm_act(float_modules.get(path, nn.Module())) else None
 
 
+# torch's quantized kernels on packed weights: convert_fx lowers an F.linear/F.conv it traced (a
+# layer's own forward -- timm's Linear -- or the model's functional op) to one of these at the
+# graph root, its packed weight a root attribute (``classifier_packed_weight_0``).
+PACKED_OPS = {"linear": "linear", "linear_relu": "linear", "conv1d": "conv", "conv2d": "conv", "conv3d": "conv",
+              "conv1d_relu": "conv", "conv2d_relu": "conv", "conv3d_relu": "conv"}
+
+
+def _packed_weight(node, gm: nn.Module):
+    """The get_attr node of the packed weight torch's quantized conv/linear ``node`` reads, else None."""
+    if node.op != "call_function" or _op_name(node) not in PACKED_OPS:
+        return None
+    if not str(getattr(node.target, "_qualified_op_name", "")).startswith("quantized::"):
+        return None
+    attr = node.args[1] if len(node.args) > 1 else None
+    if not isinstance(attr, torch.fx.Node) or attr.op != "get_attr":
+        return None
+    return attr if isinstance(_attribute(gm, str(attr.target)), torch.ScriptObject) else None
+
+
+def _attribute(gm: nn.Module, target: str) -> Any:
+    owner = gm
+    for part in target.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
 def _fx_category(node, modules: dict[str, nn.Module], float_modules: dict[str, nn.Module]) -> str:
     """The engine category of an FX node: "quantize"/"dequantize" for torch's borders."""
     norm_act = _norm_act_node(node, float_modules)
@@ -617,7 +647,12 @@ def _read_fx(gm: nn.Module, example_inputs: Any, float_model: nn.Module) -> tupl
     categories = {n: _fx_category(n, modules, float_modules) for n in gm.graph.nodes
                   if n.op in ("call_module", "call_function", "call_method")}
     norm_acts = {n: p for n in categories if (p := _norm_act_node(n, float_modules)) is not None}
-    matched = _match_fx(gm, categories, plan, records, inputs, example_inputs, norm_acts)
+    packed = {n: attr for n in categories if (attr := _packed_weight(n, gm)) is not None}
+    categories.update({n: PACKED_OPS[_op_name(n)] for n in packed})
+    matched = _match_fx(gm, categories, plan, records, inputs, example_inputs, norm_acts, packed)
+    loaded: set[str] = set()
+    for node, attr in packed.items():
+        _load_packed(model, gm, node, attr, plan.calls.get(matched.get(node, "")), source, loaded)
     for node, category in categories.items():
         grid = grids.get(node)
         if grid is None:
@@ -674,6 +709,35 @@ def _load_fx_module(model: nn.Module, path: str, module: nn.Module, source: Sour
         layer.load_state_dict(state, strict=False)
 
 
+def _load_packed(model: nn.Module, gm: nn.Module, node, attr, rec: CallRecord | None, source: SourceModel,
+                 loaded: set[str]) -> None:
+    """The weight and bias of torch's quantized conv/linear ``node`` (packed in ``attr``) into the
+    float layer whose own forward FX traced into (timm's Linear: the engine calls it as one
+    layer), with its weight quantizer, as for a converted module; a functional op's weight has
+    no engine weight point: listed."""
+    weight, bias = _attribute(gm, str(attr.target)).unpack()
+    where = f"torch's quantized::{_op_name(node)} (FX node {node.name!r})"
+    if rec is None or not rec.is_module:
+        source.unsupported.append((str(attr.target), f"the weight {where} reads: "
+                                   + ("a functional op's weight has no engine weight point (only modules' "
+                                      "weights are quantized), it stays float" if rec is not None
+                                      else "no call of float_model's forward computes it")))
+        return
+    path = rec.name.split("#", 1)[0]  # a layer called k times: its k-th call ``path#k``
+    if path in loaded:
+        return
+    layer = _submodule(model, path)
+    if not isinstance(layer, WEIGHTED_FLOAT):
+        raise QDebugError(f"float_model's {path!r} is a {type(layer).__name__}, the converted graph's "
+                          f"{where} reads a packed weight there",
+                          "pass an instance of the architecture the converted model was made from")
+    _load_weights(layer, weight, None if bias is None else bias.detach().float().clone(), path)
+    source.quantizers.append(quantizer_of(grid_of(weight), str(attr.target), "weight", path,
+                                          note=f"the integer weight {where} reads: FX traced into "
+                                               f"{type(layer).__name__}'s own forward"))
+    loaded.add(path)
+
+
 def _describe(node, modules: dict[str, nn.Module]) -> str:
     if node.op == "call_module":
         return f"{torch_name(modules[node.target])} at {node.target!r}"
@@ -703,7 +767,7 @@ def _fx_value(node, matched: dict, categories: dict) -> str | None:
 
 
 def _match_fx(gm, categories: dict, plan: Plan, records: dict[str, CallRecord], inputs: dict,
-              example_inputs: Any, norm_acts: dict | None = None) -> dict:
+              example_inputs: Any, norm_acts: dict | None = None, packed: dict | None = None) -> dict:
     """FX node -> the engine call (in ``plan``) computing the same thing.
 
     Placeholders: the engine's inputs, by tensor identity.  Module nodes: the call of the
@@ -711,6 +775,8 @@ def _match_fx(gm, categories: dict, plan: Plan, records: dict[str, CallRecord], 
     same category whose inputs carry the same values (compared as the ends of fused chains:
     torch's fused ConvReLU2d is the engine's conv -> relu); the first such call in order.  The
     norm of a norm-act layer (``norm_acts``: node -> the layer's path) is that layer's call.
+    torch's quantized conv/linear on a packed weight (``packed``) is the call of the layer of its
+    category whose forward FX traced into (a module call), else the functional op's own call.
     """
     args, kwargs = split_inputs(example_inputs)
     float_inputs = [id(t) for t in tensors_in((args, kwargs)) if torch.is_floating_point(t)]
@@ -718,6 +784,7 @@ def _match_fx(gm, categories: dict, plan: Plan, records: dict[str, CallRecord], 
     matched: dict = {}
     taken: set[str] = set()
     occurrences: dict[str, int] = defaultdict(int)
+    module_targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             t = inputs.get(node)
@@ -739,8 +806,16 @@ def _match_fx(gm, categories: dict, plan: Plan, records: dict[str, CallRecord], 
                 taken.add(name)
             continue
         wanted = sorted(_end(plan, v) for v in (_fx_value(a, matched, categories) for a in _node_args(node)) if v)
+        functional = _op_name(node).removesuffix("_relu") if node in (packed or {}) else None
         for rec in plan.calls.values():
-            if rec.name in taken or rec.is_module or rec.category != category:
+            if rec.name in taken:
+                continue
+            if functional is not None:
+                # A layer the graph calls as a module is that node's, wherever it comes.
+                if not (rec.category == category and rec.name.split("#", 1)[0] not in module_targets
+                        if rec.is_module else rec.op == functional):
+                    continue
+            elif rec.is_module or rec.category != category:
                 continue
             got = sorted(_end(plan, _producer(records, p)) for p in rec.inputs if p and _producer(records, p))
             if got == wanted:

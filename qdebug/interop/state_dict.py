@@ -24,12 +24,21 @@ FakeQuantize scale must be the one its observer's range gives under that qconfig
 [quant_min, quant_max] is not saved: a file prepared with another backend's reduce_range or
 granularity would load, then compute something else).  Any mismatch is one error naming
 what differs.  ``qdebug.interop.from_torch_ao`` then imports the rebuilt model.
+
+A *converted* model's state_dict (torch's int8 modules: quantized tensors, ``_packed_params``)
+is rebuilt the same way up to torch's ``convert`` (``rebuild_converted``): eager, a BN whose
+keys are gone was folded into its conv, and a ReLU after a converted conv or linear is taken
+as fused where that layer's output zero point is 0 (``nnq.ConvReLU2d`` saves the keys of
+``nnq.Conv2d``; on a grid starting at 0 both compute the same codes); ``--backend``'s default
+qconfig goes on the modules whose keys the int8 modules save; FX, ``prepare_fx`` with the
+default mapping and ``convert_fx``.  Every scale and integer weight is then the file's.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+from collections import OrderedDict
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +65,8 @@ RESAVE_HINT = ("in the script that prepared the model, save torch.save(prepared.
 _TORCH_NOTICES = ("torch.ao.quantization is deprecated", "Please use quant_min and quant_max",
                   "must run observer before calling calculate_qparams", "reduce_range will be deprecated")
 
+_LOAD_NOTICES = ("TypedStorage is deprecated", "quantized tensor creation functions")
+
 
 @dataclass
 class Rebuilt:
@@ -66,17 +77,22 @@ class Rebuilt:
     qat: bool
     float_model: nn.Module  # a float copy of the user's model (FX imports need it)
     fusions: list[list[str]] = field(default_factory=list)  # eager: the module groups fused
+    converted: bool = False  # ``prepared`` is torch's converted model (int8 modules), rebuilt
 
 
 # -- reading the file --------------------------------------------------------------------
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a saved state_dict, refused with one clear error when the file is anything else."""
+    """The tensors of a saved state_dict (a prepared model's, or a converted one's: see
+    ``is_converted_state``), refused with one clear error when the file is anything else."""
     from qdebug.checkpoint import FORMAT, check_state, extract_state_dict
     from qdebug.torchfile import pickled_class, read_file
 
     p = Path(path)
     try:
-        obj = read_file(p)
+        with warnings.catch_warnings():  # torch's notices on reading quantized tensors: about its API
+            for notice in _LOAD_NOTICES:
+                warnings.filterwarnings("ignore", message=f".*{re.escape(notice)}")
+            obj = read_file(p)
     except QDebugError as exc:
         if "pickled" not in exc.message:  # missing, damaged, not a regular file: said as it is
             raise
@@ -89,15 +105,57 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         raise QDebugError(f"{p} is already a qdebug checkpoint", f"use it as it is, e.g. qdebug inspect {p}")
     if isinstance(obj, dict) and _converted_keys(obj):
-        raise QDebugError(f"{p} is the state_dict of a converted model (torch's quantized modules)",
-                          "qdebug import reads prepared models' state_dicts; import a converted model in Python "
-                          "with qdebug.interop.from_torch_ao(converted, example_inputs), or compare it as torch runs "
-                          "it: qdebug.compare(float_model, converted, data=...) (docs/interop.md)")
+        state = obj.get("state_dict", obj) if isinstance(obj.get("state_dict"), dict) else obj
+        check_converted_state(state, str(p))
+        kept = dict(state)
+        # torch's int8 modules read their key layout from the saved versions (nnq.Linear's
+        # version 1 had ``P.weight``): keep the state_dict's ``_metadata``.
+        metadata = getattr(state, "_metadata", None)
+        if isinstance(metadata, dict):
+            kept = OrderedDict(kept)
+            kept._metadata = metadata  # type: ignore[attr-defined]
+        return kept
     state = extract_state_dict(obj)
     if state is None:
         raise QDebugError(f"{p} is not a state_dict (found {type(obj).__name__})", RESAVE_HINT)
     check_state(state, str(p))
     return dict(state)
+
+
+def is_converted_state(state: dict) -> bool:
+    """Whether a state_dict is a converted model's (torch's int8 modules), not a prepared one's."""
+    return _converted_keys(state)
+
+
+def check_converted_state(state: Any, path: str) -> None:
+    """A converted model's state holds what torch's int8 modules save and nothing else: tensors
+    (quantized ones too), each holding no more values than the file stores for it; None (a conv's
+    absent bias); a dtype (``P._packed_params.dtype``); a tuple of tensors or None
+    (``P._packed_params._packed_params``: a Linear's weight and bias).  The same rule as a
+    prepared state's (``check_state``), read before torch's modules copy anything."""
+
+    def stored(tensor: Any, what: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise QDebugError(f"{path}: {what} is a {type(tensor).__name__}, not a tensor", RESAVE_HINT)
+        if tensor.layout != torch.strided:
+            raise QDebugError(f"{path}: {what} is a {tensor.layout} tensor; qdebug reads dense tensors", RESAVE_HINT)
+        held = tensor.untyped_storage().nbytes()
+        if tensor.numel() * tensor.element_size() > held:
+            raise QDebugError(f"{path}: {what} is an expanded view: {list(tensor.shape)} ({tensor.numel()} values) "
+                              f"over {held // max(tensor.element_size(), 1)} stored",
+                              "save real tensors (x.contiguous().clone()), not expanded views")
+
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise QDebugError(f"{path}: the state_dict has a key {key!r} that is not a string", RESAVE_HINT)
+        if value is None or isinstance(value, torch.dtype):  # a conv without bias saves None
+            continue
+        if isinstance(value, tuple) and key.endswith("_packed_params"):
+            for i, item in enumerate(value):
+                if item is not None:
+                    stored(item, f"entry {key!r}[{i}]")
+            continue
+        stored(value, f"entry {key!r}")
 
 
 def _converted_keys(obj: dict) -> bool:
@@ -140,6 +198,7 @@ def rebuild(state: dict[str, torch.Tensor], float_model: nn.Module, example_inpu
         raise QDebugError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
     flow = detect_flow(state)
     if flow is None:
+        refuse_pt2e(state, source)
         raise QDebugError(f"{source} holds no torch.ao quantizer (no activation_post_process or weight_fake_quant "
                           "keys): it is not a prepared model's state_dict",
                           "save the state_dict of the model prepare_qat/prepare (or prepare_qat_fx/prepare_fx) "
@@ -156,6 +215,147 @@ def rebuild(state: dict[str, torch.Tensor], float_model: nn.Module, example_inpu
         _check_ranges(prepared, source, backend)
     prepared.eval()
     return Rebuilt(prepared, flow, qat, copy.deepcopy(float_model).eval(), fusions)
+
+
+# convert_pt2e folds each quantized weight into a constant of the graph: ``_frozen_param0``.
+PT2E_FROZEN = re.compile(r"^_frozen_param\d+$")
+# convert_fx keeps each quantize op's qparams as buffers at the root: ``conv1_input_scale_0``.
+FX_CONVERTED_KEY = re.compile(r"^[^.]+_(?:scale|zero_point)_\d+$")
+
+
+def refuse_pt2e(state: dict, source: str) -> None:
+    """A ``convert_pt2e`` graph's state_dict, refused with what to do instead."""
+    if any(PT2E_FROZEN.match(k) for k in state):
+        raise QDebugError(f"{source} looks like the state_dict of a convert_pt2e graph (_frozen_param keys): "
+                          "qdebug does not rebuild PT2E graphs from tensors",
+                          "import that model in Python: qdebug.from_torch_ao(converted, example_inputs, "
+                          "float_model=...), or compare it: qdebug.compare(float_model, converted, data=...)")
+
+
+def converted_flow(state: dict) -> str:
+    """"fx" (convert_fx) or "eager" (convert) for a converted model's state_dict."""
+    return "fx" if any(FX_CONVERTED_KEY.match(k) for k in state) else "eager"
+
+
+def rebuild_converted(state: dict, float_model: nn.Module, example_inputs: Any, backend: str,
+                      *, source: str = "the state_dict") -> Rebuilt:
+    """The model torch.ao's ``convert`` (or ``convert_fx``) made, rebuilt by torch from
+    ``float_model`` (not modified) and loaded with ``state``: eager, the float model fused the
+    way the keys say (``eager_fusions``), ``backend``'s default qconfig on exactly the modules
+    whose keys torch's int8 modules save (and the DeQuantStubs, which save none), ``prepare``
+    and ``convert``; FX, ``prepare_fx`` with the default qconfig mapping and ``convert_fx``.
+    The observers never run: every scale, zero point and integer weight is the file's."""
+    if backend not in BACKENDS:
+        raise QDebugError(f"unknown backend {backend!r}", f"choose one of {', '.join(BACKENDS)}")
+    flow = converted_flow(state)
+    with warnings.catch_warnings():
+        for notice in _TORCH_NOTICES:
+            warnings.filterwarnings("ignore", message=f".*{re.escape(notice)}")
+        if flow == "fx":
+            converted, fusions = _convert_fx(float_model, example_inputs, backend), []
+        else:
+            converted, fusions = _convert_eager(state, float_model, example_inputs, backend)
+        _check_shapes(converted, state, source, flow, backend)
+        _load(converted, state, source, flow, False, backend, made="converted")
+    converted.eval()
+    return Rebuilt(converted, flow, False, copy.deepcopy(float_model).eval(), fusions, converted=True)
+
+
+def converted_owners(state: dict) -> set[str]:
+    """The module paths whose torch int8 modules saved keys: an output ``P.scale`` and
+    ``P.zero_point``, packed ``P._packed_params.*``, a quantized ``P.weight``."""
+    owners = set()
+    for key, value in state.items():
+        if "._packed_params." in key:
+            owners.add(key.split("._packed_params.")[0])
+        elif key.endswith((".scale", ".zero_point")) or (isinstance(value, torch.Tensor) and value.is_quantized):
+            owners.add(key.rpartition(".")[0])
+    owners.discard("")
+    return owners
+
+
+def _convert_eager(state: dict, float_model: nn.Module, example_inputs: Any,
+                   backend: str) -> tuple[nn.Module, list[list[str]]]:
+    import torch.ao.quantization as tq
+
+    from qdebug.engine.plan import trace_plan
+
+    model = copy.deepcopy(float_model).eval()  # fuse_modules folds a BN in eval mode
+    groups = eager_fusions(state, model, trace_plan(model, example_inputs), qat=False, converted=True)
+    if groups:
+        try:
+            model = tq.fuse_modules(model, [list(g) for g in groups], inplace=False)
+        except (AssertionError, NotImplementedError, RuntimeError, TypeError, AttributeError) as exc:
+            raise QDebugError(f"torch cannot fuse {groups[0]} of the float model: {_first_line(exc)}",
+                              MISMATCH_HINT) from None
+    qconfig = tq.get_default_qconfig(backend)
+    modules = dict(model.named_modules())
+    owners = converted_owners(state)
+    absent = sorted(path for path in owners if path not in modules)
+    if absent:
+        raise QDebugError(f"the state_dict quantizes module {absent[0]!r}, which the float model does not have"
+                          + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""), MISMATCH_HINT)
+    inside = tuple(f"{path}." for path in owners)
+    for path, module in modules.items():
+        if inside and path.startswith(inside):
+            continue  # a fused module's parts take its qconfig (torch's propagate_qconfig_)
+        # A DeQuantStub becomes torch's DeQuantize only with a qconfig; it saves no key to say so.
+        module.qconfig = qconfig if path in owners or isinstance(module, tq.DeQuantStub) else None
+    try:
+        return tq.convert(tq.prepare(model, inplace=True), inplace=True), groups
+    except (AssertionError, NotImplementedError, RuntimeError, TypeError, AttributeError, KeyError) as exc:
+        raise QDebugError(f"torch cannot prepare and convert the float model with the {backend} qconfig: "
+                          f"{_first_line(exc)}", MISMATCH_HINT) from None
+
+
+def _convert_fx(float_model: nn.Module, example_inputs: Any, backend: str) -> nn.Module:
+    from torch.ao.quantization.quantize_fx import convert_fx
+
+    prepared = _prepare_fx(float_model, example_inputs, backend, False)
+    try:
+        return convert_fx(prepared)
+    except Exception as exc:  # as _prepare_fx: torch says why
+        raise QDebugError(f"torch's FX cannot convert the float model: {type(exc).__name__}: {_first_line(exc)}",
+                          MISMATCH_HINT) from None
+
+
+def _check_shapes(model: nn.Module, state: dict, source: str, flow: str, backend: str) -> None:
+    """Each entry of ``state`` has the shape and dtype of the rebuilt model's own, and every
+    saved scale is finite and positive: torch's int8 modules take a loaded weight whole
+    (``set_weight_bias``), so ``load_state_dict`` checks neither, and a NaN scale would run."""
+    own = model.state_dict()
+    what = f"{source} does not fit the float model {flow}-converted with the {backend} qconfig"
+
+    def items(value: Any) -> tuple:
+        return value if isinstance(value, tuple) else (value,)
+
+    def shapes(value: Any) -> list:
+        return [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in items(value)]
+
+    def dtypes(value: Any) -> list:
+        return [str(t.dtype) if isinstance(t, torch.Tensor) else str(t) if isinstance(t, torch.dtype)
+                else type(t).__name__ for t in items(value)]
+
+    for key, value in state.items():
+        if key not in own:
+            continue  # key_mismatch names it
+        if shapes(value) != shapes(own[key]):
+            raise QDebugError(f"{what}: size mismatch for {key}: the file has {shapes(value)}, the model "
+                              f"{shapes(own[key])}", MISMATCH_HINT)
+        if dtypes(value) != dtypes(own[key]):
+            raise QDebugError(f"{what}: dtype mismatch for {key}: the file has {', '.join(dtypes(value))}, the "
+                              f"model {', '.join(dtypes(own[key]))}", MISMATCH_HINT)
+        for t in items(value):
+            scales = None
+            if isinstance(t, torch.Tensor) and t.is_quantized:
+                scales = t.q_per_channel_scales() if t.qscheme() in (torch.per_channel_affine,
+                                                                   torch.per_channel_symmetric) \
+                    else torch.tensor(t.q_scale())
+            elif key.endswith("scale") and isinstance(t, torch.Tensor) and t.is_floating_point():
+                scales = t
+            if scales is not None and not bool((torch.isfinite(scales) & (scales > 0)).all()):
+                raise QDebugError(f"{source}: {key} holds a scale that is not a finite positive number: torch "
+                                  "never saves one", RESAVE_HINT)
 
 
 def _prepare_eager(state: dict, float_model: nn.Module, example_inputs: Any, backend: str,
@@ -201,7 +401,7 @@ def _prepare_eager(state: dict, float_model: nn.Module, example_inputs: Any, bac
     return prepared, groups
 
 
-def eager_fusions(state: dict, model: nn.Module, plan: Any, qat: bool) -> list[list[str]]:
+def eager_fusions(state: dict, model: nn.Module, plan: Any, qat: bool, converted: bool = False) -> list[list[str]]:
     """The module groups fuse_modules(_qat) joined, read from the keys (module docstring)."""
     modules = dict(model.named_modules())
     calls, counts = plan.calls, plan.call_counts
@@ -221,11 +421,24 @@ def eager_fusions(state: dict, model: nn.Module, plan: Any, qat: bool) -> list[l
         relu = calls.get(follower) if follower else None
         if relu is not None and relu.is_module and counts.get(relu.name) == 1 and \
                 type(modules.get(relu.name)) is nn.ReLU:
-            if (not _saw_negative(state, rec.name)) if qat else f"{rec.name}.0.weight" in state:
+            if converted:
+                fused = f"{rec.name}.0.weight" in state or _zero_at_min(state, rec.name)
+            else:
+                fused = (not _saw_negative(state, rec.name)) if qat else f"{rec.name}.0.weight" in state
+            if fused:
                 group.append(relu.name)
         if len(group) > 1:
             groups.append(group)
     return groups
+
+
+def _zero_at_min(state: dict, path: str) -> bool:
+    """Whether the converted output of ``path`` is on a grid starting at 0 (quint8 zero point 0):
+    an ``nnq.ConvReLU2d`` and an ``nnq.Conv2d`` save the same keys, but an unfused conv's output
+    grid covers the negative values its ReLU then clips.  On a grid starting at 0 the fused kernel
+    and the conv followed by torch's ReLU compute the same codes."""
+    found = state.get(f"{path}.zero_point")
+    return isinstance(found, torch.Tensor) and found.numel() > 0 and bool((found == 0).all())
 
 
 def _saw_negative(state: dict, path: str) -> bool:
@@ -257,15 +470,16 @@ def _prepare_fx(float_model: nn.Module, example_inputs: Any, backend: str, qat: 
                           MISMATCH_HINT) from None
 
 
-def _load(prepared: nn.Module, state: dict, source: str, flow: str, qat: bool, backend: str) -> None:
+def _load(prepared: nn.Module, state: dict, source: str, flow: str, qat: bool, backend: str,
+          made: str = "prepared") -> None:
     """``load_state_dict(strict=True)``, its refusals said in one line."""
     from qdebug.checkpoint import key_mismatch
 
     mismatch = key_mismatch(prepared.state_dict(), state)
     if mismatch:
-        kind = "QAT" if qat else "PTQ"
-        raise QDebugError(f"{source} does not fit the float model prepared for {flow} {kind} with the {backend} "
-                          f"qconfig: {mismatch}", MISMATCH_HINT)
+        how = f"{flow}-converted" if made == "converted" else f"prepared for {flow} {'QAT' if qat else 'PTQ'}"
+        raise QDebugError(f"{source} does not fit the float model {how} with the {backend} qconfig: {mismatch}",
+                          MISMATCH_HINT)
     try:
         prepared.load_state_dict(state, strict=True)
     except RuntimeError as exc:  # sizes: "size mismatch for conv1.weight: copying a param with shape ..."

@@ -116,7 +116,11 @@ class TorchStage(nn.Module):
                 continue
             row = folded.get(call, call)
             if row in sources.values():
-                continue  # one tensor per row: the first quantizer read there
+                if r["source"] != row:
+                    continue  # one tensor per row: the first quantizer read there...
+                # ...unless torch's module at the row itself computes it: an unfused conv's
+                # quantizer is moved to the ReLU after it, whose output (not the conv's) is the row.
+                sources = {source: kept for source, kept in sources.items() if kept != row}
             sources[r["source"]] = row
             rec = plan.calls[call]
             self._calls[row] = (rec.category, rec.op, rec.owner)
