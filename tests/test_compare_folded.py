@@ -286,3 +286,46 @@ def test_no_projection_conv_of_torchvisions_mobilenet_v2_is_left_without_numbers
     _assert_every_pair_measured(frame, projections)
     rows = _rows(frame)
     assert all(rows[bn]["note"] == "" and rows[conv]["note"].endswith(f"compared at {bn}") for conv, bn in projections)
+
+
+class ConvThenReLU(nn.Module):
+    """A conv whose ReLU torch leaves unfused (its own module, after the conv's int8 output),
+    which the engine runs in the conv's integer kernel: the ReLU's row is the pair's."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant = tq.QuantStub()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1)
+        self.dequant = tq.DeQuantStub()
+
+    def forward(self, x):
+        return self.dequant(self.conv2(self.relu(self.conv(self.quant(x)))))
+
+
+def test_an_unfused_relu_after_a_converted_conv_is_measured_as_torchs_conv_then_relu():
+    """Isolated: torch's int8 conv on the float conv's input (on its input grid), then torch's
+    quantized ReLU, against the float ReLU.  (It used to replay the ReLU alone on the float conv
+    output put on the ReLU's signed grid: -10 dB for an SQNR of 28.)"""
+    torch.manual_seed(3)
+    float_model = ConvThenReLU().eval()
+    model = copy.deepcopy(float_model)
+    model.qconfig = tq.get_default_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = tq.prepare(model)
+        with torch.no_grad():
+            for batch in _batches(2, 1, (4, 3, 8, 8)):
+                prepared(batch)
+        converted = tq.convert(prepared)
+    batch = _batches(1, 9, (4, 3, 8, 8))[0]
+    qm = from_torch_ao(copy.deepcopy(converted), batch)
+    rows = _rows(qdebug.compare(float_model, qm, data=[batch]))
+    floats, torchs = _hooked(float_model, ["conv", "relu"], batch), _hooked(converted, ["conv", "relu"], batch)
+    q_in = torchs["conv"][0]
+    alone = converted.relu(converted.conv(
+        torch.quantize_per_tensor(floats["conv"][0], q_in.q_scale(), q_in.q_zero_point(), q_in.dtype)))
+    assert rows["relu"]["sqnr_db"] == pytest.approx(_sqnr_db(floats["relu"][1], torchs["relu"][1].dequantize()), abs=0.1)
+    assert rows["relu"]["isolated_sqnr_db"] == pytest.approx(_sqnr_db(floats["relu"][1], alone.dequantize()), abs=0.05)
+    assert rows["relu"]["isolated_sqnr_db"] > rows["relu"]["sqnr_db"] - 1  # its own error, not more than all of it

@@ -153,6 +153,7 @@ class _Listener:
             if call in self.kernel_fused:
                 for name in (call, bn):
                     self.notes[(name, self.label)] = self.kernel_fused[call]
+                self.replay.skipped_convs[call] = event  # the ReLU's isolated error replays it
                 return
             self.notes[(call, self.label)] = f"torch folded {bn!r} into it in {self.label} only: compared at {bn}"
             members = [(bn, path, y) for _, path, y in members]

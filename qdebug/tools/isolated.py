@@ -107,6 +107,12 @@ class IsolatedReplay:
         self.ref_plan = engine_state(reference).plan if is_prepared(reference) else None
         self.ref_quantized = is_prepared(reference) and engine_state(reference).stage == "quantized"
         self.bn_of_pair = {bn: conv for conv, bn in pairs.items()}
+        # An activation whose ReLU the conv's integer kernel already applies (quantized stage): its
+        # input in the model is on the activation's own grid, after the ReLU, so the reference's
+        # (pre-activation) input cannot stand in for it; the conv is replayed instead.
+        plan = engine_state(model).plan if self.quantized else None
+        self.conv_of_fused = {rec.output_point: rec.name for rec in (plan.calls.values() if plan else ())
+                              if rec.point is None and rec.fused_activation and rec.output_point}
         # A conv skipped because BN is folded in one model only: its event, kept to replay the
         # conv+BN chain for the BN's isolated error.
         self.skipped_convs: dict[str, Event] = {}
@@ -138,10 +144,11 @@ class IsolatedReplay:
     def output(self, event: Event, record: Record, records: dict[str, Record]) -> Any:
         """This call of the model, on the reference's inputs (see module docstring)."""
         ctx = active_context()
-        conv = self.bn_of_pair.get(event.call.name)
+        conv = self.bn_of_pair.get(event.call.name) or self.conv_of_fused.get(event.call.name)
         with torch.no_grad():
             if conv in self.skipped_convs and conv in records:
-                # BN folded in one model only: run the conv+BN chain from the conv's reference input.
+                # BN folded in one model only, or a ReLU in the conv's integer kernel: run the chain
+                # from the conv's reference input.
                 conv_event, conv_record = self.skipped_convs[conv], records[conv]
                 inner = ctx.replay(conv_event, self._inputs(conv_event, conv_record), conv_record.kwargs)
                 return ctx.replay(event, (inner,), {})
