@@ -930,6 +930,15 @@ def test_the_reference_check_is_skipped_where_it_cannot_measure(realistic):
     found = compare([("float", fp), ("other", other_float)], batches[:1]).meta["reference_check"]["other"]
     assert found["measured"] and found["float_differs"]
     assert found["quantization_off_sqnr_db"] == found["output_sqnr_db"]
+    # A calibrated model that kept its BN holds the reference's tensors: nothing to measure, no forward spent.
+    kept = _calibrated(fp, mode="with_bn_reverse_fold")
+    found = compare([("float", fp), ("kept", kept)], batches[:1]).meta["reference_check"]["kept"]
+    assert found == {"measured": False, "reason": "its float weights and BN statistics are the reference's"}
+    # ... unless a tensor differs (a BN statistic moved by a train-mode forward)
+    with torch.no_grad():
+        kept.train()(batches[1])
+    found = compare([("float", fp), ("kept", kept.eval())], batches[:1]).meta["reference_check"]["kept"]
+    assert found["measured"]
 
 
 def test_the_float_differs_warning_follows_the_sqnr_db_threshold(drifted_and_healthy):

@@ -871,6 +871,9 @@ class _ReferenceCheck:
                 self.skipped[label] = "run by torch's kernels: its quantization cannot be turned off"
             elif label not in self.skipped and _weights_on_their_grids(model):
                 self.skipped[label] = "its float weights are its quantized ones (a converted import)"
+            elif label not in self.skipped and _holds_the_reference(model, reference):
+                # a calibrated model with BN kept: its float model is the reference, bit for bit
+                self.skipped[label] = "its float weights and BN statistics are the reference's"
         self.sums: dict[str, dict[str, list[float]]] = {label: {} for label, _ in others if label not in self.skipped}
 
     def update(self, index: int, ref_out: Any, label: str, model: nn.Module, out: Any, inputs: Any) -> None:
@@ -930,6 +933,19 @@ def _named_float(out: Any) -> dict[str, torch.Tensor]:
     from qdebug.tools.experiment import named_outputs
 
     return named_outputs(out)
+
+
+def _holds_the_reference(model: nn.Module, reference: nn.Module) -> bool:
+    """Whether every float tensor of the reference's state is in the model's, equal: then turning
+    the model's points off gives the reference's function, and the check has nothing to measure."""
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in reference.state_dict().items():
+            mine = own.get(name)
+            if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype or not torch.equal(
+                    mine.to(tensor.device), tensor):
+                return False
+    return True
 
 
 def _weights_on_their_grids(model: nn.Module) -> bool:
