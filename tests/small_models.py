@@ -95,3 +95,23 @@ def torch_ao_ptq(model: nn.Module, batches: list) -> nn.Module:
         for x in batches:
             prepared(x)
     return prepared
+
+
+def module_io(model: nn.Module, names, x) -> dict[str, tuple]:
+    """(first input, output) of the first call of each named module of ``model`` in one forward
+    on ``x`` (torch's own modules as oracles: their outputs, quantized ones as they are)."""
+    found, handles = {}, []
+
+    def keep(name, args, out):  # returns None: a hook's return value would replace the output
+        found.setdefault(name, (args[0] if args else None, out))
+
+    for name in names:
+        handles.append(model.get_submodule(name).register_forward_hook(
+            lambda module, args, out, name=name: keep(name, args, out)))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 import qdebug
 from qdebug.interop import from_torch_ao, import_report
-from small_models import randomize_bn
+from small_models import module_io, randomize_bn
 
 tq = pytest.importorskip("torch.ao.quantization")
 nnq = pytest.importorskip("torch.ao.nn.quantized")
@@ -122,7 +122,9 @@ def _pt2e() -> tuple[nn.Module, nn.Module, nn.Module]:
     pytest.importorskip("torchao", reason="PT2E lives in torchao: pip install 'qdebug[torchao]'")
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
 
     model = _float(False)
     graph = torch.export.export(copy.deepcopy(model), (_batches(1, 5)[0],), strict=True).module()
@@ -187,21 +189,6 @@ def test_every_folded_pair_has_one_row_with_numbers(flow, stage):
         assert rows[bn]["type"] == "BatchNorm2d" and rows[bn]["note"] == ""
 
 
-def _hooked(model: nn.Module, names: list[str], x: torch.Tensor) -> dict[str, tuple]:
-    """(input, output) of each named module of ``model`` on ``x``."""
-    found, handles = {}, []
-    for name in names:
-        handles.append(model.get_submodule(name).register_forward_hook(
-            lambda module, args, out, name=name: found.__setitem__(name, (args[0], out))))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return found
-
-
 def _sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     return 10 * math.log10(float(x.square().sum() / (x - y).square().sum()))
@@ -220,8 +207,8 @@ def test_a_folded_pairs_numbers_are_torchs_converted_conv_against_the_float_bn(n
     qm = from_torch_ao(copy.deepcopy(converted), _batches(1, 5)[0], float_model=float_model)
     rows = _rows(qdebug.compare(float_model, qm, data=[batch]))
     convs = [conv for conv, _ in WITHOUT_RELU]
-    floats = _hooked(float_model, convs + [bn for _, bn in WITHOUT_RELU], batch)
-    torchs = _hooked(converted, convs, batch)
+    floats = module_io(float_model, convs + [bn for _, bn in WITHOUT_RELU], batch)
+    torchs = module_io(converted, convs, batch)
     for conv, bn in WITHOUT_RELU:
         q_in, q_out = torchs[conv]
         assert q_out.is_quantized  # torch's own integer kernel
@@ -322,7 +309,7 @@ def test_an_unfused_relu_after_a_converted_conv_is_measured_as_torchs_conv_then_
     batch = _batches(1, 9, (4, 3, 8, 8))[0]
     qm = from_torch_ao(copy.deepcopy(converted), batch)
     rows = _rows(qdebug.compare(float_model, qm, data=[batch]))
-    floats, torchs = _hooked(float_model, ["conv", "relu"], batch), _hooked(converted, ["conv", "relu"], batch)
+    floats, torchs = module_io(float_model, ["conv", "relu"], batch), module_io(converted, ["conv", "relu"], batch)
     q_in = torchs["conv"][0]
     alone = converted.relu(converted.conv(
         torch.quantize_per_tensor(floats["conv"][0], q_in.q_scale(), q_in.q_zero_point(), q_in.dtype)))

@@ -18,6 +18,7 @@ import qdebug
 from qdebug.errors import QDebugError
 from qdebug.interop import from_torch_ao
 from qdebug.interop.torch_stage import PROPAGATED_ONLY, TorchStage
+from small_models import module_io
 from test_interop_converted import _batches, _eager, _fx
 
 tq = pytest.importorskip("torch.ao.quantization")
@@ -56,23 +57,6 @@ def case(request):
     return request.param, float_model, converted, _batches(2, 21)
 
 
-def _hooked(converted: torch.nn.Module, x: torch.Tensor, paths: set[str], raw: bool = False) -> dict[str, torch.Tensor]:
-    """Each module's output (first call; dequantized unless ``raw``) in a plain forward of torch's model."""
-    found, handles = {}, []
-    for path, module in converted.named_modules():
-        if path in paths:
-            def keep(m, a, out, path=path):  # returns None: the output flows on unchanged
-                found.setdefault(path, out if raw else out.dequantize())
-            handles.append(module.register_forward_hook(keep))
-    try:
-        with torch.no_grad():
-            converted(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return found
-
-
 def _sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     return 10 * math.log10(float((x * x).sum()) / float(((x - y) ** 2).sum()))
@@ -85,14 +69,14 @@ def test_tapped_rows_are_torchs_module_outputs_bit_for_bit(case):
     taps = stage.tapped(x)
     expected = EAGER_ROWS if flow == "eager" else FX_ROWS
     assert set(taps) == set(expected) | (set() if flow == "eager" else FX_OPS)
-    hooked = _hooked(converted, x, set(expected.values()))
+    hooked = {path: out.dequantize() for path, (_, out) in module_io(converted, set(expected.values()), x).items()}
     for row, path in expected.items():
         assert torch.equal(taps[row], hooked[path]), row
     if flow == "fx":  # the graph ops: torch's own add_relu on the hooked inputs, the input's quantize
         ops = {n.name: n for n in converted.graph.nodes}
         scale, zero = converted.conv1_input_scale_0, converted.conv1_input_zero_point_0
         assert torch.equal(taps["input"], torch.quantize_per_tensor(x, scale, zero, torch.quint8).dequantize())
-        hooked = _hooked(converted, x, {"layer1.0.conv2", "conv1"}, raw=True)
+        hooked = {path: out for path, (_, out) in module_io(converted, ["layer1.0.conv2", "conv1"], x).items()}
         add = ops["add_relu"]
         assert str(add.args[0]) == "layer1_0_conv2" and str(add.args[1]) == "conv1"
         want = torch.ops.quantized.add_relu(hooked["layer1.0.conv2"], hooked["conv1"],
@@ -171,7 +155,11 @@ def test_an_unlabelled_converted_model_is_a_torch_stage(case):
 def test_a_converted_state_dict_is_rebuilt_by_torch_into_the_model_it_came_from(case, tmp_path):
     """What ``qdebug import`` and ``compare --torch-kernels`` read: the converted model's tensors
     alone, and torch converts the float model again (eager: fused as the keys say) to load them."""
-    from qdebug.interop.state_dict import is_converted_state, read_state_dict, rebuild_converted
+    from qdebug.interop.state_dict import (
+        is_converted_state,
+        read_state_dict,
+        rebuild_converted,
+    )
 
     flow, float_model, converted, batches = case
     path = tmp_path / "converted_state.pt"
