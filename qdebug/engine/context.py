@@ -16,8 +16,9 @@ an inline op is ``<container path>.<op>`` (``layer1.0.add``), a model input is
 (``layer1.0.relu#2``).  An inline op never takes a module's name: where the model has a
 module at ``<container path>.<op>`` (torchvision's ``self.relu`` beside the ``F.relu`` its
 ``add_relu`` FloatFunctional runs), the op is ``<container path>.<op>()``
-(``layer1.0.relu()``), so it cannot pass for that module's next call.  The tensors of a call returning several are named by
-their place in the output, ``lstm:1.1`` (``qdebug.engine.members``).  A norm-act layer (timm's
+(``layer1.0.relu()``), so it cannot pass for that module's next call.  The tensors of a call
+returning several are named by their place in the output, ``lstm:1.1``
+(``qdebug.engine.members``).  A norm-act layer (timm's
 ``BatchNormAct2d``: batch_norm, then ``self.drop``, then ``self.act``; ``ops.is_norm_act``) is a
 container whose norm function call is the layer's own call (``blocks.0.bn1``, a ``bn``) and whose
 children are calls of their own (``blocks.0.bn1.act``); an ``nn.Identity`` child is none.  A
