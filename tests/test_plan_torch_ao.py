@@ -210,7 +210,63 @@ def test_fx_plan_goes_back_to_prepare_fx_and_imports_as_planned():
         assert point.spec == other.spec and torch.equal(point.scale, other.scale), name
 
 
-def test_a_native_checkpoint_or_pt2e_is_refused():
+def _pt2e_ptq(model, batches, quantizer):
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    graph = torch.export.export(copy.deepcopy(model).eval(), (batches[0],), strict=True).module()
+    return _observed(prepare_pt2e(graph, quantizer), batches)
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning", "ignore:XNNPACKQuantizer is deprecated")
+def test_pt2e_plan_goes_back_to_the_quantizer_and_imports_as_planned():
+    pytest.importorskip("torchao", reason="PT2E lives in torchao: pip install 'qdebug[torchao]'")
+    from qdebug.interop.pt2e import import_torchao
+    from qdebug.zoo import ResNet
+    from small_models import randomize_bn
+
+    import_torchao()  # quietly
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+    from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+
+    torch.manual_seed(0)
+    # the x86 quantizer refuses interop_zoo's resnet (a conv partition with two outputs): qdebug's own
+    float_model = randomize_bn(ResNet(layers=[1, 1], widths=[8, 16], num_classes=10, stem="small"), 1).eval()
+    batches = [torch.randn(4, 3, 16, 16) for _ in range(3)]
+    config = get_default_x86_inductor_quantization_config()
+    first = from_torch_ao(_pt2e_ptq(float_model, batches, X86InductorQuantizer().set_global(config)), batches[0],
+                          float_model=copy.deepcopy(float_model))
+    frame = torch_ao_plan(first, FX_PLAN)
+    assert frame.attrs["meta"]["flow"] == "pt2e" and frame.attrs["meta"]["qat"] is False
+    relu = frame[frame["point"] == "layer1.0.relu"].iloc[0]
+    assert not relu["expressible"] and "PT2E quantizer gives a module's nodes one config" in relu["reason"]
+    namespace: dict = {}
+    exec(compile(python_source(frame), "plan_torch_ao.py", "exec"), namespace)  # our own generated module
+    assert namespace["LAYERS"] == ["layer1.0.conv1", "layer2.0.conv2"]
+    quantizer = namespace["PlanQuantizer"](X86InductorQuantizer().set_global(config))
+    again = from_torch_ao(_pt2e_ptq(float_model, batches, quantizer), batches[0],
+                          float_model=copy.deepcopy(float_model))
+    changes = {"layer1.0.conv1.weight": {"bits": 16}, "layer2.0.conv2.weight": {"bits": 16}}
+    _check_round_trip(first, again, changes, float_model, batches)
+    # XNNPACK's quantizer, QAT (conv-BN folded after annotation): the plan's weights get int16 fake quants.
+    xnn = get_symmetric_quantization_config(is_per_channel=True, is_qat=True)
+    graph = torch.export.export(copy.deepcopy(float_model).train(), (batches[0],), strict=True).module()
+    prepared = prepare_qat_pt2e(graph, namespace["PlanQuantizer"](XNNPACKQuantizer().set_global(xnn)))
+    prepared(batches[0])
+    pt2e = import_torchao()
+    pt2e.move_exported_model_to_eval(prepared)
+    prepared.apply(pt2e.disable_observer)
+    qat = from_torch_ao(prepared, batches[0], float_model=copy.deepcopy(float_model))
+    assert {n for n, p in engine_state(qat).points.items() if p.spec.bits == 16} == set(changes)
+    doc = json.loads(json_document(frame))
+    assert doc["meta"]["flow"] == "pt2e" and "annotations" in doc["meta"]["base"]
+    assert [r["module_name"] for r in doc["rows"] if r["expressible"]] == ["layer1.0.conv1", "layer2.0.conv2"]
+
+
+def test_a_native_checkpoint_or_another_flow_is_refused():
     from qdebug.engine import QConfig, prepare
     from qdebug.interop.build import FLOW_ATTR
 
@@ -218,8 +274,8 @@ def test_a_native_checkpoint_or_pt2e_is_refused():
     with pytest.raises(QDebugError, match="needs a model imported from torch.ao"):
         check_imported(prepare(copy.deepcopy(float_model), QConfig(), example_inputs=batches[0]))
     first = from_torch_ao(_eager_ptq(float_model, batches), batches[0])
-    setattr(engine_state(first), FLOW_ATTR, "pt2e")
-    with pytest.raises(QDebugError, match="imported from pt2e"):
+    setattr(engine_state(first), FLOW_ATTR, "onnx")
+    with pytest.raises(QDebugError, match="imported from onnx"):
         torch_ao_plan(first, EAGER_PLAN)
 
 

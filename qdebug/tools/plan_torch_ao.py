@@ -9,12 +9,18 @@ flow takes, through the import report (torch quantizer -> engine point), inverte
   layer whose ``weight_fake_quant`` (PTQ: ``qconfig.weight()``) quantizes the weight;
 - FX (``prepare_fx``/``prepare_qat_fx``): a ``QConfigMapping`` on the backend default with
   ``set_module_name(layer, qconfig)`` per weight point (prepare accepts a wider weight with
-  torch's own backend configs).
+  torch's own backend configs);
+- PT2E (``prepare_pt2e``/``prepare_qat_pt2e``): ``PlanQuantizer(quantizer)`` wraps the user's
+  own quantizer and, after it annotated, gives the plan's layers' weights (the ``get_attr``
+  of ``<layer>.weight`` a node's annotation quantizes) a wider spec; nothing else changes
+  (a quantizer's per-module config would: the x86 quantizer leaves a conv with its own
+  config out of its conv-add-relu patterns, so other activations move).
 
 What torch cannot express is a row with ``expressible`` False and the reason, never dropped:
-an FX activation (FX gives a node one activation qconfig for its inputs and its output: at
-int16 it re-quantizes the node's inputs at 16 bits too, and an 8-bit reader observes the
-value again at 8 bits -- never the plan), a point torch does not quantize, a quantizer
+an FX or PT2E activation (FX gives a node one activation qconfig for its inputs and its
+output, a PT2E quantizer one config per module for its nodes' inputs and outputs: at int16
+the node's inputs are quantized at 16 bits too, and an 8-bit reader quantizes the value
+again at 8 bits -- never the plan), a point torch does not quantize, a quantizer
 shared with points the plan leaves at their width (a module called twice), a quantizer
 inside a module torch.ao swaps in at ``prepare`` (LSTM, MHA internals), a smaller group.
 
@@ -39,7 +45,8 @@ from qdebug.errors import QDebugError
 COLUMNS = ["point", "tensor", "module_name", "source", "dtype", "quant_min", "quant_max", "expressible", "reason",
            "engine_points"]
 MAPPED = ("exact", "moved", "frozen")  # report statuses of a torch quantizer that computes the engine point
-FLOWS = {"eager": "eager", "eager-converted": "eager", "fx": "fx", "fx-converted": "fx"}
+FLOWS = {"eager": "eager", "eager-converted": "eager", "fx": "fx", "fx-converted": "fx", "pt2e": "pt2e",
+         "pt2e-converted": "pt2e"}
 SUFFIXES = (".activation_post_process", ".weight_fake_quant", ".qconfig.weight()")
 
 
@@ -50,9 +57,9 @@ def int16_range(bits: int) -> tuple[int, int]:
 
 
 def check_imported(model: nn.Module) -> str:
-    """The torch.ao flow (eager or fx) ``model`` was imported from, or the error saying why a
-    plan cannot go back to one: a native checkpoint (qdebug's own qconfig, no torch quantizer:
-    module names alone would not say which torch observer or qconfig slot a point is), PT2E."""
+    """The torch.ao flow (eager, fx or pt2e) ``model`` was imported from, or the error saying why
+    a plan cannot go back to one: a native checkpoint (qdebug's own qconfig, no torch quantizer:
+    module names alone would not say which torch observer or qconfig slot a point is)."""
     from qdebug.interop.build import FLOW_ATTR, REPORT_ATTR
 
     state = engine_state(model)
@@ -64,9 +71,8 @@ def check_imported(model: nn.Module) -> str:
                           "apply the plan with qdebug calibrate --qconfig plan.toml, or import your torch.ao model "
                           "(qdebug import) and run suggest on the import")
     if flow not in FLOWS:
-        raise QDebugError(f"--to torch-ao writes eager and FX configs; this model was imported from {flow}",
-                          "apply the plan with qdebug calibrate --qconfig plan.toml (a PT2E quantizer config is "
-                          "not written yet)")
+        raise QDebugError(f"--to torch-ao writes eager, FX and PT2E configs; this model was imported from {flow}",
+                          "apply the plan with qdebug calibrate --qconfig plan.toml")
     return FLOWS[flow]
 
 
@@ -140,10 +146,11 @@ def _locate(row: dict, c: Any, flow: str, by_point: dict, by_source: dict, modul
     if missing:
         row["reason"] = f"torch quantizes nothing at {', '.join(missing)} (the engine point has no torch quantizer)"
         return
-    if c.kind == "activation" and flow == "fx":
-        row["reason"] = ("FX gives a node one activation qconfig for its inputs and its output: at int16 it "
-                         "re-quantizes the node's inputs at 16 bits too, and an 8-bit reader observes the value "
-                         "again at 8 bits (not this plan)")
+    if c.kind == "activation" and flow in ("fx", "pt2e"):
+        row["reason"] = (("FX gives a node one activation qconfig for its inputs and its output" if flow == "fx"
+                          else "a PT2E quantizer gives a module's nodes one config for their inputs and outputs") +
+                         ": at int16 it re-quantizes the node's inputs at 16 bits too, "
+                         "and an 8-bit reader quantizes the value again at 8 bits (not this plan)")
         return
     # Every engine point a raised quantizer serves must be in the plan: torch cannot raise one call alone.
     served = sorted({r["point"] for s in sources for r in by_source.get(s, []) if r["kind"] == c.kind} - set(c.points))
@@ -186,28 +193,34 @@ def _not_expressible_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def python_source(frame: pd.DataFrame) -> str:
-    """The rows as a Python module: ``apply_qconfigs(model)`` (eager) or ``qconfig_mapping()`` (FX),
-    on the backend's default qconfig; names are Python literals (``repr``), reasons escaped comments."""
+    """The rows as a Python module: ``apply_qconfigs(model)`` (eager), ``qconfig_mapping()`` (FX)
+    on the backend's default qconfig, or ``PlanQuantizer(quantizer)`` (PT2E) around the user's
+    own quantizer; names are Python literals (``repr``), reasons escaped comments."""
     meta = frame.attrs["meta"]
     flow, qat = meta["flow"], meta["qat"]
+    suffix = {"eager": "", "fx": "_fx", "pt2e": "_pt2e"}[flow]
     lines = [f'"""qdebug suggest\'s plan for torch.ao {flow} mode: {meta["expressible"]} tensor(s) at '
-             f'{meta["bits"]} bits (generated by qdebug suggest --to torch-ao)."""', "",
-             "import torch", "from torch.ao.quantization import QConfig"]
+             f'{meta["bits"]} bits (generated by qdebug suggest --to torch-ao)."""', "", "import torch"]
     if flow == "fx":
-        lines += ["from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping",
-                  ]
+        lines += ["from torch.ao.quantization import QConfig",
+                  "from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping"]
+    elif flow == "eager":
+        lines += ["from torch.ao.quantization import QConfig",
+                  "from torch.ao.quantization import get_default_qat_qconfig, get_default_qconfig"]
     else:
-        lines.append("from torch.ao.quantization import get_default_qat_qconfig, get_default_qconfig")
-    lines += ["", f"QAT = {qat!r}  # the flow the plan was found on: prepare_qat{'_fx' if flow == 'fx' else ''} "
-                  f"(True) or prepare{'_fx' if flow == 'fx' else ''} (False)"]
+        lines.insert(2, "import dataclasses")
+    lines += ["", f"QAT = {qat!r}  # the flow the plan was found on: prepare_qat{suffix} (True) or "
+                  f"prepare{suffix} (False)"]
     skipped = _not_expressible_lines(frame)
     if skipped:
         lines += ["# Not expressible in torch.ao (not in this config):", *skipped]
+    modules = _modules(frame)
+    if flow == "pt2e":
+        return "\n".join(lines + _pt2e_lines(meta, modules))
     lines += ["", "", "def _wider(factory):",
               f'    """The slot\'s own observer or fake quant at {meta["bits"]} bits."""',
               f"    return factory.with_args(dtype={meta['dtype']}, quant_min={meta['quant_min']}, "
               f"quant_max={meta['quant_max']}, reduce_range=False)", ""]
-    modules = _modules(frame)
 
     def qconfig(tensors: set[str]) -> str:
         act = "_wider(base.activation)" if "activation" in tensors else "base.activation"
@@ -239,17 +252,53 @@ def python_source(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _pt2e_lines(meta: dict, modules: dict[str, set[str]]) -> list[str]:
+    """PT2E's part of ``python_source``: the layers, and a quantizer that wraps the user's own and
+    widens those layers' weight specs after it annotated (only weights are expressible there)."""
+    return ["", "from torchao.quantization.pt2e.quantizer import Quantizer", "",
+            f"LAYERS = {sorted(modules)!r}  # their weights at {meta['bits']} bits", "", "",
+            "def wider(spec):",
+            f'    """A weight QuantizationSpec at {meta["bits"]} bits: prepare builds the observer or fake quant',
+            '    from the spec\'s dtype and range."""',
+            f"    return dataclasses.replace(spec, dtype={meta['dtype']}, quant_min={meta['quant_min']}, "
+            f"quant_max={meta['quant_max']})", "", "",
+            "class PlanQuantizer(Quantizer):",
+            '    """``quantizer``\'s annotations, the plan\'s layers\' weights wider: for prepare_pt2e /',
+            "    prepare_qat_pt2e in place of ``quantizer``.  Nothing else changes (a quantizer's own",
+            "    per-module config would: the x86 quantizer then drops the layer from its conv-add-relu",
+            '    patterns)."""', "",
+            "    def __init__(self, quantizer):",
+            "        super().__init__()",
+            "        self.quantizer = quantizer", "",
+            "    def transform_for_annotation(self, model):",
+            "        return self.quantizer.transform_for_annotation(model)", "",
+            "    def annotate(self, model):",
+            "        model = self.quantizer.annotate(model)",
+            "        weights = {f\"{path}.weight\" for path in LAYERS}",
+            "        for node in model.graph.nodes:",
+            "            annotation = node.meta.get(\"quantization_annotation\")",
+            "            for source, spec in list(getattr(annotation, \"input_qspec_map\", {}).items()):",
+            "                if source.op == \"get_attr\" and source.target in weights and spec is not None:",
+            "                    annotation.input_qspec_map[source] = wider(spec)",
+            "        return model", "",
+            "    def validate(self, model):",
+            "        return self.quantizer.validate(model)", ""]
+
+
 def json_document(frame: pd.DataFrame) -> str:
     """The rows as JSON: ``meta`` (flow, qat, bits, dtype, quant range, the default it builds on)
     and ``rows`` (``COLUMNS``), not-expressible rows included."""
     meta = dict(frame.attrs["meta"])
-    fx = meta["flow"] == "fx"
-    meta["base"] = ("torch.ao.quantization.get_default_qat_qconfig_mapping(backend)" if meta["qat"] else
-                    "torch.ao.quantization.get_default_qconfig_mapping(backend)") if fx else (
-        "torch.ao.quantization.get_default_qat_qconfig(backend)" if meta["qat"] else
-        "torch.ao.quantization.get_default_qconfig(backend)")
+    qat = meta["qat"]
+    meta["base"] = {
+        "fx": f"torch.ao.quantization.get_default_{'qat_' if qat else ''}qconfig_mapping(backend)",
+        "eager": f"torch.ao.quantization.get_default_{'qat_' if qat else ''}qconfig(backend)",
+        "pt2e": "your quantizer's annotations, each row's <module_name>.weight spec replaced",
+    }[meta["flow"]]
     meta["observer"] = (f"the slot's own: with_args(dtype={meta['dtype']}, quant_min={meta['quant_min']}, "
-                        f"quant_max={meta['quant_max']}, reduce_range=False)")
+                        f"quant_max={meta['quant_max']}, reduce_range=False)") if meta["flow"] != "pt2e" else (
+        f"the annotation's weight QuantizationSpec with dtype={meta['dtype']}, quant_min={meta['quant_min']}, "
+        f"quant_max={meta['quant_max']}")
     rows = [{k: (bool(v) if k == "expressible" else int(v) if k in ("quant_min", "quant_max") else v)
              for k, v in row.items()} for row in frame.to_dict("records")]
     return json.dumps({"meta": meta, "rows": rows}, indent=2)
