@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from qdebug.tools.nan_trace import plain_float_model, trace_steps
 from qdebug.tools.nan_watch import NonFiniteError, Watch
 
 from small_models import SMALL_MOBILENETV2, SMALL_RESNET
-from user_project import clean_imports
+from user_project import clean_imports, user_module
 
 
 def _data(n: int = 8, seed: int = 0, size: int = 16) -> list[Batch]:
@@ -597,12 +596,8 @@ def leaves(model, batch):
 
 
 def test_cli_user_module_train_function_and_float_check_on_its_plain_architecture(cli, tmp_path):
-    pkg = tmp_path / "nanpkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "nets.py").write_text(NANPKG)
-    sys.path.insert(0, str(tmp_path))
     with clean_imports(tmp_path):
+        user_module(tmp_path, "nanpkg", "nets", NANPKG)
         from nanpkg.nets import DivideByBnFactor as DivNet
 
         torch.manual_seed(0)

@@ -44,6 +44,17 @@ def write_package(root: Path, name: str = "mypkg", *, marker: Path | None = None
     return pkg
 
 
+def user_module(root: Path, package: str, module: str, source: str) -> Path:
+    """``root/package/__init__.py`` and ``root/package/module.py`` holding ``source``, with ``root``
+    on ``sys.path`` (use inside ``clean_imports(root)``, which takes it off again)."""
+    pkg = root / package
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(root))
+    return pkg
+
+
 def forget(name: str) -> None:
     """Drop ``name`` and its submodules from ``sys.modules``."""
     for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:

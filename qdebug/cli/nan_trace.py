@@ -161,12 +161,24 @@ def _bundle(info, path: str) -> dict:
         "seed": lambda v: isinstance(v, int) and not isinstance(v, bool) and SEED_RANGE[0] <= v <= SEED_RANGE[1],
         "optimizer_state": lambda v: isinstance(v, dict) and set(v) <= {"state", "param_groups"},
         "rng_state": lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1,
+        "diagnosis": _run_record_ok,
     }
     for key, ok in checks.items():
         if key in found and found[key] is not None and not ok(found[key]):
             raise QDebugError(f"{path}: the repro bundle's {key} is damaged ({type(found[key]).__name__})",
                               "trace the original checkpoint again to write a new bundle")
     return found
+
+
+def _run_record_ok(value: Any) -> bool:
+    """A bundle's record of the run's finding (``qdebug.tools.nan_trace.run_record``): every key,
+    text as text (shown escaped), counts as non-negative ints."""
+    from qdebug.tools.nan_trace import RUN_COUNT_KEYS, RUN_TEXT_KEYS
+
+    return isinstance(value, dict) and set(value) == set(RUN_TEXT_KEYS + RUN_COUNT_KEYS) \
+        and all(isinstance(value[k], str) for k in RUN_TEXT_KEYS) \
+        and all(isinstance(value[k], int) and not isinstance(value[k], bool) and 0 <= value[k] < 2**63
+                for k in RUN_COUNT_KEYS)
 
 
 @app.command(
@@ -241,7 +253,7 @@ def nan_trace(
     out = prepare_out(out)
     trainer = _trainer(train)
 
-    from qdebug.tools.nan_trace import trace_steps
+    from qdebug.tools.nan_trace import against_run, trace_steps
 
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, command="nan-trace")
     if info.stage == "quantized" and steps:
@@ -268,16 +280,18 @@ def nan_trace(
                              lr=settings["lr"], seed=settings["seed"], train=trainer,
                              optimizer_state=bundle.get("optimizer_state"), rng_state=bundle.get("rng_state"),
                              float_model=float_net, float_kind=float_kind, progress=lambda n, t: advance(n, t))
-    first = result.first
+    run = bundle.get("diagnosis")  # a replay: the run that wrote the bundle had the history this step lacks
+    first = result.first = against_run(result.first, run, len(result.timeline)) if run else result.first
     meta = {**result.meta, "checkpoint": path, "stage": info.stage, "found": first is not None,
-            "steps_run": result.steps_run, "train": train}
+            "steps_run": result.steps_run, "train": train,
+            "replay_of": {"step": run["step"], "cause": run["cause"]} if run else None}
     files: list[Path] = []
     repro = ""
     if out is not None:
         from qdebug.report.plots import plot_nan_timeline
 
         if first is not None:
-            files += _write_bundle(out, net, info, result, settings, train)
+            files += _write_bundle(out, net, info, result, settings, train, run)
             repro = _repro_command(out.final, steps, train, model, device)
         else:  # a bundle of an earlier run in this folder would contradict this one
             out.drop_stale("before.pt", "batch.pt")
@@ -292,6 +306,10 @@ def nan_trace(
         else:
             what = f"{result.steps_run} step(s)" if steps else f"{result.steps_run} forward pass(es)"
             say(f"all finite: {what} without a NaN or Inf (forward{', backward and update' if steps else ''})")
+            if run:  # a replay that does not reproduce its run says so, never silently
+                say(f"note: the run that wrote this bundle found {run['cause']} at {run['layer']} ({run['phase']} of "
+                    f"its step {run['step']}); this replay stayed finite: the step does not reproduce here "
+                    "(another device, or the loss or data differ from the run's)")
         for seen in result.meta.get("contained") or []:
             what = seen["what"].replace("_", " ")
             say(f"note: a non-finite {what} at {seen['layer']} (first in step {seen['step']}) "
@@ -317,20 +335,25 @@ def nan_trace(
         raise typer.Exit(1)
 
 
-def _write_bundle(out: "StagedDir", net, info, result, settings: dict, train: Optional[str]) -> list[Path]:
-    """``before.pt`` (the model, optimizer and RNG state before the failing step) and
-    ``batch.pt`` (the failing batch): ``--steps 1`` on them reproduces the event."""
+def _write_bundle(out: "StagedDir", net, info, result, settings: dict, train: Optional[str],
+                  run: Optional[dict] = None) -> list[Path]:
+    """``before.pt`` (the model, optimizer and RNG state before the failing step, and the run's
+    diagnosis) and ``batch.pt`` (the failing batch): ``--steps 1`` on them reproduces the event.
+    A replay's bundle keeps the diagnosis of the run it replays (``run``) when it agreed."""
     import torch
 
     from qdebug.atomic import atomic_path
     from qdebug.checkpoint import save
     from qdebug.device import to_device
+    from qdebug.tools.nan_trace import run_record
 
     snapshot, batch = result.snapshot, result.failing_batch
     net.load_state_dict(snapshot.model_state)
     bundle = {"optimizer": settings["optimizer"], "lr": settings["lr"],
               "loss": "train" if train else settings["loss"], "seed": settings["seed"],
-              "step": snapshot.step, "batch": snapshot.batch, "rng_state": snapshot.rng_state}
+              "step": snapshot.step, "batch": snapshot.batch, "rng_state": snapshot.rng_state,
+              "diagnosis": run if run and run["cause"] == result.first["cause"] else
+              run_record(result.first, len(result.timeline))}
     if snapshot.optimizer_state is not None and result.meta.get("steps"):
         bundle["optimizer_state"] = to_device(snapshot.optimizer_state, "cpu")  # a file that loads anywhere
     stage = info.stage

@@ -30,7 +30,7 @@ from qdebug.engine.context import Call, ForwardContext, active_context, run_mode
 from qdebug.engine.embedding import QEmbedding, quantizable_embedding
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.members import member_name, split_name
-from qdebug.engine.modules import QConv, QLinear, _QWeighted, folded_placeholder
+from qdebug.engine.modules import QConv, QLinear, _QWeighted, bn_scale_factor, folded_placeholder
 from qdebug.engine.norm_input import norm_input_aliases
 from qdebug.engine.observers import merge_ranks
 from qdebug.engine.ops import VALUE_CATEGORIES, fallback_reason
@@ -241,6 +241,10 @@ def prepare(
         conv.attach_bn(bn, "with_bn" if bn_mode == "fused" else bn_mode)
         if bn_mode == "fused":
             _absorb_pair(qm, conv_path, bn_path)
+        elif invalid := _invalid_statistics(bn):
+            warnings.warn(f"qdebug: BatchNorm {escaped(bn_path)}: {invalid}: every eval forward "
+                          "through it (calibration, evaluation) is NaN there; recompute its statistics in the float "
+                          "model", stacklevel=2)
 
     table = PointTable()
     state = EngineState(plan, qconfig, mode, table)
@@ -336,10 +340,37 @@ def _sequential_without_points(cls: type) -> type:
 def _absorb_pair(qm: nn.Module, conv_path: str, bn_path: str) -> None:
     conv = qm.get_submodule(conv_path)
     bn = conv.bn
+    invalid = _invalid_statistics(bn)
+    if invalid:
+        raise QDebugError(f"BatchNorm {bn_path} cannot be folded into {conv_path}: {invalid} and would fold to NaN "
+                          "weights", f"recompute {bn_path}'s statistics in the float model (bn.reset_running_stats(), "
+                          "then training-mode forwards on clean data) and prepare it again; qdebug inspect lists "
+                          "every such BatchNorm")
     conv.absorb()
     placeholder = folded_placeholder(bn, conv_path)  # a norm-act layer keeps its activation
     placeholder.train(bn.training)
     _replace_modules(qm, lambda path, m: placeholder if m is bn else None)
+
+
+def _invalid_statistics(bn: nn.Module) -> str:
+    """The channels of ``bn`` whose statistics no eval forward or fold survives, as a phrase ("" if
+    none): a running_var + eps <= 0 (a negative variance) or a NaN statistic makes
+    gamma / sqrt(running_var + eps) NaN.  Folding it (fuse_bn, absorb_bn) is refused: it would
+    write NaN into whole output channels of the conv, silently, which nothing after repairs --
+    calibrate then fails far from the cause ("no scale yet"), and preparing the same float
+    checkpoint again folds the same NaN.  A BN kept beside its conv (with_bn,
+    with_bn_reverse_fold) is only warned about: training forwards normalize with the batch's
+    statistics and re-estimate the running ones, but every eval forward is NaN there."""
+    if getattr(bn, "running_var", None) is None or getattr(bn, "running_mean", None) is None:
+        return ""  # no running statistics (track_running_stats=False): nothing to fold or to normalize with
+    with torch.no_grad():
+        bad = ~torch.isfinite(bn_scale_factor(bn)) | ~torch.isfinite(bn.running_mean)
+    if not bool(bad.any()):
+        return ""
+    channels = [int(c) for c in bad.nonzero().reshape(-1)]
+    shown = ", ".join(map(str, channels[:8])) + (" ..." if len(channels) > 8 else "")
+    return (f"channel(s) {shown} have invalid statistics (running_var {bn.running_var[channels[0]].item():g} in "
+            f"channel {channels[0]}: sqrt(running_var + eps) is not a positive number)")
 
 
 def name_matches(pattern: str, name: str) -> bool:

@@ -4,8 +4,9 @@ Returns DataFrames: ``layers`` (one row per call of the traced forward:
 weight/activation dtype and granularity, scale range, call count), ``checks``
 (one row per finding, with a severity): unfused Conv-BN, shared module (called
 more than once), dead module (never called), zero/NaN/Inf scale, uninitialised
-observer, float-fallback op, non-finite weights, a torch quantizer an imported model
-could not map; and ``imports``: the import report of a model imported from torch.ao
+observer, float-fallback op, non-finite weights, BatchNorm statistics that break an eval
+forward or a fold (negative, NaN or zero variance, zero gamma), a torch quantizer an
+imported model could not map; and ``imports``: the import report of a model imported from torch.ao
 (``qdebug.interop``; empty for others).
 """
 
@@ -121,6 +122,7 @@ def inspect_model(model: nn.Module, *, stage: str = "float", example_inputs: Any
                        "detail": "no sample inputs: inline ops, shared and dead modules are not shown (pass --data)"})
     _point_checks(points, checks)
     _weight_checks(model, checks)
+    _bn_checks(model, checks)
     _import_checks(imports, checks)
     layers = pd.DataFrame(rows, columns=LAYER_COLUMNS)
     check_frame = pd.DataFrame(checks, columns=CHECK_COLUMNS)
@@ -229,3 +231,36 @@ def _weight_checks(model: nn.Module, checks: list) -> None:
         if bad:
             checks.append({"severity": "error", "layer": name, "check": "non-finite weights",
                            "detail": f"{bad} of {param.numel()} values are NaN/Inf"})
+
+
+# What each invalid BatchNorm statistic does, keyed by the check's name (docs/inspect.md).
+BN_STATISTICS = {
+    "negative BN variance": "sqrt(running_var + eps) is NaN there: every eval forward, and folding the BN "
+                            "(fuse_bn), gives NaN",
+    "non-finite BN statistics": "an eval forward and a fold (fuse_bn) carry the NaN/Inf into the output",
+    "zero BN variance": "the channel was constant on the data it saw; folding multiplies its weights by "
+                        "gamma / sqrt(eps), an outlier for a per-tensor weight scale",
+    "zero BN gamma": "the channel's output is its constant beta; a Conv-BN that divides by the BN factor "
+                     "gamma / sqrt(var + eps) (torch.ao's fused ConvBn2d, pytorch#85744) computes 0 / 0 = NaN there",
+}
+
+
+def _bn_checks(model: nn.Module, checks: list) -> None:
+    """BatchNorm statistics that turn into NaN (or outliers) in an eval forward or a fold: each a
+    warning naming the BN and its channels (a placeholder of a folded BN has none left)."""
+    for name, bn in model.named_modules():
+        if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or bn.running_var is None:
+            continue
+        var, mean = bn.running_var.detach(), bn.running_mean.detach()
+        masks = {"negative BN variance": var < 0,
+                 "non-finite BN statistics": ~torch.isfinite(var) | ~torch.isfinite(mean),
+                 "zero BN variance": var == 0,
+                 "zero BN gamma": bn.weight.detach() == 0 if bn.weight is not None else torch.zeros_like(var).bool()}
+        for check, mask in masks.items():
+            channels = [int(c) for c in mask.nonzero().reshape(-1)]
+            if not channels:
+                continue
+            shown = ", ".join(map(str, channels[:8])) + (" ..." if len(channels) > 8 else "")
+            low = f" (min {float(var.min()):g})" if check == "negative BN variance" else ""
+            checks.append({"severity": "warning", "layer": name, "check": check,
+                           "detail": f"channel(s) {shown} of {var.numel()}{low}: {BN_STATISTICS[check]}"})

@@ -4,16 +4,21 @@
 that holds as ``Diagnosis(cause, detail, fix)`` (docs/nan_trace.md lists the same rules):
 
 1. ``input``: the batch itself holds NaN/Inf (which samples).
-2. ``weights``: a parameter was already non-finite when the step began (as loaded, or
-   since the update of an earlier step).
+2. ``bn_fold``: a conv's parameter was non-finite when the step began in whole output
+   channels, and a BatchNorm was folded into that conv (fuse_bn): the fold's factor
+   gamma / sqrt(running_var + eps) was NaN there (a negative variance), not training.
+   ``weights``: any other parameter already non-finite when the step began (as loaded,
+   or since the update of an earlier step).
 3. ``scale``: a quant point's scale is NaN, Inf, <= 0 or subnormal, or its zero point
    is off its integer range (an observer's update, a learned scale driven <= 0, or as
    loaded).
 4. ``bn_variance``: a BatchNorm in the failing call's module has a negative or NaN
    running_var (sqrt(var + eps) is NaN).
-5. ``bn_zero_weight``: the failing call divides, and a BatchNorm in its module has
-   gamma = 0 channels: a forward dividing by the BN factor gamma / sqrt(var + eps)
-   computes 0 / 0 there (torch's old ConvBn2d bug).
+5. ``bn_zero_weight``: a BatchNorm has gamma = 0 channels and the failing call divides by
+   its factor gamma / sqrt(var + eps), computing 0 / 0 there: an inline division in the
+   BN's module, torch.ao's fused QAT Conv-BN modules (``ConvBn1d/2d/3d``,
+   ``ConvBnReLU1d/2d/3d``: their default forward divides, pytorch#85744), or any module
+   holding that BN as ``.bn`` whose output is non-finite in exactly those channels.
 6. ``range_collapse`` (seed 000): in the steps before, an activation point clipped
    more than ``SATURATED`` of its input in most steps while the largest weight of the
    layers feeding it grew at least ``GROWTH`` times: a range far below the data's,
@@ -21,13 +26,21 @@ that holds as ``Diagnosis(cause, detail, fix)`` (docs/nan_trace.md lists the sam
 7. ``gradient_explosion``: the gradient norm grew at least ``GROWTH`` times over the
    last steps, step over step, before the value appeared: the growth per step, the
    layer whose gradient grew most, and the lr.
+   ``grown_weights``: a parameter had grown past ``HUGE_WEIGHT`` before the step:
+   whatever op meets such values overflows, and guarding that op would not help.  It
+   needs no history, so a one-step replay says it too, with what it cannot know.
 8. ``op_domain``: a forward op with a restricted domain (log, sqrt, rsqrt, div, pow,
    reciprocal, acos, ...) created the value from finite inputs outside that domain.
 9. ``backward_op``: a finite forward whose backward created the value (sqrt at 0: an
-   infinite derivative).
+   infinite derivative; for an op without a singular derivative, values too large).
 10. ``overflow``: finite inputs, an output beyond the dtype's range (fp16's 65504
     under autocast, an optimizer update past float32's 3.4e38).
 11. ``unknown``: none of the above holds; the finding still says where.
+
+A fix that guards an op's input (a clamp, an eps, a mask) names the quant point its
+input comes through, if any: an int8 point between the guard and the op rounds small
+values back to 0 (``torch.where(y > 0, y, 100)`` quantized before ``log``).  No text
+points at a repro bundle: the context manager (``nan_guard``) writes none.
 """
 
 from __future__ import annotations
@@ -39,10 +52,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from qdebug.engine import engine_state, is_prepared
 from qdebug.tools.nan_watch import Finding, finite
 
 SATURATED = 0.9  # a point clipping more than this fraction of its input is saturated
 GROWTH = 10.0  # weights or gradient norms growing this many times is growth, not noise
+HUGE_WEIGHT = 1e10  # no trained parameter is this large: a runaway update made it
 DOMAIN_OPS = {
     "log": "x > 0", "log2": "x > 0", "log10": "x > 0", "log1p": "x > -1", "sqrt": "x >= 0", "rsqrt": "x > 0",
     "div": "a divisor != 0", "truediv": "a divisor != 0", "rtruediv": "a divisor != 0", "true_divide": "a divisor != 0",
@@ -118,8 +133,6 @@ class Diagnosis:
 def evidence_for(model: nn.Module, **known: Any) -> Evidence:
     """``Evidence`` about ``model`` plus what the caller knows; for an engine model, which
     scales are learned and which weights feed each activation point."""
-    from qdebug.engine import engine_state, is_prepared
-
     ev = Evidence(model, **known)
     if is_prepared(model):
         state = engine_state(model)
@@ -133,8 +146,9 @@ def evidence_for(model: nn.Module, **known: Any) -> Evidence:
 
 
 def diagnose(f: Finding, ev: Evidence) -> Diagnosis:
-    for rule in (_nondeterministic, _input, _weights, _scale_as_set, _bn_variance, _bn_zero_weight, _half_overflow,
-                 _range_collapse, _gradient_explosion, _scale, _op_domain, _backward_op, _overflow):
+    for rule in (_nondeterministic, _input, _bn_fold, _weights, _scale_as_set, _bn_variance, _bn_zero_weight,
+                 _half_overflow, _range_collapse, _gradient_explosion, _grown_weights, _scale, _op_domain,
+                 _backward_op, _overflow):
         found = rule(f, ev)
         if found is not None:
             return found
@@ -142,8 +156,10 @@ def diagnose(f: Finding, ev: Evidence) -> Diagnosis:
         return Diagnosis("unknown", "every tensor of the model was finite, but the loss was not",
                          "check the targets (NaN/Inf, class indices out of range) and the loss function (a log of 0, "
                          "a division by a zero count)")
+    # No repro bundle is named here: the context manager writes none (the CLI prints its own repro line).
     return Diagnosis("unknown", f"{f.op} {'created' if f.created else 'passed on'} the value in the {f.phase}; "
-                     "no rule explains it", f"re-run the repro bundle under --debug and inspect {f.layer}")
+                     "no rule explains it", f"inspect {f.layer} in the failing step: the finding's inputs give the "
+                     "ranges of its inputs, and its counts how many values went non-finite")
 
 
 # -- the rules, in order ------------------------------------------------------------------
@@ -176,6 +192,35 @@ def _nonfinite_samples(values: Any) -> list[int]:
             rows = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(1) if t.dim() else torch.ones(1, dtype=torch.bool)
             bad.update(int(i) for i in rows.nonzero().reshape(-1))
     return sorted(bad)
+
+
+def _bn_fold(f: Finding, ev: Evidence) -> Diagnosis | None:
+    """A folded conv's weight (or bias) non-finite in whole output channels when the step began:
+    the pattern a fold with a NaN factor gamma / sqrt(var + eps) leaves (W' = W f, b' = (b - mu) f
+    + beta).  Restarting from the float checkpoint folds the same NaN; its BatchNorm is the root."""
+    if f.what != "param" or f.phase != "forward" or not is_prepared(ev.model):
+        return None
+    bn = dict(engine_state(ev.model).plan.pairs).get(f.layer)
+    conv = dict(ev.model.named_modules()).get(f.layer)
+    if bn is None or getattr(conv, "bn_mode", None) != "fused" or f.tensor not in (f"{f.layer}.weight",
+                                                                                 f"{f.layer}.bias"):
+        return None
+    weight = conv.weight.detach()
+    rows = ~torch.isfinite(weight.reshape(weight.shape[0], -1))
+    whole = rows.all(1)
+    bias = conv.bias.detach() if conv.bias is not None else torch.zeros_like(whole, dtype=weight.dtype)
+    stray = (rows.any(1) | ~torch.isfinite(bias)) & ~whole  # a non-finite value outside the whole channels
+    if not bool(whole.any()) or bool(stray.any()):
+        return None
+    channels = [int(c) for c in whole.nonzero().reshape(-1)[:8]]
+    return Diagnosis("bn_fold", f"{f.layer}'s weights are non-finite in whole output channel(s) {channels}, the "
+                     f"mark of its folded BatchNorm {bn} (fuse_bn: W' = W gamma / sqrt(running_var + eps)): a "
+                     "negative or NaN running_var (or a NaN gamma) in those channels made the fold NaN; re-preparing "
+                     "the float checkpoint folds the same NaN",
+                     f"fix {bn}'s statistics in the float checkpoint (qdebug inspect warns on them: "
+                     "bn.reset_running_stats(), then training-mode forwards on clean data) and prepare it again "
+                     "(prepare now refuses such a BatchNorm, naming it); if they are finite there, an update made "
+                     "the NaN: restart from an earlier checkpoint")
 
 
 def _weights(f: Finding, ev: Evidence) -> Diagnosis | None:
@@ -262,18 +307,58 @@ def _bn_variance(f: Finding, ev: Evidence) -> Diagnosis | None:
                      "then freeze them (qdebug.engine.freeze_bn_stats)")
 
 
+def _zero_gamma(bn: nn.Module) -> torch.Tensor | None:
+    return None if bn.weight is None else bn.weight.detach() == 0
+
+
 def _bn_zero_weight(f: Finding, ev: Evidence) -> Diagnosis | None:
-    if f.phase != "forward" or not f.created or not _dividing(f.op):
+    if f.phase != "forward" or not f.created:
         return None
-    found = _bad_channels(_bn_modules(f, ev, scope=True),
-                          lambda bn: None if bn.weight is None else bn.weight.detach() == 0)
+    called = dict(ev.model.named_modules()).get(f.layer.split("#")[0])
+    if _torch_fused_conv_bn(called):
+        found = _bad_channels([(f"{f.layer.split('#')[0]}.bn", called.bn)], _zero_gamma)
+        if found is None:
+            return None
+        name, channels = found
+        return Diagnosis("bn_zero_weight", f"{f.layer} is torch.ao's fused {type(called).__name__}, whose forward "
+                         f"divides its conv output by the BN factor gamma / sqrt(var + eps) (pytorch#85744); {name}'s "
+                         f"gamma is 0 in channel(s) {channels}: 0 / 0 = NaN",
+                         f"switch {f.layer} to torch's exact two-pass forward, which handles gamma = 0 "
+                         f"({f.layer}._enable_slow_path_for_better_numerical_stability = True, before training), or "
+                         "prepare the float model with qdebug (with_bn_reverse_fold handles gamma = 0 exactly)")
+    if not _dividing(f.op) and not _nonfinite_in_exactly(f, getattr(called, "bn", None)):
+        return None
+    found = _bad_channels(_bn_modules(f, ev, scope=True), _zero_gamma)
     if found is None:
         return None
     name, channels = found
     return Diagnosis("bn_zero_weight", f"{f.layer} divides by the BN factor gamma / sqrt(var + eps) of {name}, whose "
                      f"gamma is 0 in channel(s) {channels}: 0 / 0 = NaN",
                      f"fold {name} with qdebug's with_bn_reverse_fold (it handles gamma = 0 exactly), or divide by "
-                     "torch.where(f == 0, 1, f) as torch's ConvBn2d does")
+                     "torch.where(f == 0, 1, f)")
+
+
+def _torch_fused_conv_bn(module: nn.Module | None) -> bool:
+    """torch.ao's fused QAT Conv-BN (ConvBn1d/2d/3d, ConvBnReLU1d/2d/3d) on its default
+    forward, which divides the conv output by the BN factor; its slow path does not."""
+    try:
+        from torch.ao.nn.intrinsic.qat.modules.conv_fused import _ConvBnNd
+    except ImportError:  # pragma: no cover - a torch without torch.ao's fused QAT modules
+        return False
+    return isinstance(module, _ConvBnNd) and not getattr(module, "_enable_slow_path_for_better_numerical_stability",
+                                                         False)
+
+
+def _nonfinite_in_exactly(f: Finding, bn: nn.Module | None) -> bool:
+    """The call's output is non-finite in exactly as many values as ``bn``'s gamma = 0 channels
+    hold (channels on dim 1): the mark of a forward dividing by the BN factor (a zero gamma
+    otherwise gives a constant channel, never NaN)."""
+    if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or len(f.shape) < 2 or f.shape[1] != bn.num_features:
+        return False
+    zero = _zero_gamma(bn)
+    if zero is None or not bool(zero.any()):
+        return False
+    return f.nan + f.posinf + f.neginf == f.numel // bn.num_features * int(zero.sum())
 
 
 def _bad_channels(bns: list[tuple[str, nn.Module]], mask_of) -> tuple[str, list[int]] | None:
@@ -353,6 +438,33 @@ def _gradient_explosion(f: Finding, ev: Evidence) -> Diagnosis | None:
         "(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))")
 
 
+def _grown_weights(f: Finding, ev: Evidence) -> Diagnosis | None:
+    """A parameter past ``HUGE_WEIGHT`` before the step: the op that overflowed on it is a
+    victim.  Needs no history (a one-step replay has none), and says what it cannot tell."""
+    if f.phase not in ("forward", "backward") or not f.created:
+        return None
+    params = [(n, p.detach()) for n, p in ev.model.named_parameters() if p.is_floating_point()]
+    if not params:
+        return None
+    maxima = torch.stack([m.float() for m in torch._foreach_norm([p for _, p in params], float("inf"))]).tolist()
+    largest = max(range(len(params)), key=lambda i: maxima[i])
+    name, value = params[largest][0], maxima[largest]
+    if not math.isfinite(value) or value < HUGE_WEIGHT:
+        return None
+    first = next((h.max_abs_weight for h in ev.history if h.max_abs_weight), None)
+    if first is not None:
+        how = (f"the largest |w| grew from {first:.3g} to {value:.3g} over the {len(ev.history)} step(s) before (no "
+               f"gradient-norm run explains it: look at the timeline's max_abs_weight and the lr"
+               f"{f' {ev.lr:g}' if ev.lr is not None else ''})")
+    else:
+        how = ("with no step before this one in view (a one-step replay, or the first step watched), what made them "
+               "grow -- an lr too high, an exploding gradient -- cannot be told here; the run that led to them can")
+    return Diagnosis("grown_weights", f"{f.layer} ({f.op}) overflowed in the {f.phase} on weights no training "
+                     f"should reach: {name} holds |w| = {value:.3g}; {how}",
+                     "lower the lr (or clip gradients) and restart from a checkpoint from before the weights grew; "
+                     f"guarding {f.op} would not help")
+
+
 def _op_domain(f: Finding, ev: Evidence) -> Diagnosis | None:
     op = _base_op(f.op)
     if f.phase != "forward" or not f.created or op not in DOMAIN_OPS:
@@ -368,7 +480,7 @@ def _op_domain(f: Finding, ev: Evidence) -> Diagnosis | None:
     found = "; ".join(facts) or "its inputs are finite but outside its domain"
     return Diagnosis("op_domain", f"{op} needs {DOMAIN_OPS[op]}: {found}",
                      f"clamp that input (e.g. x.clamp_min(1e-6) before {op}, or add an eps), or keep the op in "
-                     "float32 outside autocast")
+                     "float32 outside autocast" + _point_before(f, ev))
 
 
 def _backward_op(f: Finding, ev: Evidence) -> Diagnosis | None:
@@ -387,11 +499,49 @@ def _backward_op(f: Finding, ev: Evidence) -> Diagnosis | None:
         return Diagnosis("backward_op", f"the forward of {f.layer} ({op}) made NaN/Inf where a mask hid it from the "
                          f"output; the backward multiplies the mask's zero gradient by its derivative there "
                          f"(0 x Inf = NaN) and so created {target}",
-                         "mask the op's input, not its output: e.g. torch.sqrt(torch.where(c, x, 1)) inside "
-                         "torch.where(c, ..., 0)")
+                         f"mask the op's input, not its output: e.g. torch.{op}(torch.where(c, x, 1)) inside "
+                         "torch.where(c, ..., 0)" + (_QUANTIZED_MASK.format(op=op) if is_prepared(ev.model) else ""))
+    guard = SINGULAR_GUARDS.get(op)
+    if guard is None:  # a derivative without a singularity (conv, linear, mul): the values were too large
+        return Diagnosis("backward_op", f"the forward of {f.layer} ({op}) was finite, but its backward created "
+                         f"{target}: {why}",
+                         "scale the values its backward multiplies down: lower the lr or clip gradients "
+                         "(torch.nn.utils.clip_grad_norm_), or run it in float32 outside autocast")
     return Diagnosis("backward_op", f"the forward of {f.layer} ({op}) was finite, but its backward created {target}: "
-                     f"{why}", "guard the op (e.g. torch.sqrt(x + 1e-12), or x.clamp_min(1e-12) before it) so its "
-                     "derivative stays finite")
+                     f"{why}", f"guard the op (e.g. {guard}) so its derivative stays finite" + _point_before(f, ev))
+
+
+# How to keep a singular derivative finite, per op (backward_op's fix).
+SINGULAR_GUARDS = {"sqrt": "torch.sqrt(x + 1e-12)", "rsqrt": "torch.rsqrt(x + 1e-12)",
+                   "pow": "(x + 1e-12) ** p", "log": "torch.log(x.clamp_min(1e-12))",
+                   "div": "a / b.clamp_min(1e-12) for a positive divisor", "truediv":
+                   "a / b.clamp_min(1e-12) for a positive divisor"}
+_QUANTIZED_MASK = ("; in this quantized model the mask gets a quant point of its own (every op's output is "
+                   "quantized, a where's too), between it and {op}: it rounds small values back to 0 before {op} -- "
+                   "keep that point in float (a qconfig override naming it, with activation None) or give it more "
+                   "bits (qdebug inspect lists the names)")
+
+
+def _point_before(f: Finding, ev: Evidence) -> str:
+    """The quant point (in fake mode) on the input of ``f``'s op, as a clause for a fix that
+    guards that input: the point sits between any guard before it and the op, and rounds every
+    value below half its scale back to 0 (``torch.where(y > 0, y, 1)`` then ``log``)."""
+    if not is_prepared(ev.model):
+        return ""
+    state = engine_state(ev.model)
+    rec = state.plan.calls.get(f.layer)
+    for producer in rec.inputs if rec is not None else []:
+        source = state.plan.calls.get(producer)
+        name = source.output_point if source is not None else None
+        point = state.points.get(name) if name else None
+        if point is None or point.mode != "fake" or not point.initialized:
+            continue
+        scale = float(point.scale.detach().float().max())
+        return (f"; but {f.op}'s input comes through quant point {name} ({point.spec.dtype_name}, scale {scale:.3g}), "
+                f"which rounds every value below {scale / 2:.3g} to 0 after any mask, clamp or eps placed before "
+                f"it: keep {name} in float (qconfig override {{'{name}': {{'activation': None}}}}, or "
+                f"set_mode(model, 'float', '{name}')) or give it more bits, then guard the op")
+    return ""
 
 
 def _overflow(f: Finding, ev: Evidence) -> Diagnosis | None:

@@ -10,6 +10,11 @@ call created the value.  ``qdebug.tools.nan_causes`` then says why, from the fin
 and the timeline of the steps before.  With ``float_model`` the same steps are run on
 the plain float architecture: whether quantization is to blame at all.
 
+A repro bundle keeps the run's diagnosis (``run_record``); its one-step replay has no
+history, so ``against_run`` reads the replay's finding against it: at the same place the
+run's diagnosis stands (it saw the same step and the steps before), and the replay's own
+verdict is quoted beside it, never contradicting it silently.
+
 The loss: ``train(model, batch) -> loss`` when given (the user's code), else by the
 targets: class indices -> cross-entropy, float targets -> MSE, none -> distillation to
 the model's own output with every quant point off.  Deterministic for a seed.
@@ -71,6 +76,35 @@ class TraceResult:
 
         columns = list(StepStats(0, 0).row())
         return pd.DataFrame([s.row() for s in self.timeline], columns=columns)
+
+
+# What a repro bundle keeps of the run's finding (``run_record``): where, why, and the steps of
+# history the diagnosis had.
+RUN_TEXT_KEYS = ("phase", "layer", "what", "cause", "detail", "fix")
+RUN_COUNT_KEYS = ("step", "history")
+
+
+def run_record(first: dict, history: int) -> dict:
+    """The run's finding as a repro bundle keeps it (``against_run`` reads a replay against it)."""
+    return {**{k: str(first.get(k) or "") for k in RUN_TEXT_KEYS}, "step": int(first["step"]), "history": history}
+
+
+def against_run(first: dict | None, run: dict, history: int) -> dict | None:
+    """A replay's finding (``history``: the finite steps it saw before) read against ``run``,
+    the record of the run that wrote its bundle.  The same place (phase, layer, what) with
+    another cause: the run's diagnosis stands when it had more history (the replay's own
+    verdict is quoted in the detail); another place: the run's finding is quoted."""
+    if first is None:
+        return None
+    if any(first.get(k) != run[k] for k in ("phase", "layer", "what")):
+        return {**first, "detail": f"{first['detail']} [the run that wrote this bundle found its first value "
+                f"elsewhere: {run['cause']} at {run['layer']} ({run['phase']} of its step {run['step']})]"}
+    if first["cause"] == run["cause"] or history >= run["history"]:
+        return first
+    return {**first, "cause": run["cause"], "fix": run["fix"],
+            "detail": f"{run['detail']} [the diagnosis of the run that wrote this bundle, from the {run['history']} "
+                      f"step(s) before its step {run['step']}; this replay saw {history} step(s) before and alone "
+                      f"would say {first['cause']}: {first['detail']}]"}
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer | None:

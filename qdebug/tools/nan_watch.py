@@ -380,7 +380,7 @@ class Watch:
 
     def _forward_finding(self, event: Event, t: torch.Tensor, what: str, point) -> Finding:
         call = event.call
-        if what == "output" and event.raw is not event.out:
+        if what == "output" and event.raw is not None and event.raw is not event.out:
             inputs = [x for x in tensors_in(event.raw) if is_float(x)]  # the quant point's own input
         else:
             inputs = [x for x in event.inputs if is_float(x)]
@@ -531,8 +531,8 @@ class Watch:
 
     def _stamp(self, f: Finding, t: torch.Tensor | None) -> Finding:
         f.step, f.batch = self.step_index, self.batch_index
-        if t is not None:
-            count_nonfinite(f, t, self.batch_size)
+        if t is not None:  # a parameter's dim 0 is no batch, whatever its size
+            count_nonfinite(f, t, 0 if f.what in ("param", "param_grad", "scale") else self.batch_size)
         return f
 
     def _raise(self, f: Finding) -> None:
