@@ -1,11 +1,17 @@
-"""``qdebug baseline``: the CI gate -- quantized metric >= ratio x float metric, per task."""
+"""``qdebug baseline``: the CI gate -- quantized metric >= ratio x float metric, per task.
+
+It owns the gate's guard on its inputs: FLOAT must be the float stage and FLOAT and QUANT two
+files (a swapped pair or one file twice would pass a gate it should fail), unless
+``--allow-any-order`` says the user means it."""
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
+import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -17,8 +23,8 @@ from qdebug.cli.common import (
     check_counts, check_data, err_console, load_checkpoint, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
-    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
-    table_width, with_out,
+    FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
+    say, table_width, with_out,
 )
 from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
@@ -70,6 +76,68 @@ def _precomputed(checkpoints: Optional[list[str]], numbers: tuple, files: tuple)
     return given_numbers or given_files
 
 
+ORDER_HINT = "or --allow-any-order if you mean it"
+
+
+def _checkpoint_pair(given: Optional[list[str]], cfg) -> tuple[list[str], tuple[str, str], Optional[str]]:
+    """FLOAT QUANT as given, else the config's float and quantized (or qat); with what an error
+    calls each (the argument, or the config key that named it) and that key of QUANT's."""
+    if given:
+        return list(given), ("FLOAT", "QUANT"), None
+    quant_key = "quantized" if cfg.get("quantized") else "qat"
+    paths = [p for p in (cfg.get("float"), cfg.get(quant_key)) if p]
+    return paths, ("the config's float", f"the config's {quant_key}"), quant_key
+
+
+def _one_file(first: str, second: str, *, by_content: bool) -> Optional[str]:
+    """How two paths are one file -- "one file" (one path however spelled, or a link to it) or,
+    with ``by_content``, "copies of one file" (the same bytes) -- else None.  A missing path is
+    left to the loader, whose error names it."""
+    if not (os.path.isfile(first) and os.path.isfile(second)):
+        return None
+    if os.path.samefile(first, second):
+        return "one file"
+    if by_content and filecmp.cmp(first, second, shallow=False):  # sizes first: bytes read only when equal
+        return "copies of one file (the same bytes)"
+    return None
+
+
+def _refuse_or_warn(problem: str, hint: str, allow: bool, warnings: list[str]) -> None:
+    """Refuse ``problem`` (exit 2); with --allow-any-order, say it on stderr and go on, and
+    keep it for the JSON report: a gate run this way on purpose still shows that it was."""
+    if not allow:
+        raise QDebugError(problem, f"{hint}; {ORDER_HINT}")
+    warnings.append(problem)
+    note(f"warning: {problem} (gated anyway: --allow-any-order)")
+
+
+def _check_one_file(paths: list[str], labels: tuple[str, str], what: str, *, by_content: bool, allow: bool,
+                    warnings: list[str], fix: str) -> None:
+    """Both sides of the gate one file: the gate would compare ``what`` (a model, a result) with itself."""
+    how = _one_file(paths[0], paths[1], by_content=by_content)
+    if how:
+        _refuse_or_warn(f"{labels[0]} {paths[0]} and {labels[1]} {paths[1]} are {how}: the gate would compare "
+                        f"{what} with itself and pass", fix, allow, warnings)
+
+
+def _check_order(paths: list[str], stages: list[str], labels: tuple[str, str], quant_key: Optional[str],
+                 config_path: Any, *, allow: bool, warnings: list[str]) -> None:
+    """FLOAT must be the float stage (the stage each checkpoint records, as step and suggest read
+    it): a quantized model as FLOAT turns the ratio over, and a worse model passes."""
+    if stages[0] == "float":
+        return
+    problem = (f"baseline takes the float checkpoint first, then the quantized one (FLOAT QUANT), but "
+               f"{labels[0]} {paths[0]} is {stages[0]} and {labels[1]} {paths[1]} is {stages[1]}")
+    swapped = stages[1] == "float"
+    if quant_key is not None:  # the pair came from the config
+        fix = (f"swap float and {quant_key} in {config_path}" if swapped
+               else f"set float in {config_path} to the float checkpoint")
+    else:
+        fix = (f"swap them: qdebug baseline {shlex.quote(paths[1])} {shlex.quote(paths[0])} ..." if swapped
+               else f"give the float checkpoint first: qdebug baseline FLOAT.pt {shlex.quote(paths[1])} ...")
+    _refuse_or_warn(problem, fix, allow, warnings)
+
+
 def _plain(text: str):
     """``text`` for a spinner: text, not markup (a path may hold "[bold]"), its controls escaped."""
     from rich.text import Text
@@ -100,11 +168,15 @@ def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: 
         "The precision gate for CI, on the FLOAT and QUANT checkpoints (default: the config's float and "
         "quantized, else qat): each task passes when quantized >= ratio x float (default 0.99; "
         "lower-is-better tasks: quantized <= float / ratio). Exit 0 pass, 1 fail, 2 error. With "
-        "--confidence, a paired bootstrap decides pass / fail / inconclusive (inconclusive does not fail).\n\n"
+        "--confidence, a paired bootstrap decides pass / fail / inconclusive (inconclusive does not fail). "
+        "FLOAT must be a float checkpoint and QUANT another file (a swapped pair, or one file twice, would "
+        "pass): exit 2 otherwise, unless --allow-any-order.\n\n"
         "Example: qdebug baseline fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
         "--metric top1 --confidence 0.95 --junit baseline.xml\n\n"
         "Example: qdebug baseline fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
-        "--metric top1 --device cuda"
+        "--metric top1 --device cuda\n\n"
+        "Example: qdebug baseline fixtures/demo/calibrated.pt fixtures/demo/qat.pt --data fixtures/demo/eval.pt "
+        "--metric top1 --allow-any-order (QAT gated against the calibrated model, on purpose)"
     )
 )
 def baseline(
@@ -131,6 +203,9 @@ def baseline(
     model_kwargs: Optional[str] = MODEL_KWARGS_OPTION,  # read through STATE by load_checkpoint
     unsafe_load: bool = UNSAFE_LOAD_OPTION,
     device: Optional[str] = DEVICE_OPTION,  # read through STATE by load_checkpoint and resolve_batches
+    allow_any_order: bool = typer.Option(
+        False, "--allow-any-order",
+        help="Gate even when FLOAT is not a float checkpoint, or FLOAT and QUANT are one file (a warning says so)."),
 ) -> None:
     fmt = output_format(fmt, as_json)
     out = prepare_out(out)
@@ -150,6 +225,8 @@ def baseline(
     default_ratio = ratio_in_force(ratio)
     float_samples = quant_samples = None
     paths: list[str] = []
+    stages: Optional[list[str]] = None
+    order_warnings: list[str] = []  # what --allow-any-order let through
     metric_fn = None
     if precomputed:
         from qdebug.metrics import check_nonnegative
@@ -158,27 +235,34 @@ def baseline(
             float_values, quant_values = {"metric": float_metric}, {"metric": quant_metric}
             sources = ("--float-metric", "--quant-metric")
         else:
+            # One path twice only: two evaluations may well write the same numbers.
+            _check_one_file([str(float_json), str(quant_json)], ("--float-json", "--quant-json"), "a result",
+                            by_content=False, allow=allow_any_order, warnings=order_warnings,
+                            fix="give the float model's results, then the quantized model's")
             float_values, quant_values = _read_json_metrics(float_json), _read_json_metrics(quant_json)
             sources = (str(float_json), str(quant_json))
         for values, source in zip((float_values, quant_values), sources):
             check_nonnegative(values, source)
     else:
-        paths = list(checkpoints or [])
-        if not paths:
-            quant_path = cfg.get("quantized") or cfg.get("qat")
-            paths = [p for p in (cfg.get("float"), quant_path) if p]
+        paths, labels, quant_key = _checkpoint_pair(checkpoints, cfg)
         if len(paths) != 2:
             raise QDebugError("baseline needs a FLOAT and a QUANT checkpoint (or precomputed metrics)",
                               "e.g. qdebug baseline float.pt quantized.pt --metric top1 --data eval.pt")
         spec = metric or cfg.get("metric")
         if not spec:
             raise QDebugError("no metric given", "pass --metric (e.g. top1) or set metric in qdebug.toml")
+        # Before torch loads anything: a path given twice answers at once.
+        _check_one_file(paths, labels, "a model", by_content=True, allow=allow_any_order, warnings=order_warnings,
+                        fix=(f"set float and {quant_key} in {cfg.path} to two checkpoints" if quant_key else
+                             "give the float checkpoint, then the quantized one"))
         from qdebug.metrics import resolve_metric
         from qdebug.tools.evaluate import evaluate
 
         metric_fn = resolve_metric(spec)
         float_model, info = load_checkpoint(paths[0], model=model, unsafe=unsafe_load, command="baseline")
-        quant_model, _ = load_checkpoint(paths[1], model=model, unsafe=unsafe_load, command="baseline")
+        quant_model, quant_info = load_checkpoint(paths[1], model=model, unsafe=unsafe_load, command="baseline")
+        stages = [info.stage, quant_info.stage]
+        _check_order(paths, stages, labels, quant_key, cfg.path, allow=allow_any_order, warnings=order_warnings)
         batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
         on = f" on {batch_list.count} batch(es)" if batch_list.count is not None else ""  # a generator's: after a pass
         with err_console.status(_plain(f"evaluating {paths[0]}{on}")):
@@ -208,7 +292,8 @@ def baseline(
     if confidence is not None and float_samples is None:
         err_console.print("note: the metric gives no per-sample scores, so --confidence is ignored", markup=False)
     frame = result.frame
-    meta = {**result.meta, "checkpoints": paths, "flipped_samples": result.flipped}
+    meta = {**result.meta, "checkpoints": paths, "stages": stages, "order_warnings": order_warnings,
+            "flipped_samples": result.flipped}
     if junit is not None:
         from qdebug.report.junit import write_junit
 
