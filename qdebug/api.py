@@ -204,7 +204,7 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
         batch_list = _moved(batch_list, where)
         result = run(model, batch_list, reference=reference, metric=metric_fn, metric_name=name,
                      rules={"metric": TaskRule(ratio=ratio)}, min_sqnr=min_sqnr, bits=bits,
-                     diagnoses=lambda: diagnoses_of(reference, model, batch_list))
+                     diagnoses=lambda searched: diagnoses_of(reference, model, searched))
     frame = result.frame
     frame.attrs.update(summary=result.summary, meta={k: v for k, v in result.meta.items() if k != "plan"},
                        plan=result.meta["plan"])

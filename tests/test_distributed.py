@@ -9,6 +9,7 @@ torch's thread count, in one process as across several (docs/scale.md).
 from __future__ import annotations
 
 import json
+import re
 import math
 import sys
 
@@ -148,6 +149,18 @@ def _same_numbers(a, b, path: str = "") -> None:
         assert a == b, path
 
 
+def _without_pass_counts(payload: dict) -> dict:
+    """suggest's forward passes (``meta.forwards``, its summary's ``cost:`` line) counted over the
+    ranks: compare settles a target's float model on each rank's first batch, one more pass per
+    extra rank (the numbers it gives are the same)."""
+    meta = payload.get("meta", {})
+    for key in ("forwards", "forwards_by_phase"):
+        meta.pop(key, None)
+    if isinstance(meta.get("summary"), str):
+        meta["summary"] = re.sub(r"cost: \d+ forward pass.*?\(diagnosis[^)]*\)", "cost:", meta["summary"], flags=re.S)  # wrapped
+    return payload
+
+
 def test_two_ranks_give_the_results_of_one_process(stages, cli, tmp_path, one_thread):
     data = ["--data", str(stages.data), "--batch-size", "2"]  # 6 batches: 3 per rank
     commands = {
@@ -173,7 +186,7 @@ def test_two_ranks_give_the_results_of_one_process(stages, cli, tmp_path, one_th
         (code0, out0, err0), (code1, out1, err1) = per_rank
         assert (code0, code1) == (single.code, single.code), (name, err0, err1)
         assert out1 == "" and err1 == ""  # rank 0 alone prints (and writes)
-        _same_numbers(json.loads(single.out), json.loads(out0), name)
+        _same_numbers(_without_pass_counts(json.loads(single.out)), _without_pass_counts(json.loads(out0)), name)
     (code0, _, err0), (code1, _, _) = ranked[-1]
     assert (code0, code1) == (0, 0), err0
     assert cli(*calibrate, tmp_path / "one.pt").code == 0

@@ -31,25 +31,44 @@ removed.  Evaluations after ranking <= ceil(log2 L) + 1 + k, with k >= |plan|.  
 plan's evaluation keeps every sample's score, and baseline's bootstrap interval comes
 from them, with no further run.  Unreachable: the best value is reported, and
 the same search on keeping candidates in float says which layers would reach it.
+
+Held out.  From 4 batches on, the last quarter of them (``holdout_size``) is held out:
+the diagnosis, the ranking and the plan search read only the first part, and the plan
+is then confirmed on the held-out part -- its margin over the target there, with a
+bootstrap interval over the held-out samples (the SQNR's from each sample's signal and
+error energy, ``output_energies``; a metric's from its per-sample scores, baseline's
+interval).  A plan that misses the target there is grown along the ranking (the same
+search, on the held-out batches) until it holds; a margin whose interval reaches across
+the target is inside the noise, and said so.  Fewer than 4 batches: nothing is held out,
+and the interval is over the searched samples.
+
+Cost.  Every forward pass (one batch through the model or its float reference, any copy
+of them included) is counted per phase -- diagnosis, ranking, search, confirm -- by a
+hook on the two top-level modules (``ForwardCount``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pandas as pd
+import torch
 import torch.nn as nn
 
+from qdebug import distributed
+from qdebug.batch_source import BatchSource, Origin, as_source
 from qdebug.engine import engine_state
+from qdebug.engine.context import run_model
 from qdebug.errors import QDebugError
 from qdebug.metrics import Metric
 from qdebug.safe_text import escaped
-from qdebug.tools.baseline import TaskRule
-from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low
+from qdebug.tools.baseline import TaskRule, bootstrap_interval
+from qdebug.tools.experiment import Experiment, Trial, TrialResult, named_outputs, nan_low
 
 DEFAULT_MIN_SQNR = 30.0
 RANKS = ("exact", "fast")
@@ -101,6 +120,8 @@ class Plan:
     history: list[dict[str, Any]] = field(default_factory=list)  # each evaluation: size, values, passed
     final: TrialResult | None = None  # the evaluation of the plan itself (its per-sample scores)
     prefix: int = 0  # the shortest passing prefix of the ranking, before dropping members
+    searched: list[Candidate] | None = None  # the search's own plan, when it was grown to hold on held-out data
+    confirm: dict[str, Any] | None = None  # its margin on the confirmation data (``_confirmation``)
 
     def overrides(self, bits: int) -> dict[str, dict[str, dict[str, int]]]:
         """The qconfig overrides that apply the plan (``qdebug calibrate --qconfig``)."""
@@ -120,6 +141,151 @@ class SuggestResult:
     plan: Plan
     meta: dict[str, Any]
     summary: str
+
+
+# -- the data split ------------------------------------------------------------------------
+HOLDOUT_MIN_BATCHES = 4  # below this, a held-out part would leave too little to search on
+
+
+def holdout_size(batches: int) -> int:
+    """The batches held out of ``batches``: the last quarter (rounded down) from 4 on, none below."""
+    return batches // 4 if batches >= HOLDOUT_MIN_BATCHES else 0
+
+
+class _PartOrigin(Origin):
+    """Batches ``start`` to ``stop`` of another source, read through it (lazily, pass after
+    pass), with their indices in the whole data; a shard takes every ``world``-th of them."""
+
+    def __init__(self, source: BatchSource, start: int, stop: int):
+        self._source, self._start, self._stop = source, start, stop
+        self.total = stop - start
+        self.name = f"{source.name}, batches {start}-{stop - 1}"
+
+    def items(self, rank: int, world: int) -> Iterator[tuple[int, Any]]:
+        for index, batch in self._source.indexed():
+            if index >= self._stop:
+                break
+            if index >= self._start and (index - self._start) % world == rank:
+                yield index, batch
+
+
+def part_of(source: BatchSource, start: int, stop: int) -> BatchSource:
+    return BatchSource(_PartOrigin(source, start, stop))
+
+
+def batch_count(source: BatchSource) -> int:
+    """The number of batches, known from the source or by one pass over it (data only, no forward)."""
+    if source.count is None:
+        for _ in source:
+            pass
+    return int(source.count or 0)
+
+
+# -- what it cost ----------------------------------------------------------------------------
+PHASES = ("diagnosis", "ranking", "search", "confirm")
+
+
+class ForwardCount:
+    """Forward passes per phase: a pre-hook on each top-level module given (the model, its float
+    reference) counts every call of it.  A plain function, so a deep copy of a module (compare's
+    float copy of the model) keeps counting into the same table.  Under torchrun the ranks' counts
+    are added (``totals``)."""
+
+    def __init__(self, *modules: nn.Module | None):
+        self.modules = [m for m in dict.fromkeys(modules) if m is not None]
+        self.by_phase = dict.fromkeys(PHASES, 0)
+        self.phase = PHASES[0]
+        self._handles: list = []
+
+    def __enter__(self) -> "ForwardCount":
+        counts, now = self.by_phase, self
+
+        def count(module, args):  # noqa: ARG001 - a forward pre-hook's signature
+            counts[now.phase] += 1
+
+        self._handles = [m.register_forward_pre_hook(count) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def totals(self) -> dict[str, int]:
+        """Per phase, every rank's passes together (this process's alone outside torchrun)."""
+        return distributed.current().combine(dict(self.by_phase),
+                                             lambda a, b: {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}})
+
+
+# -- the confirmation --------------------------------------------------------------------------
+SIGNAL, ERROR = "signal:", "error:"
+
+
+def output_energies(model, batches, reference) -> dict[str, torch.Tensor]:
+    """Per sample and model output, the float output's energy sum x^2 (``signal:<output>``) and the
+    error's sum (x - y)^2 (``error:<output>``): summed over any samples, they give the SQNR of those
+    samples, so a bootstrap over samples gives the SQNR's interval.  A per-sample metric, for the
+    experiment primitive to evaluate on the outputs it already has."""
+    scores: dict[str, list[torch.Tensor]] = {}
+    for batch in batches:
+        inputs = getattr(batch, "inputs", batch)
+        ref, out = named_outputs(run_model(reference, inputs)), named_outputs(run_model(model, inputs))
+        for name, x in ref.items():
+            x64 = x.detach().double()
+            rows = x64.reshape(x64.shape[0], -1) if x64.dim() else x64.reshape(1, 1)
+            error = rows - out[name].detach().double().reshape(rows.shape)
+            scores.setdefault(SIGNAL + name, []).append((rows * rows).sum(1))
+            scores.setdefault(ERROR + name, []).append((error * error).sum(1))
+    return {key: torch.cat(parts) for key, parts in scores.items()}
+
+
+output_energies.per_sample = True
+
+
+def _sqnr_interval(samples: Mapping[str, torch.Tensor], output: str,
+                   confidence: float | None) -> tuple[float, float] | None:
+    """The bootstrap interval of one output's SQNR over samples: baseline's paired interval of
+    sum(signal) / sum(error) (the same resamples for both), in dB."""
+    signal, error = samples.get(SIGNAL + output), samples.get(ERROR + output)
+    if confidence is None or signal is None or error is None or signal.numel() != error.numel():
+        return None
+    low, high = bootstrap_interval(error, signal, TaskRule("higher"), confidence=confidence)
+    return tuple(10 * math.log10(v) if v > 0 else (-math.inf if v == 0 else math.nan) for v in (low, high))
+
+
+def _measure(name: str, value: float, target: float, interval: tuple[float, float] | None) -> dict[str, Any]:
+    """One measure's margin over its target and that margin's interval; ``within_noise``: the
+    interval reaches across the target (None: no interval)."""
+    low, high = interval if interval is not None else (None, None)
+    noisy = None
+    if low is not None and not (math.isnan(low) or math.isnan(high)):
+        noisy = low < target if value >= target else high >= target
+    return {"measure": name, "value": value, "target": target, "margin": value - target,
+            "ci_low": low, "ci_high": high,
+            "margin_low": None if low is None else low - target, "margin_high": None if high is None else high - target,
+            "within_noise": noisy}
+
+
+def _confirmation(result: TrialResult, experiment: Experiment, rules: Mapping[str, TaskRule] | None,
+                  min_sqnr: float, confidence: float | None, holds: bool, held_out: bool) -> dict[str, Any]:
+    """The plan's margin on the confirmation data: each measure of the target (the output SQNR, or
+    each task's score against float) with its bootstrap interval; the headline is the smallest margin."""
+    if rules is not None:
+        verdict = experiment.verdict(result.metric, rules)
+        ci = _interval(experiment, result, rules, confidence) if confidence is not None else {}
+        measures = [_measure(f"{task}_ratio", verdict[f"{task}_ratio"],
+                             (rules.get(task) or rules.get("metric") or TaskRule()).ratio,
+                             (ci[f"{task}_ci_low"], ci[f"{task}_ci_high"]) if f"{task}_ci_low" in ci else None)
+                    for task in result.metric]
+    else:
+        worst_output = min(result.outputs, key=lambda o: nan_low(result.outputs[o]["sqnr_db"]), default=None)
+        measures = [_measure("sqnr_db", _sqnr(result), min_sqnr,
+                             _sqnr_interval(result.samples, worst_output, confidence) if worst_output else None)]
+    headline = min(measures, key=lambda m: nan_low(m["margin"]))
+    flags = [m["within_noise"] for m in measures if m["within_noise"] is not None]
+    return {"data": "held-out" if held_out else "searched", "batches": experiment.batches.count,
+            "samples": experiment.samples, **headline, "within_noise": any(flags) if flags else None,
+            "confidence": confidence, "holds": holds, "evaluations": 1, "grown": [], "measures": measures}
 
 
 def candidates(model: nn.Module, quantizable: Sequence[str], bits: int) -> list[Candidate]:
@@ -214,13 +380,14 @@ def _norm_inputs_diagnosed(model: nn.Module, diagnoses: dict[str, str]) -> dict[
 def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | None = None,
             metric: Metric | None = None, metric_name: str = "metric", rules: Mapping[str, TaskRule] | None = None,
             min_sqnr: float = DEFAULT_MIN_SQNR, bits: int = 16,
-            diagnoses: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
+            diagnoses: Mapping[str, str] | Callable[..., Mapping[str, str]] | None = None,
             confidence: float | None = 0.95, rank: str = "exact",
             progress: Callable[[int, int], None] | None = None) -> SuggestResult:
     """Rank int16 candidates and find the minimal verified plan (see module docstring).
 
     ``diagnoses``: compare's diagnosis per call name (``clipping`` rows are not candidates), or a
-    function giving them, called only when a ranking is needed.
+    function giving them, called only when a ranking is needed -- with the batches to diagnose
+    (the searched ones) when it takes an argument.
     """
     if not 2 <= bits <= 16:
         raise QDebugError(f"bits must be in [2, 16], got {bits}", "e.g. --bits 16")
@@ -231,73 +398,103 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
                           "rank a calibrated or QAT checkpoint, or use --rank exact")
     if not math.isfinite(min_sqnr):
         raise QDebugError(f"min_sqnr must be a number of dB, got {min_sqnr}", "e.g. --min-sqnr 30")
-    experiment = Experiment(model, batches, reference=reference, metric=metric, metric_name=metric_name,
-                            progress=progress)
-    rules = dict(rules or {})
-    diagnose = diagnoses if callable(diagnoses) else (lambda: diagnoses or {})
-    everything = frozenset(experiment.quantizable)
-    whole = Trial(everything, {"label": "as loaded"})
-    found = candidates(model, experiment.quantizable, bits)
-
-    def meets(result: TrialResult) -> bool:
-        if metric is not None:
-            return experiment.verdict(result.metric, rules)["verdict"] == "pass"
-        return _sqnr(result) >= min_sqnr
-
-    def raised(chosen: Sequence[Candidate]) -> Trial:
-        return Trial(everything, {"label": "plan"}, plan_changes(chosen, bits))
-
-    # A model that already meets the target needs no diagnosis and no ranking: one run says so.
-    base = experiment.run([whole])[0]
-    done = meets(base)
-    diagnoses = _norm_inputs_diagnosed(model, dict(diagnose())) if not done else {}
-    clipping = [c for c in found if c.kind == "activation" and any(diagnoses.get(p) == "clipping" for p in c.points)]
-    ranked_pool = [c for c in found if c not in clipping]
-    # Clipping points: the range another observer picks, observed on the data as calibration does.
-    recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
-    # Ranking: (exact) each candidate alone at ``bits``, then the recalibrations; the fast rank
-    # scores every candidate in one forward+backward per batch.
-    singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" and not done else []
-    extra = [*singles_trials, *(t for _, _, t in recalibrations)]
-    # "Everything quantized" leads again: its run is the anchor every single-point trial resumes from.
-    measured = experiment.run([whole, *extra])[1:] if extra else []
-    fixes = measured[len(singles_trials):]
-    singles = measured[:len(singles_trials)]
-    ranking = [base, *singles]
-    base_sqnr = _sqnr(base)
-    gains = []
-    if rank == "exact":
-        for c, result in zip(ranked_pool, singles):
-            task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
-            gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
-        samples = experiment.samples  # counted by the first run
-        tolerance = 1.0 / samples if metric is not None and samples else 0.0
-        gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -nan_low(g[1])))
-    elif not done:
-        from qdebug.tools.noise_score import noise_scores
-
-        scores = noise_scores(model, experiment.batches, [p for c in ranked_pool for p in c.points], reference)
-        gains = [(c, math.nan, {}, sum(scores[p] for p in c.points)) for c in ranked_pool]
-        gains.sort(key=lambda g: -g[3])
-    order = [g[0] for g in gains]
-
-    plan = Plan(before=_values(base, experiment, rules if metric is not None else None))
-    if done:
-        plan.passed, plan.after = True, plan.before
-    elif order:
+    source = as_source(batches)
+    total = batch_count(source)
+    held = holdout_size(total)
+    searched = part_of(source, 0, total - held) if held else source
+    forwards = ForwardCount(model, reference)
+    with forwards:
+        experiment = Experiment(model, searched, reference=reference, metric=metric, metric_name=metric_name,
+                                progress=progress)
+        # The confirmation's data: the held-out batches, else the searched ones again; its metric
+        # gives per-sample scores for the interval (the SQNR's: each sample's energies).
+        confirming = experiment if metric is not None and not held else Experiment(
+            model, part_of(source, total - held, total) if held else source, reference=reference,
+            metric=metric or output_energies, metric_name=metric_name if metric is not None else "energy",
+            progress=progress)
+        rules = dict(rules or {})
         scored = rules if metric is not None else None
-        plan = _search(order, lambda chosen: experiment.run([raised(chosen)], keep_samples=True)[0], meets, plan,
-                       experiment, scored)
-        if not plan.passed:
-            def floated(chosen: Sequence[Candidate]) -> Trial:
-                return Trial(everything - {p for c in chosen for p in c.points}, {"label": "float"},
-                             plan_changes([c for c in order if c not in chosen], bits))
+        everything = frozenset(experiment.quantizable)
+        whole = Trial(everything, {"label": "as loaded"})
+        found = candidates(model, experiment.quantizable, bits)
 
-            fallback = _search(order, lambda chosen: experiment.run([floated(chosen)])[0], meets,
-                               Plan(before=plan.before), experiment, scored)
-            plan.evaluations += fallback.evaluations
-            if fallback.passed:
-                plan.keep_float = fallback.candidates
+        def meets(result: TrialResult, on: Experiment = experiment) -> bool:
+            if metric is not None:
+                return on.verdict(result.metric, rules)["verdict"] == "pass"
+            return _sqnr(result) >= min_sqnr
+
+        def raised(chosen: Sequence[Candidate]) -> Trial:
+            return Trial(everything, {"label": "plan"}, plan_changes(chosen, bits))
+
+        def confirmed(chosen: Sequence[Candidate]) -> TrialResult:
+            forwards.phase = "confirm"
+            return confirming.run([raised(chosen) if chosen else whole], keep_samples=True)[0]
+
+        # A model that already meets the target -- on the held-out batches too -- needs no
+        # diagnosis and no ranking: one run (two with a held-out part) says so.
+        forwards.phase = "ranking"
+        base = experiment.run([whole])[0]
+        done = meets(base)
+        loaded_confirmed = confirmed([]) if done else None
+        if done and held:
+            done = meets(loaded_confirmed, confirming)
+        forwards.phase = "diagnosis"
+        diagnoses = _norm_inputs_diagnosed(model, dict(_diagnosed(diagnoses, searched))) if not done else {}
+        forwards.phase = "ranking"
+        clipping = [c for c in found if c.kind == "activation" and any(diagnoses.get(p) == "clipping" for p in c.points)]
+        ranked_pool = [c for c in found if c not in clipping]
+        # Clipping points: the range another observer picks, observed on the data as calibration does.
+        recalibrations = _recalibrations(model, clipping, experiment) if clipping else []
+        # Ranking: (exact) each candidate alone at ``bits``, then the recalibrations; the fast rank
+        # scores every candidate in one forward+backward per batch.
+        singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" and not done else []
+        extra = [*singles_trials, *(t for _, _, t in recalibrations)]
+        # "Everything quantized" leads again: its run is the anchor every single-point trial resumes from.
+        measured = experiment.run([whole, *extra])[1:] if extra else []
+        fixes = measured[len(singles_trials):]
+        singles = measured[:len(singles_trials)]
+        ranking = [base, *singles]
+        base_sqnr = _sqnr(base)
+        gains = []
+        if rank == "exact":
+            for c, result in zip(ranked_pool, singles):
+                task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
+                gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
+            samples = experiment.samples  # counted by the first run
+            tolerance = 1.0 / samples if metric is not None and samples else 0.0
+            gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -nan_low(g[1])))
+        elif not done:
+            from qdebug.tools.noise_score import noise_scores
+
+            scores = noise_scores(model, experiment.batches, [p for c in ranked_pool for p in c.points], reference)
+            gains = [(c, math.nan, {}, sum(scores[p] for p in c.points)) for c in ranked_pool]
+            gains.sort(key=lambda g: -g[3])
+        order = [g[0] for g in gains]
+
+        forwards.phase = "search"
+        plan = Plan(before=_values(base, experiment, scored))
+        if done:
+            plan.passed, plan.after = True, plan.before
+        elif order:
+            plan = _search(order, lambda chosen: experiment.run([raised(chosen)], keep_samples=True)[0], meets, plan,
+                           experiment, scored)
+            if not plan.passed:
+                def floated(chosen: Sequence[Candidate]) -> Trial:
+                    return Trial(everything - {p for c in chosen for p in c.points}, {"label": "float"},
+                                 plan_changes([c for c in order if c not in chosen], bits))
+
+                fallback = _search(order, lambda chosen: experiment.run([floated(chosen)])[0], meets,
+                                   Plan(before=plan.before), experiment, scored)
+                plan.evaluations += fallback.evaluations
+                if fallback.passed:
+                    plan.keep_float = fallback.candidates
+        if plan.passed:
+            chosen = plan.candidates
+            result = loaded_confirmed if done else confirmed(chosen)
+            plan.confirm = _confirmation(result, confirming, scored, min_sqnr, confidence, meets(result, confirming),
+                                         bool(held))
+            if held and not plan.confirm["holds"] and chosen:
+                _grow(plan, order, experiment, confirming, scored, min_sqnr, confidence, meets, raised, confirmed)
     recalibrated = {}
     for (c, observer, _), result in zip(recalibrations, fixes):
         gain = _sqnr(result) - base_sqnr
@@ -308,16 +505,62 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     if plan.passed and plan.candidates and plan.final is not None and confidence is not None:
         plan.after.update(_interval(experiment, plan.final, rules, confidence))
     frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None, recalibrated)
+    by_phase = forwards.totals()
     meta = {
         "bits": bits, "target": "metric" if metric is not None else f"sqnr_db >= {min_sqnr:g}",
         "min_sqnr": None if metric is not None else min_sqnr, "candidates": len(ranked_pool),
         "clipping": [c.glob for c in clipping], "recalibrate": recalibrated,
-        "batches": experiment.batches.count, "samples": experiment.samples,
+        "batches": total, "search_batches": total - held, "holdout_batches": held, "samples": experiment.samples,
         "float_metric": experiment.float_metric, "tasks": list(experiment.float_metric or {}),
-        "rank": rank, "ranking_evaluations": 1 + bool(extra), "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
+        # Settings measured over the searched batches in the ranking: the model as loaded, each
+        # candidate alone, each recalibrated range (the fast rank's noise-score pass: one).
+        "rank": rank, "ranking_evaluations": 1 + len(extra) + (rank == "fast" and not done),
+        "forwards": sum(by_phase.values()), "forwards_by_phase": by_phase,
+        "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
         "plan": _plan_meta(plan, bits),
     }
     return SuggestResult(frame, plan, meta, summarize(meta))
+
+
+def _diagnosed(diagnoses: Mapping[str, str] | Callable[..., Mapping[str, str]] | None,
+               batches: BatchSource) -> Mapping[str, str]:
+    """The diagnoses as given, or the function's on ``batches`` (a function of no argument: its own)."""
+    if not callable(diagnoses):
+        return diagnoses or {}
+    try:
+        takes_batches = bool(inspect.signature(diagnoses).parameters)
+    except (TypeError, ValueError):
+        takes_batches = False
+    return diagnoses(batches) if takes_batches else diagnoses()
+
+
+def _grow(plan: Plan, order: list[Candidate], experiment: Experiment, confirming: Experiment,
+          rules: Mapping[str, TaskRule] | None, min_sqnr: float, confidence: float | None,
+          meets: Callable[..., bool], raised: Callable[[Sequence[Candidate]], Trial],
+          confirmed: Callable[[Sequence[Candidate]], TrialResult]) -> None:
+    """A plan that misses the target on the held-out batches, grown along the ranking until it
+    holds there (the plan search again, over the candidates it left out, on the held-out
+    batches), and kept when the grown plan still meets the target on the searched ones too.
+    Held-out data that chose the plan no longer confirms it independently: ``grown`` says so."""
+    rest = [c for c in order if c not in plan.candidates]
+    if not rest:
+        return
+    growth = _search(rest, lambda more: confirmed([*plan.candidates, *more]), lambda r: meets(r, confirming),
+                     Plan(), confirming, rules)
+    plan.confirm["evaluations"] += growth.evaluations
+    if not growth.passed:
+        return
+    chosen = [*plan.candidates, *growth.candidates]
+    on_searched = experiment.run([raised(chosen)], keep_samples=True)[0]
+    plan.evaluations += 1
+    if not meets(on_searched):
+        return
+    missed = plan.confirm
+    plan.searched, plan.candidates, plan.final = plan.candidates, chosen, on_searched
+    plan.after = _values(on_searched, experiment, rules)
+    plan.confirm = _confirmation(growth.final, confirming, rules, min_sqnr, confidence, True, True)
+    plan.confirm.update(grown=[_point_name(c) for c in growth.candidates], evaluations=missed["evaluations"],
+                        search_plan_margin=missed["margin"])
 
 
 RECALIBRATION_OBSERVERS = ("percentile", "mse")
@@ -343,8 +586,6 @@ def _interval(experiment: Experiment, result: TrialResult, rules: Mapping[str, T
               confidence: float) -> dict[str, float]:
     """baseline's paired bootstrap interval of each task's score (``<task>_ci_low``, ``_high``)
     from the per-sample scores of the float model and of the plan's evaluation: no extra run."""
-    from qdebug.tools.baseline import bootstrap_interval
-
     out = {}
     for task, q in result.samples.items():
         f = experiment.float_samples.get(task)
@@ -455,6 +696,9 @@ def _plan_meta(plan: Plan, bits: int) -> dict[str, Any]:
     return {"points": [_point_name(c) for c in plan.candidates] if plan.passed else [],
             "before": plan.before, "after": plan.after, "passed": plan.passed, "evaluations": plan.evaluations,
             "prefix": plan.prefix,
+            "search_points": [_point_name(c) for c in (plan.searched if plan.searched is not None else
+                                                       plan.candidates)] if plan.passed else [],
+            "confirm": plan.confirm,
             "keep_float": [_point_name(c) for c in plan.keep_float],
             "overrides": plan.overrides(bits) if plan.passed else {}, "history": plan.history}
 
@@ -477,12 +721,16 @@ def summarize(meta: Mapping[str, Any]) -> str:
         lines += textwrap.wrap(f"plan: {len(plan['points'])} point(s) at {meta['bits']} bits: "
                                f"{', '.join(plan['points'])}", width=80, subsequent_indent="  ",
                                break_on_hyphens=False)
-        lines.append(f"  after: {_fmt(plan['after'], tasks)} -- verified in {plan['evaluations']} evaluation(s)")
+        searched = " on the searched batches" if meta.get("holdout_batches") else ""
+        lines += textwrap.wrap(f"  after: {_fmt(plan['after'], tasks)} -- verified{searched} in "
+                               f"{plan['evaluations']} evaluation(s)", width=80, subsequent_indent="    ")
         for task in tasks:
             if f"{task}_ci_low" in plan["after"]:
                 lines.append(f"  {task} / float, {meta.get('confidence', 0.95):g} interval: "
                              f"[{plan['after'][task + '_ci_low']:.3f}, {plan['after'][task + '_ci_high']:.3f}]")
-    else:
+    if plan.get("confirm"):
+        lines += _confirm_lines(plan["confirm"], plan.get("search_points") or [], meta)
+    if not plan["passed"]:
         lines.append(f"no plan at {meta['bits']} bits reaches the target: at best {_fmt(plan['after'], tasks)}")
         if not plan["keep_float"]:
             lines.append("  keeping candidates in float does not reach it either")
@@ -495,7 +743,43 @@ def summarize(meta: Mapping[str, Any]) -> str:
         for glob, fix in (meta.get("recalibrate") or {}).items():
             lines.append(f"  {glob}: the {fix['observer']} observer's range wins {fix['gain_db']:+.1f} dB "
                          f"(qdebug calibrate --observer {fix['observer']})")
+    if "forwards" in meta:
+        phases = ", ".join(f"{phase} {n}" for phase, n in meta["forwards_by_phase"].items() if n)
+        lines += textwrap.wrap(f"cost: {meta['forwards']} forward pass(es) of a batch through the model or its "
+                               f"float reference ({phases})", width=80, subsequent_indent="  ")
     return "\n".join(escaped(line) for line in lines)  # a name's newline stays inside its line
+
+
+def _confirm_lines(confirm: Mapping[str, Any], search_points: Sequence[str], meta: Mapping[str, Any]) -> list[str]:
+    """The plan's margin on the confirmation data, its interval, and the warnings."""
+    def shown(value: float | None, signed: bool = False) -> str:
+        sign = "+" if signed else ""
+        return f"{value:{sign}.2f} dB" if confirm["measure"] == "sqnr_db" else f"{value:{sign}.4f}"
+
+    def wrap(text: str) -> list[str]:
+        return textwrap.wrap(text, width=80, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+    lines = []
+    if confirm["grown"]:
+        lines += wrap(f"the search's plan ({len(search_points)} point(s)) misses the target on the held-out "
+                      f"batches (margin {shown(confirm['search_plan_margin'], True)}): grown by "
+                      f"{', '.join(confirm['grown'])} to hold there (held-out data that chose the plan no longer "
+                      f"confirms it independently)")
+    where = (f"held-out ({confirm['batches']} of {meta['batches']} batches, {confirm['samples']} samples)"
+             if confirm["data"] == "held-out" else
+             f"no batch held out (fewer than {HOLDOUT_MIN_BATCHES}), the searched samples again")
+    what = "" if confirm["measure"] == "sqnr_db" else f"{confirm['measure']} "
+    interval = (f", {confirm['confidence']:g} interval [{shown(confirm['margin_low'], True)}, "
+                f"{shown(confirm['margin_high'], True)}]" if confirm["margin_low"] is not None
+                else " (no interval: the metric gives no per-sample scores)")
+    lines += wrap(f"{where}: {what}{shown(confirm['value'])}, margin {shown(confirm['margin'], True)}{interval}: "
+                  f"{'holds' if confirm['holds'] else 'misses the target'}")
+    if not confirm["holds"]:
+        lines += wrap("warning: the plan meets the target only on the batches it was searched on; no plan grown "
+                      "along the ranking holds on the held-out ones")
+    elif confirm["within_noise"]:
+        lines += wrap(f"warning: the margin is inside the noise: its {confirm['confidence']:g} interval reaches "
+                      f"below the target (more data narrows it; a stricter target buys margin)")
+    return lines
 
 
 __all__ = ["suggest", "candidates", "diagnoses_of", "Candidate", "Plan", "SuggestResult", "summarize", "DEFAULT_MIN_SQNR"]
