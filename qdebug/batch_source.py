@@ -71,6 +71,7 @@ class BatchSource:
         for index, batch in self._origin.items(self._rank, self._world):
             if self._origin.input_shape is None:
                 self._origin.input_shape = first_input_shape(batch)
+                self._origin.has_targets = getattr(batch, "target", None) is not None
             if self._device is not None:
                 from qdebug.device import to_device
 
@@ -131,6 +132,12 @@ class BatchSource:
         message about the model and its data), None before."""
         return self._origin.input_shape
 
+    @property
+    def has_targets(self) -> bool | None:
+        """Whether the first batch a pass has made carries targets, None before (a next command's
+        metric, without another pass over data that may differ on it)."""
+        return self._origin.has_targets
+
     def __repr__(self) -> str:
         shard = f", shard {self._rank} of {self._world}" if self._world > 1 else ""
         device = f", on {self._device}" if self._device is not None else ""
@@ -157,6 +164,7 @@ class Origin:
     name = "data"
     total: int | None = None
     input_shape: list[int] | None = None  # see BatchSource.input_shape
+    has_targets: bool | None = None  # see BatchSource.has_targets
 
     def items(self, rank: int, world: int) -> Iterator[tuple[int, Any]]:
         raise NotImplementedError

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -119,6 +120,52 @@ def stage_path(given: Optional[str], *keys: str, what: str) -> str:
         f"no {what + ' ' if what else ''}checkpoint given{where}",
         f"pass a path, or set {' / '.join(keys)} in qdebug.toml",
     )
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The options a run was given that choose its model, device and data, as typed.  A
+    ``next:`` command carries them all, so that it runs as printed on the same model and data
+    (without --model a pasted command is refused: the checkpoint's module is not trusted)."""
+
+    model: Optional[str] = None
+    model_kwargs: Optional[str] = None
+    unsafe_load: bool = False
+    device: Optional[str] = None
+    data: Optional[str] = None
+    batches: Optional[int] = None
+    batch_size: Optional[int] = None
+
+    def data_options(self, *, counts: bool = True) -> list[tuple[str, Any]]:
+        """--data, and (``counts``: for a command that takes them) --batches and --batch-size."""
+        return [("--data", self.data), *([("--batches", self.batches), ("--batch-size", self.batch_size)]
+                                         if counts else [])]
+
+    def model_options(self) -> list[tuple[str, Any]]:
+        """--model, --model-kwargs, --unsafe-load and --device: every command that loads a checkpoint takes them."""
+        return [("--model", self.model), ("--model-kwargs", self.model_kwargs), ("--unsafe-load", self.unsafe_load),
+                ("--device", self.device)]
+
+    def text(self, *, counts: bool = True) -> str:
+        """The data options, then the model's, as ``option_text`` writes them."""
+        return option_text([*self.data_options(counts=counts), *self.model_options()])
+
+
+def option_text(options: Iterable[tuple[str, Any]]) -> str:
+    """`` --flag value`` per option, shell-quoted: a value None or False is left out, True is a bare flag."""
+    parts: list[str] = []
+    for flag, value in options:
+        if value is None or value is False:
+            continue
+        parts += [flag] if value is True else [flag, str(value)]
+    return "".join(f" {shlex.quote(part)}" for part in parts)
+
+
+def command_line(command: str, *args: Any, options: Iterable[tuple[str, Any]] = ()) -> str:
+    """``qdebug [--config FILE] COMMAND ARGS OPTIONS``, shell-quoted: a ``next:`` command as
+    printed.  This run's ``--config`` goes with it (a global option: before the command)."""
+    config = ["--config", str(STATE.config_path)] if STATE.config_path is not None else []
+    return " ".join(shlex.quote(str(part)) for part in ("qdebug", *config, command, *args)) + option_text(options)
 
 
 def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = False,

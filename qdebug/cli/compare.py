@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import typer
 
@@ -12,7 +12,8 @@ from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, check_data, err_console, load_checkpoint, model_errors, progress_bar, resolve_batches,
+    STATE, RunOptions, check_data, command_line, err_console, load_checkpoint, model_errors, option_text, progress_bar,
+    resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -116,44 +117,52 @@ def render_compare(frame: "pd.DataFrame", metrics: list[str], *, sort: Optional[
 
 
 def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *, given: list[str],
-                  options: str, sort: Optional[str], skip: tuple[str, ...] = ()) -> tuple[str, str]:
+                  options: str, sort: Optional[str], skip: tuple[str, ...] = (), model_options: str = "",
+                  again: str = "", baseline_metric: str | Callable[[], str] = " --metric top1") -> tuple[str, str]:
     """(why, command): the next step of the debug flow, for the first compared model with a
-    finding.  ``given``: the checkpoints as typed (none when they came from the config);
-    ``options``: the data options as typed, so the suggestion runs on the same data; ``skip``:
-    labels of models no command takes as a checkpoint (``--torch-kernels``' torch model)."""
+    finding, written to run as printed (``qdebug.cli.common.command_line``).  ``given``: the
+    checkpoints as typed (none when they came from the config); ``options``: the data and model
+    options as typed (``RunOptions.text``), so the command runs on the same model and data;
+    ``model_options``: the model's alone (for inspect); ``again``: compare's own options that
+    shaped this run (--ref, --threshold, --torch-kernels), for compare again; ``baseline_metric``:
+    baseline's --metric (empty when the config names one), or a function saying it (asked only
+    when baseline is the next command); ``skip``: labels of models no command
+    takes as a checkpoint (``--torch-kernels``' torch model)."""
     found = {target: item for target, item in result.meta["findings"].items() if target not in skip}
-    again = " ".join(["qdebug compare", *given]) + options
+    compare_again = command_line("compare", *given) + options + again
     for target, item in found.items():
         if not item.get("flagged") or item.get("float_differs"):  # no quantization fix: its float model differs
             continue
         cause = item.get("at_fault_diagnosis")
         if cause == "nonfinite":
-            return "look for non-finite weights and scales", f"qdebug inspect {paths[labels.index(target)]}"
+            return "look for non-finite weights and scales", command_line("inspect", paths[labels.index(target)]) + \
+                model_options
         if cause == "clipping" and result.meta.get("reference_stage") == "float":
             return ("recalibrate with a range that clips less",
-                    f"qdebug calibrate {paths[ref_index]}{options} --observer percentile -o recalibrated.pt")
+                    command_line("calibrate", paths[ref_index]) + options + " --observer percentile -o recalibrated.pt")
         if cause == "outlier_channels":
-            return "see the channels", f"{again} --metrics min_channel_sqnr_db,channel_range_ratio --sort min_channel_sqnr_db"
+            return "see the channels", (f"{compare_again} --metrics min_channel_sqnr_db,channel_range_ratio "
+                                        "--sort min_channel_sqnr_db")
         if cause == "shared_scale" and result.meta.get("reference_stage") == "float":  # an old plan
             return ("prepare the float model again: one point per output tensor",
-                    f"qdebug calibrate {paths[ref_index]}{options} -o recalibrated.pt")
+                    command_line("calibrate", paths[ref_index]) + options + " -o recalibrated.pt")
         # The pair as typed (none when it came from the config: suggest reads the same keys).
-        pair = f" {paths[ref_index]} {paths[labels.index(target)]}" if given else ""
+        suggest = command_line("suggest", *([paths[ref_index], paths[labels.index(target)]] if given else [])) + options
         # An int16 point is among the fixes of these (the cause line names the point and the rest).
         int16_fix = ("rounding", "cell_state_range", "softmax_collapse", "logits_clipped")
         if cause in int16_fix and result.meta.get("reference_stage") == "float":
-            return ("the smallest set of int16 changes that meets the target, verified",
-                    f"qdebug suggest{pair}{options}")
+            return "the smallest set of int16 changes that meets the target, verified", suggest
         if sort != "isolated_sqnr_db":
-            return "each layer's own error, worst first (int16 candidates)", f"{again} --sort isolated_sqnr_db"
+            return "each layer's own error, worst first (int16 candidates)", f"{compare_again} --sort isolated_sqnr_db"
         if result.meta.get("reference_stage") == "float":
-            return "a verified int16 plan for the worst of these", f"qdebug suggest{pair}{options}"
+            return "a verified int16 plan for the worst of these", suggest
         return "", ""
     target = next(iter(found), None)
     if target is None:
         return "", ""
+    metric = baseline_metric() if callable(baseline_metric) else baseline_metric
     return ("check that the task metric holds",
-            f"qdebug baseline {paths[ref_index]} {paths[labels.index(target)]} --metric top1{options or ' --data EVAL'}")
+            command_line("baseline", paths[ref_index], paths[labels.index(target)]) + metric + options)
 
 
 @app.command(
@@ -273,10 +282,24 @@ def compare(
     _check_architecture(result.frame, labels[ref_index])
     result.meta["reference_stage"] = infos[ref_index].stage
     frame = result.frame
-    options = "".join(f" {flag} {value}" for flag, value in (("--data", data), ("--batches", batches),
-                                                              ("--batch-size", batch_size)) if value is not None)
+    # The next command runs as printed: the same model, device and data, and compare's own options.
+    run = RunOptions(model=model, model_kwargs=model_kwargs, unsafe_load=unsafe_load, device=device, data=data,
+                     batches=batches, batch_size=batch_size)
+    shaping = [("--ref", ref), *(("--threshold", t) for t in threshold or []), ("--torch-kernels", torch_kernels),
+               ("--backend", backend if torch_kernels is not None else None)]
+
+    def baseline_metric() -> str:  # the config's metric, else top-1 on data with targets, else agreement with float
+        if cfg.get("metric"):
+            return ""
+        targets = getattr(batch_list, "has_targets", None)  # seen by compare's pass: no pass more
+        if targets is None:
+            targets = getattr(batch_list[0], "target", None) is not None
+        return " --metric top1" if targets else " --metric agreement"
+
     why, next_command = _next_command(result, labels, paths, ref_index, given=list(checkpoints or []),
-                                      options=options, sort=sort, skip=skip)
+                                      options=run.text(), sort=sort, skip=skip,
+                                      model_options=option_text(run.model_options()), again=option_text(shaping),
+                                      baseline_metric=baseline_metric)
     meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command}
     if warning:
         meta["warning"] = warning
@@ -288,7 +311,11 @@ def compare(
         differs = [label for label, item in result.meta["findings"].items() if item.get("float_differs")]
         if differs:  # in the header: the rows of these targets measure a float difference, not quantization
             title += f" -- {', '.join(differs)}: float model differs from {labels[ref_index]} (see below)"
-        print_table(render_compare(frame, shown, sort=sort, top=top, title=title, width=table_width(wide)))
+        columns = shown
+        if not metrics and "isolated_sqnr_db" in shown and frame["drift_sqnr_db"].notna().any():
+            at = shown.index("isolated_sqnr_db") + 1  # a float model that moved: its drift beside the errors
+            columns = [*shown[:at], "drift_sqnr_db", *shown[at:]]
+        print_table(render_compare(frame, columns, sort=sort, top=top, title=title, width=table_width(wide)))
         for line in result.summary.splitlines():
             say(line)
         if next_command:

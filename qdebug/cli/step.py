@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import typer
 
@@ -13,8 +12,8 @@ from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
-    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
-    check_data, err_console, model_errors, progress_bar, resolve_batches,
+    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, RunOptions,
+    check_data, command_line, err_console, model_errors, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -28,10 +27,10 @@ if TYPE_CHECKING:
 
 MODE_FLAGS = ("only", "except", "auto", "cumulative", "drill")
 KINDS = ("both", "weight", "activation")
-# Worst first: a low SQNR, cosine or metric ratio; a large cost.
-SORT_DESCENDING = ("points", "macs_share", "params_share")
+# Worst first: a low SQNR, cosine or metric ratio; a large cost, or much recovered when left in float.
+SORT_DESCENDING = ("points", "macs_share", "params_share", "recovers_db")
 COLUMNS = ("step", "level", "selection", "mode", "kind", "points", "macs_share", "params_share", "sqnr_db", "cosine",
-           "verdict")
+           "verdict", "recovers_db")
 
 
 def render_step(frame: "pd.DataFrame", meta: dict, *, sort: Optional[str] = None, width: Optional[int] = None):
@@ -40,18 +39,22 @@ def render_step(frame: "pd.DataFrame", meta: dict, *, sort: Optional[str] = None
 
     view = frame
     if sort:
-        view = view.sort_values(sort, ascending=sort not in SORT_DESCENDING, na_position="first", kind="stable")
+        descending = sort in SORT_DESCENDING or sort.endswith("_recovers")
+        # NaN first when low is worst; a recovery's NaN (step 0 has none) last.
+        view = view.sort_values(sort, ascending=not descending, na_position="last" if descending else "first",
+                                kind="stable")
     view = view.reset_index(drop=True)
     tasks = meta.get("tasks") or []
     ratios = [f"{t}_ratio" for t in tasks]
     outputs = [c for c in view.columns if c.endswith("_sqnr_db") or (c.endswith("_cosine") and c != "cosine")]
+    recovers = [f"{t}_recovers" for t in tasks]
     lead = ["step", *(["level"] if "level" in view else []), "selection"]
-    priority = [*lead, *ratios, "sqnr_db", "verdict" if tasks else "", "kind", "macs_share", *tasks, "mode", "points",
-                "cosine", "params_share", *outputs]
+    priority = [*lead, *ratios, "sqnr_db", *recovers, "recovers_db", "verdict" if tasks else "", "kind", "macs_share",
+                *tasks, "mode", "points", "cosine", "params_share", *outputs]
     priority = [c for c in priority if c and c in view]
     formats = {c: fixed(2) for c in view.columns if c.endswith("_db")}
     formats.update({c: fixed(6) for c in view.columns if c.endswith("cosine")})
-    formats.update({c: fixed(3) for c in [*ratios, "macs_share", "params_share"] if c in view})
+    formats.update({c: fixed(3) for c in [*ratios, *recovers, "macs_share", "params_share"] if c in view})
     formats.update({t: fixed(4) for t in tasks if t in view})
     culprit = (meta.get("culprit") or {}).get("selection")
     highlight = [i for i, (s, m, k) in enumerate(zip(view["selection"], view["mode"], view["kind"]))
@@ -75,23 +78,25 @@ def _mode(flags: dict[str, bool], modules: list[str]) -> str:
     return chosen[0] if chosen else ("only" if modules else "auto")
 
 
-def _next_command(meta: dict, given: list[str], paths: list[str], options: str) -> tuple[str, str]:
-    """(why, command): drill into the costliest module, or see the culprit layer's own error."""
+def _next_command(meta: dict, given: list[str], run: RunOptions,
+                  shaping: list[tuple[str, Any]]) -> tuple[str, str]:
+    """(why, command): drill into the costliest module, or see the culprit layer's own error.
+    ``run``: the model, device and data options as typed; ``shaping``: the metric and ratio
+    options.  Both go with the command, so it runs as printed on the same model and data;
+    ``given``: the checkpoints as typed (none: the next command reads the same config keys)."""
     culprit = meta.get("culprit")
     if not culprit or meta.get("passed"):
         return "", ""
-    again = " ".join(["qdebug step", *map(shlex.quote, given)])
     if meta["mode"] != "drill":
-        return (f"drill into {culprit['selection']}, down to the layer",
-                f"{again} --drill --module {shlex.quote(culprit['selection'])}{options}")
+        options = [*shaping, *run.data_options(), *run.model_options(), ("--drill", True),
+                   ("--module", culprit["selection"]), ("--kind", meta["kind"] if meta["kind"] != "both" else None)]
+        return f"drill into {culprit['selection']}, down to the layer", command_line("step", *given, options=options)
+    # suggest takes the metric, ratio and data options too (no step-only option).
+    suggest = command_line("suggest", *given, options=[*shaping, *run.data_options(), *run.model_options()])
+    if meta.get("single_culprit") is False:
+        return "no single culprit: the smallest verified set of int16 points that meets the target", suggest
     return (f"the smallest verified int16 fix ({culprit['selection']} first in line; a clipping range gets "
-            "recalibration instead)", f"qdebug suggest {' '.join(map(shlex.quote, paths))}{_suggest_options(options)}")
-
-
-def _suggest_options(options: str) -> str:
-    """``options`` as suggest takes them (the data, metric and ratio; no step-only option)."""
-    parts = options.split(" --")
-    return "".join(" --" + p for p in parts[1:] if p.startswith(("metric ", "ratio ", "data ", "batches ", "batch-size ")))
+            "recalibration instead)", suggest)
 
 
 @app.command(
@@ -120,7 +125,8 @@ def step(
     except_: bool = typer.Option(False, "--except", help="Quantize everything but the selection."),
     auto: bool = typer.Option(False, "--auto", help="Each module at --depth alone (inside the selection, if any)."),
     cumulative: bool = typer.Option(False, "--cumulative", help="Modules at --depth quantized one after another."),
-    drill: bool = typer.Option(False, "--drill", help="Each module alone, then into the worst, down to one layer."),
+    drill: bool = typer.Option(False, "--drill", help="Each module alone, then into the worst, down to one layer; "
+                               "beside each, what leaving it in float recovers (recovers_db)."),
     depth: int = typer.Option(1, "--depth", metavar="N", help="Module depth for --auto and --cumulative (1: top level)."),
     kind: str = typer.Option("both", "--kind", metavar="weight|activation|both",
                              help="Which of the selection's quant points to switch."),
@@ -158,8 +164,8 @@ def step(
     spec = metric or cfg.get("metric")
     tasks = [spec.rsplit(":", 1)[-1]] if spec else []
     tasks += list(cfg.get("tasks") or {})
-    sortable = [*COLUMNS, *tasks, *(f"{t}_ratio" for t in tasks)]
-    if sort is not None and sort not in sortable and not sort.endswith(("_ratio", "_sqnr_db", "_cosine")):
+    sortable = [*COLUMNS, *tasks, *(f"{t}_ratio" for t in tasks), *(f"{t}_recovers" for t in tasks)]
+    if sort is not None and sort not in sortable and not sort.endswith(("_ratio", "_sqnr_db", "_cosine", "_recovers")):
         raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(sortable)}")
     out = prepare_out(out)
 
@@ -181,10 +187,9 @@ def step(
         err_console.print(escaped(f"warning: cannot sort by {sort!r}: the rows stay in step order (columns: "
                                   f"{', '.join(map(str, frame.columns))})"), markup=False, highlight=False, soft_wrap=True)
         sort = None
-    options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
-        ("--metric", metric), ("--data", data), ("--batches", batches), ("--batch-size", batch_size),
-        ("--ratio", ratio)) if value is not None)
-    why, next_command = _next_command(result.meta, given, paths, options)
+    run = RunOptions(model=model, model_kwargs=model_kwargs, unsafe_load=unsafe_load, device=device, data=data,
+                     batches=batches, batch_size=batch_size)
+    why, next_command = _next_command(result.meta, given, run, [("--metric", metric), ("--ratio", ratio)])
     meta = {**result.meta, "checkpoints": paths, "ratio": default_ratio, "summary": result.summary, "next": next_command}
     files = []
     if out is not None:

@@ -14,8 +14,8 @@ from qdebug.cli.app import app
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
-    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
-    check_data, model_errors, progress_bar, resolve_batches, writable_file,
+    MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE, RunOptions,
+    check_data, command_line, model_errors, option_text, progress_bar, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
@@ -72,7 +72,8 @@ def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
     # Every string is TOML-escaped, every key quoted unless bare, and a comment (which TOML
     # cannot escape) is shown escaped: a name's newline or quote never breaks out of its place.
     lines = [f"# qdebug suggest: {len(meta['plan']['points'])} point(s) at {meta['bits']} bits, "
-             f"verified in {meta['plan']['evaluations']} evaluation(s)",
+             f"verified in {meta['plan']['evaluations']} evaluation(s)"
+             + (f", {meta['forwards']} forward pass(es) in all" if "forwards" in meta else ""),
              f"# apply: {escaped(command)}", ""]
     for kind in ("weight", "activation"):
         lines.append(f"[{kind}]")
@@ -119,7 +120,10 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
         "meets the target -- every task's metric >= --ratio x float (baseline's rule) with --metric, "
         "else output SQNR >= --min-sqnr -- and drop every member that is not needed: a plan verified on "
         "the data, written as qconfig overrides (--out DIR: plan.toml for qdebug calibrate --qconfig) "
-        "or applied (--apply -o FILE). Points that clip are left to recalibration, not int16.\n\n"
+        "or applied (--apply -o FILE). Points that clip are left to recalibration, not int16. From 4 "
+        "batches on, the last quarter is held out: the plan searched on the rest is confirmed there, with "
+        "its margin and that margin's bootstrap interval (--confidence), grown when it misses, and a warning "
+        "when the margin is inside the noise; the summary counts every forward pass the command made.\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data "
         "fixtures/demo/eval.pt --metric top1 --out suggest-out\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
@@ -138,7 +142,9 @@ def suggest(
     rank: str = typer.Option("exact", "--rank", metavar="exact|fast",
                              help="exact: each candidate alone; fast: gradient-weighted noise, one backward per batch."),
     confidence: float = typer.Option(0.95, "--confidence", metavar="LEVEL",
-                                     help="Level of the plan's bootstrap interval (per-sample metrics)."),
+                                     help="Level of the bootstrap intervals: the plan's margin on the held-out "
+                                          "batches (the last quarter, from 4 batches on), a per-sample metric's "
+                                          "score."),
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
@@ -199,8 +205,8 @@ def suggest(
         check_imported(found.model)
     batch_list = resolve_batches(data, batches, found.info, batch_size=batch_size)
     task, default_ratio, rules = metric_rules(spec, metric_fn, ratio)
-    def diagnoses() -> dict[str, str]:  # compare's, asked for only when the model needs a plan
-        return diagnoses_of(found.reference, found.model, batch_list)
+    def diagnoses(searched) -> dict[str, str]:  # compare's on the searched batches, only when a plan is needed
+        return diagnoses_of(found.reference, found.model, searched)
 
     with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
@@ -208,18 +214,21 @@ def suggest(
                              diagnoses=diagnoses, confidence=confidence, rank=rank,
                              progress=lambda done, total: advance(done, total))
     frame, meta = result.frame, result.meta
-    options = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
-        ("--data", data), ("--batches", batches), ("--batch-size", batch_size)) if value is not None)
+    # The next commands run as printed: the same model, device and data (RunOptions).
+    run = RunOptions(model=model, model_kwargs=model_kwargs, unsafe_load=unsafe_load, device=device, data=data,
+                     batches=batches, batch_size=batch_size)
+    options = run.text()
     float_path = paths[0] if len(paths) == 2 else "FLOAT.pt"
     plan_path = str(out.final / "plan.toml") if out is not None else "plan.toml"
-    apply_command = (f"qdebug calibrate {shlex.quote(float_path)} --data CALIBRATION_DATA --qconfig "
-                     f"{shlex.quote(plan_path)} -o calibrated16.pt")
+    # A template: the data the float model was calibrated on is the user's to give.
+    apply_command = (command_line("calibrate", float_path) + option_text(run.model_options())
+                     + f" --data CALIBRATION_DATA --qconfig {shlex.quote(plan_path)} -o calibrated16.pt")
     # The same search again, written out: every option that shapes the plan, as typed.
-    shaping = "".join(f" {flag} {shlex.quote(str(value))}" for flag, value in (
+    shaping = option_text([
         ("--metric", metric), ("--min-sqnr", format(min_sqnr, "g") if min_sqnr is not None else None),
-        ("--ratio", ratio), ("--bits", bits if bits != 16 else None), ("--rank", rank if rank != "exact" else None))
-        if value is not None)
-    exact_command = f"qdebug suggest {' '.join(map(shlex.quote, given))}{options}{shaping} --apply -o fixed.pt"
+        ("--ratio", ratio), ("--bits", bits if bits != 16 else None), ("--rank", rank if rank != "exact" else None),
+        ("--confidence", confidence if confidence != 0.95 else None)])
+    exact_command = f"{command_line('suggest', *given)}{options}{shaping} --apply -o fixed.pt"
     meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
     files = []
     torch_ao = None
@@ -273,8 +282,11 @@ def suggest(
         if output is not None and not applied:
             say(f"nothing written to {output}: no plan to apply")
         if applied:
-            check = f"qdebug baseline {shlex.quote(float_path)} {shlex.quote(str(output))}{options}" + (
-                f" --metric {spec}" if spec else "")
+            gate = option_text([("--metric", spec), ("--ratio", ratio)]) + options
+            # Without a FLOAT checkpoint there is none for baseline: step's first row is the fixed
+            # checkpoint against its own float run, with baseline's verdict.
+            check = (command_line("baseline", float_path, output) if len(paths) == 2
+                     else command_line("step", output)) + gate
             say("next: check the fixed checkpoint:" if spec else f"wrote {output}")
             if spec:
                 say(f"  {check}")

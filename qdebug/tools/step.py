@@ -20,7 +20,11 @@ Modes:
 - ``cumulative``: the units at ``depth`` quantized one after another in execution
   order -- the error curve as quantization spreads through the network;
 - ``drill``: the units one level down alone, then the children of the worst, and so
-  on until the worst is a single quant point.
+  on until the worst is a single quant point.  Beside each unit's cost alone, a drill
+  measures what leaving it in float recovers (everything quantized but the unit, vs
+  everything quantized): a unit can cost much alone and still leave the whole model
+  where it was -- the loss builds up over many layers, and no single unit is to blame
+  (``single_culprit``; compare says the same from its isolated errors).
 
 ``kind`` ("weight" | "activation" | "both") says which of a selection's points are
 switched (AIMET's weights-only / activations-only analysis).  When the costliest
@@ -53,6 +57,11 @@ from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low, wor
 
 MODES = ("only", "except", "auto", "cumulative", "drill")
 SMALL_EVAL = 1000  # below this many samples the summary says how coarse the metric is
+# A drill's unit is a single culprit when, left in float with everything else quantized, it
+# wins back half the loss: the output's quantization noise power halved (this many dB), or half
+# the metric ratio lost (and more than one sample's worth).  Below it on every unit the loss
+# builds up over many layers.
+RECOVERS_DB = 10 * math.log10(2)
 KINDS = ("both", "weight", "activation")
 
 
@@ -188,15 +197,31 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
     everything = frozenset(units.points)
     rows: list[dict[str, Any]] = []
     results: list[TrialResult] = []
+    complements: list[TrialResult] = []  # measured for the recovery columns, no row of their own
 
-    def measure(trials: list[Trial]) -> list[TrialResult]:
-        done = experiment.run(trials)
+    def measure(trials: list[Trial], without: Sequence[Trial] = ()) -> list[TrialResult]:
+        """Rows of ``trials``; ``without``: the complements of the last ``len(without)`` trials
+        (all quantized but their unit), measured in the same pass: what leaving each unit in
+        float recovers goes into its row, and the complements themselves make no row."""
+        # Reversed: complement k then resumes from complement k+1's run, which agrees with it
+        # up to unit k (they are in execution order), as much as the whole model's run would.
+        done = experiment.run([*trials, *reversed(without)])
         for result in done:
             result.row = {**result.trial.info, **experiment.verdict(result.metric, rules)} if metric else dict(result.trial.info)
+        done, others = done[:len(trials)], done[len(trials):][::-1]
+        if others:
+            quantized = results[0] if results else done[0]  # the whole model: step 0
+            for result, other in zip(done[len(done) - len(others):], others):
+                result.row.update(_recovery(other, quantized))
+            complements.extend(others)
         for result in done:
             rows.append(_row(len(rows), result, experiment))
             results.append(result)
         return done
+
+    def without(trials: Sequence[Trial]) -> list[Trial]:
+        """Each trial's complement: everything quantized but the trial's points."""
+        return [Trial(everything - t.quantized, {**t.info, "mode": "without"}) for t in trials]
 
     def kind_of(names: Sequence[str]) -> str:
         # Points all of one kind say which (a layer's output point shares the layer's name).
@@ -240,6 +265,7 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         first = True
         culprit = None
         leaves: list[TrialResult] = []  # every single point measured alone on the way
+        worst_of_level: list[TrialResult] = []  # all but the last level's were gone into
         while True:
             children = units.children(group)
             if not children:
@@ -248,10 +274,11 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
             if not children:
                 break
             trials = [alone(name, names, level) for name, names in children.items()]
-            done = measure(([whole] if first else []) + trials)[(1 if first else 0):]
+            done = measure(([whole] if first else []) + trials, without(trials))[(1 if first else 0):]
             first = False
             leaves += [r for r in done if len(r.trial.quantized) == 1]
             culprit = _worst(done, tolerance())
+            worst_of_level.append(culprit)
             drill_path.append(_path_entry(culprit, experiment))
             group = children[culprit.trial.info["selection"]]
             if len(group) <= 1:
@@ -262,7 +289,8 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
             # group was worse) can cost more alone than the one the descent ends on.
             culprit = _worst([culprit, *leaves], tolerance())
         if culprit is None:  # a single point selected: nothing to drill into
-            measure([whole, alone(label or units.points[0], selected, 1)])
+            only_one = alone(label or units.points[0], selected, 1)
+            measure([whole, only_one], without([only_one]))
             culprit = results[1]
     split = None
     own: list[str] = []
@@ -286,7 +314,8 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
         "float_metric": experiment.float_metric, "tasks": tasks,
         "drill_path": drill_path,
         "culprit": _culprit_meta(culprit, split, experiment, own, results) if culprit is not None else None,
-        "served_calls": sum(r.served_calls for r in results),
+        **_single_culprit(results, worst_of_level[:-1] if mode == "drill" else [], tolerance()),
+        "served_calls": sum(r.served_calls for r in (*results, *complements)),
         "floor_sqnr_db": worst(o["sqnr_db"] for o in experiment.floor.values()) if experiment.floor else None,
         "reference": "float model" if reference is not None else "the model with every point in float",
         "samples": experiment.samples,
@@ -294,6 +323,60 @@ def step(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | Non
                    and frame.iloc[0]["mode"] == "all" else None),
     }
     return StepResult(frame, meta, summarize(frame, meta))
+
+
+def _recovery(without: TrialResult, quantized: TrialResult) -> dict[str, float]:
+    """What leaving a unit in float recovers: ``recovers_db``, the output SQNR with everything
+    quantized but the unit minus with everything quantized; per task ``<task>_recovers``, the
+    same of the metric ratio."""
+    found = {"recovers_db": _gain(without.worst_sqnr_db, quantized.worst_sqnr_db)}
+    for key, value in without.row.items():
+        if key.endswith("_ratio"):
+            found[f"{key[:-len('_ratio')]}_recovers"] = _gain(value, quantized.row.get(key))
+    return found
+
+
+def _gain(after: float | None, before: float | None) -> float:
+    """``after - before`` with NaN counted as the worst (-inf): a unit whose removal makes a
+    NaN output finite recovers inf; one that leaves it NaN (or infinite SQNR as it was) recovers 0."""
+    a, b = nan_low(after), nan_low(before)
+    return 0.0 if a == b else a - b
+
+
+def _recovered(row: Mapping[str, Any]) -> float:
+    """The largest task-ratio recovery of a row (-inf without a metric): the rank before dB."""
+    return max((nan_low(v) for k, v in row.items() if k.endswith("_recovers")), default=-math.inf)
+
+
+def _above_noise(row: Mapping[str, Any], whole: Mapping[str, Any], tolerance: float) -> bool:
+    """Whether leaving the row's unit in float wins back half the loss (``RECOVERS_DB``): half
+    the output's noise power, or half a task's ratio lost (``whole``: step 0's row) when that is
+    more than one sample's worth (``tolerance``: a flipped sample is noise)."""
+    for key, value in row.items():
+        if key.endswith("_recovers"):
+            lost = 1.0 - nan_low(whole.get(key[:-len("_recovers")] + "_ratio"))
+            # (1e-12: ratios of sample counts, compared as the fractions they are)
+            if nan_low(value) > tolerance + 1e-12 and nan_low(value) >= lost / 2 - 1e-12:
+                return True
+    return nan_low(row["recovers_db"]) >= RECOVERS_DB - 1e-9
+
+
+def _single_culprit(results: Sequence[TrialResult], descended: Sequence[TrialResult],
+                    tolerance: float) -> dict[str, Any]:
+    """``single_culprit``: whether some unit of a drill, left in float with everything else
+    quantized, wins back half the loss (None outside a drill); ``recovers_most``: the unit that
+    recovers the most (among those that do, when any does).  The units the drill went into
+    (``descended``: its children were measured) are not counted: a module holding half the
+    network recovers much, and the question is whether one of its parts does."""
+    skipped = {id(r) for r in descended}
+    measured = [r for r in results if "recovers_db" in r.row and id(r) not in skipped]
+    if not measured:
+        return {"single_culprit": None, "recovers_most": None}
+    above = [r for r in measured if _above_noise(r.row, results[0].row, tolerance)]
+    best = max(above or measured, key=lambda r: (_recovered(r.row), nan_low(r.row["recovers_db"])))
+    entry = {"selection": best.trial.info["selection"], "kind": best.trial.info["kind"],
+             **{k: v for k, v in best.row.items() if k == "recovers_db" or k.endswith("_recovers")}}
+    return {"single_culprit": bool(above), "recovers_most": entry}
 
 
 def _row(index: int, result: TrialResult, experiment: Experiment) -> dict[str, Any]:
@@ -354,6 +437,7 @@ def _culprit_meta(culprit: TrialResult, split: list[TrialResult] | None, experim
                   own: list[str], results: list[TrialResult]) -> dict[str, Any]:
     found = _path_entry(culprit, experiment)
     found["macs_share"], found["params_share"] = experiment.shares(own)
+    found.update({k: v for k, v in culprit.row.items() if k == "recovers_db" or k.endswith("_recovers")})
     if culprit.trial.info.get("mode") == "cumulative":
         index = results.index(culprit)
         before = results[index - 1] if index > 1 else None  # results[0] is the whole model
@@ -385,6 +469,15 @@ def _delta(entry: Mapping[str, Any], samples: int | None = None) -> str:
         flipped = round(abs(d) * samples)
         text += f", {flipped} sample{'s' if flipped != 1 else ''}"
     return f"{text}; {_db(entry['sqnr_db'])}"
+
+
+def _gains(entry: Mapping[str, Any]) -> str:
+    """What leaving a unit in float recovers: ``+0.5 dB`` and per task ``top1 +0.021 x float``."""
+    db = entry["recovers_db"]
+    parts = ["NaN dB" if math.isnan(db) else f"{db:+.1f} dB"]
+    parts += [f"{key[:-len('_recovers')]} {value:+.3f} x float" for key, value in entry.items()
+              if key.endswith("_recovers")]
+    return ", ".join(parts)
 
 
 def _share(value: float) -> str:
@@ -431,6 +524,16 @@ def summarize(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
         if "loss_in" in culprit:
             lines.append(f"  loss in its {culprit['loss_in']}: weights alone {_db(culprit['weights_sqnr_db'])}, "
                          f"activations alone {_db(culprit['activations_sqnr_db'])}")
+        if "recovers_db" in culprit:
+            lines.append(f"  left in float, everything else quantized: recovers {_gains(culprit)}")
+    most = meta.get("recovers_most")
+    if meta.get("single_culprit") is False and not meta.get("passed"):
+        lines.append(f"no single culprit: the loss builds up over many layers -- no unit left in float wins back "
+                     f"half of it (the most: {_unit(most)}, {_gains(most)})")
+        lines.append("  qdebug suggest finds the smallest verified set of int16 points that meets the target")
+    elif meta.get("single_culprit") and culprit and (most["selection"], most["kind"]) != (culprit["selection"],
+                                                                                          culprit["kind"]):
+        lines.append(f"recovers the most: {_unit(most)} ({_gains(most)} when left in float)")
     if meta.get("drill_path"):
         lines.append("drill: " + " > ".join(f"{_unit(e)} ({_delta(e).split(';')[0]})" for e in meta["drill_path"]))
     if tasks and meta.get("samples", 0) < SMALL_EVAL:
