@@ -18,7 +18,7 @@ COMPARE_METRICS = (
     "cosine", "sqnr_db", "mse", "rel_l2", "max_abs", "max_abs_scales", "mean_abs", "kl", "saturation", "nonfinite",
     "min_channel_sqnr_db", "median_channel_sqnr_db", "channel_range_ratio", "widest_channel",
     "isolated_cosine", "isolated_sqnr_db", "isolated_mse", "isolated_max_abs",
-    "isolated_min_channel_sqnr_db", "isolated_median_channel_sqnr_db",
+    "isolated_min_channel_sqnr_db", "isolated_median_channel_sqnr_db", "drift_sqnr_db",
 )
 # compare's default table columns, most useful first (the first ones stay at 80 columns).
 COMPARE_DEFAULT_SHOW = (
@@ -27,5 +27,5 @@ COMPARE_DEFAULT_SHOW = (
 # Metrics where a lower value is worse (sorted ascending by --sort).
 COMPARE_LOWER_IS_WORSE = (
     "cosine", "sqnr_db", "isolated_cosine", "isolated_sqnr_db", "min_channel_sqnr_db", "median_channel_sqnr_db",
-    "isolated_min_channel_sqnr_db", "isolated_median_channel_sqnr_db",
+    "isolated_min_channel_sqnr_db", "isolated_median_channel_sqnr_db", "drift_sqnr_db",
 )

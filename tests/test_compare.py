@@ -891,15 +891,67 @@ def test_compare_says_first_when_the_targets_float_model_differs(cli, drifted_an
     assert "float_differs" in diagnoses and "rounding" not in diagnoses and "propagated" not in diagnoses
     summary = payload["meta"]["summary"].splitlines()
     assert summary[0] == "warning: qat's float model differs from float: not quantization"
-    assert summary[1] == (f"  quantization off: {expected_off:.1f} dB output SQNR vs float "
-                          f"({expected_whole:.1f} dB quantized)")
+    assert summary[1] == (f"  quantization off: {expected_off:.1f} dB vs float "
+                          f"({expected_whole:.1f} dB quantized); rows float_differs")
     assert "suggest" not in payload["meta"]["next"]  # no int16 plan for a float difference
 
     table = cli("compare", d / "float.pt", d / "drifted.pt", "--data", d / "eval.pt", "--batch-size", 8)
     assert table.code == 0, table.err
     assert "qat: float model differs from float" in table.out.splitlines()[0] + table.out
-    assert "at fault:      no layer: the float model differs, not quantization" in table.out
+    assert "drift_" in table.out.splitlines()[1]  # its drift beside the errors, in the default table
+    # What is at fault now is quantization's own: a range measured against the target's own float
+    # run (its avgpool clips 5% of its own float values), never a rounding its drift explains.
+    at_fault = payload["meta"]["findings"]["qat"]["at_fault"]
+    if at_fault is None:
+        assert "at fault:      no layer: the float model differs, not quantization" in table.out
+    else:
+        row = next(r for r in payload["rows"] if r["layer"] == at_fault)
+        assert row["diagnosis"] == "clipping" and row["saturation"] > 0.01 and row["isolated_sqnr_db"] < 25
+    assert "  drifted most:  layer2.0.downsample.1 (4.5 dB; BN statistics not frozen?)" in summary
     assert max(len(line) for line in summary) <= 80
+
+
+def test_drift_is_measured_per_layer_and_isolated_errors_against_the_targets_own_float_model(drifted_and_healthy):
+    """Item 6 of issue 30: per layer, ``drift_sqnr_db`` is the target's float model (every point
+    off) against the reference -- here by forward hooks on both models; its isolated errors are
+    quantization's own: those of a compare whose reference *is* that float model."""
+    from small_models import module_io
+
+    _, fp, drifted, _, batches = drifted_and_healthy
+    result = compare([("float", fp), ("qat", drifted)], batches)
+    rows = result.frame.set_index("layer")
+    off = copy.deepcopy(drifted)
+    set_mode(off, "float")
+    names = ["conv1", "layer1.0.conv2", "layer2.0.downsample.0", "fc"]
+    sums = {n: [0.0, 0.0] for n in names}
+    for x in batches:
+        want, have = module_io(fp, names, x), module_io(off, names, x)
+        for n in names:
+            a, b = want[n][1].double(), have[n][1].double()
+            sums[n][0] += float((a * a).sum())
+            sums[n][1] += float(((a - b) ** 2).sum())
+    for n in names:
+        assert rows.loc[n, "drift_sqnr_db"] == pytest.approx(10 * math.log10(sums[n][0] / sums[n][1]), abs=1e-3), n
+    own = compare([("own", off), ("qat", drifted)], batches).frame.set_index("layer")
+    for n in names + ["layer1.0.relu", "avgpool"]:
+        assert rows.loc[n, "isolated_sqnr_db"] == pytest.approx(own.loc[n, "isolated_sqnr_db"], abs=1e-6), n
+        assert math.isnan(own.loc[n, "drift_sqnr_db"])  # a reference with points: no drift measured
+    assert result.meta["findings"]["qat"]["worst_drift_layer"] == rows["drift_sqnr_db"].idxmin()
+    drifted = int((result.frame["diagnosis"] == "float_differs").sum())
+    assert drifted and f"layers flagged ({drifted} float_differs: drift)" in result.summary
+
+
+def test_a_calibrated_model_with_folded_bn_runs_no_float_pass(realistic, monkeypatch):
+    """BN folding changes a calibrated model's weights by float rounding only: one first-batch
+    check settles it (no drift column, isolated errors against the reference, as before)."""
+    fp, cal, batches = realistic
+    runs = []
+    monkeypatch.setattr(compare_module, "_own_float_run",
+                        lambda *a: runs.append(a[2]) or None)
+    result = compare([("float", fp), ("calibrated", cal)], batches)
+    check = result.meta["reference_check"]["calibrated"]
+    assert check["measured"] and check["quantization_off_sqnr_db"] >= 60 and not check["float_differs"]
+    assert runs == [None] * len(batches) and result.frame["drift_sqnr_db"].isna().all()
 
 
 def test_a_healthy_qat_checkpoint_gets_no_float_differs_warning(cli, drifted_and_healthy):
@@ -949,4 +1001,8 @@ def test_the_float_differs_warning_follows_the_sqnr_db_threshold(drifted_and_hea
     lowered = compare([("float", fp), ("qat", drifted)], batches, thresholds={"sqnr_db": below})
     check = lowered.meta["reference_check"]["qat"]
     assert default["float_differs"] and check["measured"] and not check["float_differs"]
-    assert "float_differs" not in set(lowered.frame["diagnosis"]) and "warning" not in lowered.summary
+    assert "warning" not in lowered.summary
+    # per layer too: a row is float_differs only where its own drift is below the threshold
+    differs = lowered.frame[lowered.frame["diagnosis"] == "float_differs"]
+    assert (differs["drift_sqnr_db"] < below).all()
+    assert (differs["drift_sqnr_db"] < differs["sqnr_db"] + 3).all()

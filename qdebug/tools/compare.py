@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from qdebug import distributed, vocab
-from qdebug.engine import engine_state, is_prepared
+from qdebug.engine import engine_state, is_prepared, quantization_off
 from qdebug.engine.attention import decomposed_copy
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.fake_quant import elementwise
@@ -116,8 +116,12 @@ class _Listener:
 
     def __init__(self, label: str, model: nn.Module, reference: nn.Module, capture: Capture, skip: dict[str, str],
                  isolated: bool, stats: dict, notes: dict, samples: dict, kinds: dict, kl_feature_maps: bool = False,
-                 evidence: dict | None = None, at_bn: dict[str, str] | None = None):
+                 evidence: dict | None = None, at_bn: dict[str, str] | None = None, own: Capture | None = None):
         self.label, self.model, self.capture, self.skip = label, model, capture, skip
+        # The model's own float run of the batch (its quantization off), when its float model is
+        # not the reference's: the isolated error is then measured against it (quantization's own).
+        self.own = own
+        self.own_replay = IsolatedReplay(model, model, _pairs(model), reference_float=True) if own is not None else None
         # conv -> BN torch folded into it (``_measured_at_bn``), and the ReLUs run in its integer kernel.
         self.at_bn = at_bn or {}
         self.kernel_fused = _fused_in_integer_kernels(model)
@@ -163,8 +167,11 @@ class _Listener:
                 self.notes[(name, self.label)] = "not in the reference model" if record is None else self.skip[call]
             if record is not None and event.call.category == "conv":
                 self.replay.skipped_convs[call] = event
+                if self.own_replay is not None:  # its BN's isolated error replays it from its own input
+                    self.own_replay.skipped_convs[call] = event
             return
         isolated = None
+        own_record = self.own.records.get(call) if self.own is not None else None
         for name, path, y in members:
             x = member_at(record.output, path)
             if x is None or y is None:
@@ -188,11 +195,19 @@ class _Listener:
                 self.samples[key] = (_sample(x), _sample(y))
             self._gather_evidence(key, event, record, path, x, point)
             if self.isolated and event.call.category != "input":
-                if isolated is None:
-                    isolated = self.replay.output(event, inputs_from, self.capture.records)
+                if self.own is None:
+                    if isolated is None:
+                        isolated = self.replay.output(event, inputs_from, self.capture.records)
+                    base = x
+                elif own_record is not None:  # on the model's own float inputs, against its own float call
+                    if isolated is None:
+                        isolated = self.own_replay.output(event, own_record, self.own.records)
+                    base = member_at(own_record.output, path)
+                else:
+                    continue
                 iso_y = member_at(isolated, path)
-                if iso_y is not None:
-                    stats[1].update(x, iso_y)
+                if iso_y is not None and base is not None and base.shape == iso_y.shape:
+                    stats[1].update(base, iso_y)
         self._step_rows(event, record)
 
     def _step_rows(self, event: Event, record: Any) -> None:
@@ -527,12 +542,21 @@ def compare(
     kinds: dict = {}
     evidence: dict = {}
     order: list[str] = []
+    check = _ReferenceCheck(ref_model, others)  # before count_clipped: it applies weight points
+    # A prepared target whose float model is not the reference's (QAT moved its weights, an import,
+    # another float file) also runs with its quantization off: that run is its drift, per layer,
+    # against the reference, and its isolated errors are measured against it (``_Listener.own``).
+    drifting = [label for label, model in others if label in check.sums and is_prepared(model)]
+    own_captures = {label: Capture(keep_inputs=True) for label in drifting} if isolated else {}
     listeners = [
         _Listener(label, model, ref_model, capture, _skips(ref_model, model, ref_label, label), isolated, stats, notes, samples,
-                  kinds, kl_feature_maps, evidence, _measured_at_bn(ref_model, model))
+                  kinds, kl_feature_maps, evidence, _measured_at_bn(ref_model, model), own=own_captures.get(label))
         for label, model in others
     ]
-    check = _ReferenceCheck(ref_model, others)  # before count_clipped: it applies weight points
+    drift_listeners = {  # the drift's rows: stats under (layer, (label, OWN_FLOAT)), nothing else kept
+        label: _Listener((label, OWN_FLOAT), model, ref_model, capture, _skips(ref_model, model, ref_label, label),
+                         False, stats, {}, {}, {}, False, {}, _measured_at_bn(ref_model, model))
+        for label, model in others if label in drifting}
     states = [(m, m.training) for _, m in models]
     counting = [p for _, m in models if is_prepared(m) for p in engine_state(m).points.values()]
     for _, model in models:
@@ -558,9 +582,14 @@ def compare(
                             kinds[name] = record.op
                             order.append(name)
                 for (label, model), listener in zip(others, listeners):
+                    if label in drift_listeners and drift_listeners[label].first_batch and _settled(
+                            check, label, model, inputs, ref_out):  # BN folding's float rounding: no drift
+                        del drift_listeners[label]
+                        listener.own = listener.own_replay = None
+                    off = _own_float_run(model, inputs, drift_listeners.get(label), own_captures.get(label))
                     with tap(model, listener):
                         out = run_model(model, inputs)
-                    check.update(batch_index, ref_out, label, model, out, inputs)
+                    check.update(ref_out, label, out, off)
                     listener.first_batch = False
                     for name in listener.seen:
                         if name not in kinds or name not in order:
@@ -574,6 +603,8 @@ def compare(
         for point in counting:
             point.count_clipped, point.clipped = False, None
         capture.release()
+        for own in own_captures.values():
+            own.release()
     if group.active:
         seen = {listener.label: listener.seen for listener in listeners}
         merged = group.combine(_RankState(stats, notes, samples, kinds, order, seen, count, evidence).pack(),
@@ -599,6 +630,8 @@ def compare(
             if key in stats:
                 row.update(stats[key][0].result())
                 row.update(stats[key][1].result("isolated_"))
+                drift = stats.get((name, (label, OWN_FLOAT)))
+                row["drift_sqnr_db"] = drift[0].result()["sqnr_db"] if drift is not None else math.nan
                 row["note"] = ""
             else:
                 listener = next(li for li in listeners if li.label == label)
@@ -619,7 +652,7 @@ def compare(
         modern_cause(r["diagnosis"], models_by_label[r["target"]], r["layer"], evidence.get((r["layer"], r["target"]), {}))
         for r in frame.to_dict("records")]
     frame["diagnosis"] = [  # the error a float difference explains is no quantization's
-        FLOAT_DIFFERS if r["target"] in differs and r["diagnosis"] in NOT_QUANTIZATION else r["diagnosis"]
+        FLOAT_DIFFERS if _drift_explains(r, limits, r["target"] in differs) else r["diagnosis"]
         for r in frame.to_dict("records")]
     unquantized = {label: _unquantized_calls(model) for label, model in others}
     unranged = {label: _calls_without_output_point(model) for label, model in others}
@@ -630,6 +663,11 @@ def compare(
             at_fault.update(_downstream_underflow(model, at_fault["at_fault"], at_fault["outlier_channel"]))
         if at_fault.get("at_fault"):
             at_fault.update(_cause_details(at_fault["at_fault_diagnosis"], evidence.get((at_fault["at_fault"], label), {})))
+    for label in drifting:  # where the float model moved most from the reference
+        drift = frame[(frame["target"] == label) & frame["drift_sqnr_db"].notna()]
+        if label in found and not drift.empty:
+            worst = drift.sort_values("drift_sqnr_db").iloc[0]
+            found[label].update(worst_drift_layer=worst["layer"], worst_drift_sqnr_db=float(worst["drift_sqnr_db"]))
     for label in differs:
         found[label]["float_differs"] = reference_check[label]
     summary = summarize(frame, limits, ref_label, unquantized, found)  # found: made just above
@@ -844,17 +882,67 @@ def _norm_input_outliers(model: nn.Module, call: str, found: dict) -> bool:
 # -- is the reference the target's float model? ------------------------------------------------
 # A QAT run that did not freeze its BN statistics (or trained its weights far) leaves a checkpoint
 # whose own float model is no longer the reference: measured against it, every layer looks
-# quantized badly.  Each target is therefore also run with every quant point in float mode, on the
-# first REFERENCE_CHECK_BATCHES batches, and its output measured against the reference's: when
-# that "quantization off" SQNR is below the ``sqnr_db`` threshold (the float difference alone would
-# be flagged) and within FLOAT_DIFFERS_MARGIN_DB of the target's own output SQNR (it is at least
-# half the target's output error), the error is not quantization (docs/compare.md).  Two batches:
-# the verdict is coarse (a 20 dB threshold, a 3 dB margin), and each batch costs a forward of the
-# target more (8 made compare --no-isolated 28% slower on 16 batches: benchmarks/compare_scale.py).
-REFERENCE_CHECK_BATCHES = 2
+# quantized badly.  Each prepared target whose state does not hold the reference's tensors is
+# therefore also run with every quant point in float mode (its own float model, OWN_FLOAT), on
+# every batch, tapped: its drift per layer (``drift_sqnr_db``) and at the output are measured
+# against the reference, and its isolated errors against that run -- the difference quantization
+# makes, on the target's own float inputs.  When the output's drift is below the ``sqnr_db``
+# threshold (the float difference alone would be flagged) and within FLOAT_DIFFERS_MARGIN_DB of the
+# target's own output SQNR (it is at least half the target's output error), the summary says so
+# first; a row whose propagated error its drift explains the same way is ``float_differs``
+# (docs/compare.md).  Cost: a forward of such a target per batch (a calibrated model that kept
+# its BN holds the reference and pays nothing).
+OWN_FLOAT = "own_float"
+# A float model this close to the reference at the output on the first batch (BN folding's float
+# rounding: > 100 dB) is the reference's: no further own float run (about 10 bits: below int8's
+# rounding by far, so the isolated errors against the reference are the quantization's own).
+NEGLIGIBLE_DRIFT_DB = 60.0
 FLOAT_DIFFERS_MARGIN_DB = 3.0
 FLOAT_DIFFERS = "float_differs"  # the rows' diagnosis under the warning, instead of rounding/propagated
 NOT_QUANTIZATION = ("rounding", "propagated")  # the diagnoses an SQNR alone made: the float difference explains them
+
+
+def _settled(check: "_ReferenceCheck", label: str, model: nn.Module, inputs: Any, ref_out: Any) -> bool:
+    """Whether the target's float model is the reference's within float rounding, by its output
+    on this (the first) batch with its quantization off, untapped (``_ReferenceCheck.settle``)."""
+    with quantization_off(model):
+        off = run_model(model, inputs)
+    return check.settle(label, ref_out, off)
+
+
+def _own_float_run(model: nn.Module, inputs: Any, drift: "_Listener | None", own: Capture | None) -> Any:
+    """The model's output with its quantization off, tapped by its drift listener and captured
+    for its isolated replays; None (nothing run) for a model whose float model is the reference."""
+    if drift is None:
+        return None
+    if own is not None:
+        own.clear()
+
+    def listen(event: Event) -> None:
+        if own is not None:
+            own(event)
+        drift(event)
+
+    with quantization_off(model), tap(model, listen):
+        out = run_model(model, inputs)
+    drift.first_batch = False
+    return out
+
+
+def _drift_explains(row: dict[str, Any], limits: dict[str, float], output_differs: bool) -> bool:
+    """Whether a row's flagged error is its float model's drift, not quantization: a diagnosis an
+    SQNR alone made (``propagated``; ``rounding`` only where no isolated error was measured against
+    the target's own float model), with a drift that alone would be flagged and is at least half the
+    row's error.  Without a per-layer drift (a float target), the output's verdict decides."""
+    if row["diagnosis"] not in NOT_QUANTIZATION:
+        return False
+    drift = row.get("drift_sqnr_db")
+    if drift is None or math.isnan(drift):
+        return output_differs
+    isolated = row.get("isolated_sqnr_db")
+    if row["diagnosis"] == "rounding" and isolated is not None and not math.isnan(isolated):
+        return False  # measured against the target's own float call: quantization's own error
+    return drift < limits["sqnr_db"] and drift < row["sqnr_db"] + FLOAT_DIFFERS_MARGIN_DB
 
 
 class _ReferenceCheck:
@@ -875,12 +963,16 @@ class _ReferenceCheck:
                 # a calibrated model with BN kept: its float model is the reference, bit for bit
                 self.skipped[label] = "its float weights and BN statistics are the reference's"
         self.sums: dict[str, dict[str, list[float]]] = {label: {} for label, _ in others if label not in self.skipped}
+        self.float_targets = {label for label, model in others if not is_prepared(model)}  # their own float model
 
-    def update(self, index: int, ref_out: Any, label: str, model: nn.Module, out: Any, inputs: Any) -> None:
-        if index >= REFERENCE_CHECK_BATCHES or label not in self.sums:
+    def update(self, ref_out: Any, label: str, out: Any, off: Any) -> None:
+        """``off``: the target's output with its quantization off (``_own_float_run``), or None: a
+        float target is its own float model; a target ``settle`` measured has its verdict."""
+        if label not in self.sums:
             return
-        off = _quantization_off(model, inputs, out)
-        ref, ours, floats = (_named_float(o) for o in (ref_out, out, off))
+        if off is None and label in self.float_targets:
+            off = out
+        ref, ours, floats = (_named_float(o) for o in (ref_out, out, out if off is None else off))
         if not (ref.keys() == ours.keys() == floats.keys()) or any(
                 ref[k].shape != ours[k].shape or ref[k].shape != floats[k].shape for k in ref):
             self.sums.pop(label)
@@ -889,17 +981,39 @@ class _ReferenceCheck:
         sums = self.sums[label]
         for name, x in ref.items():
             x64 = x.detach().double()
-            row = sums.setdefault(name, [0.0, 0.0, 0.0])  # signal, error of the target, error with quantization off
-            row[0] += float((x64 * x64).sum())
+            # signal, error of the target, and over the batches run with quantization off: signal, error
+            row = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            signal = float((x64 * x64).sum())
+            row[0] += signal
             row[1] += float(((x64 - ours[name].detach().double()) ** 2).sum())
-            row[2] += float(((x64 - floats[name].detach().double()) ** 2).sum())
+            if off is not None:
+                row[2] += signal
+                row[3] += float(((x64 - floats[name].detach().double()) ** 2).sum())
+
+    def settle(self, label: str, ref_out: Any, off: Any) -> bool:
+        """Measure the target's float model on the first batch: when every output is >=
+        NEGLIGIBLE_DRIFT_DB from the reference's (a calibrated model whose BN was folded), it is
+        the reference's within float rounding -- that batch's figure stands for the float model,
+        and no further own float run is needed (the quantized output is measured on every batch)."""
+        ref, floats = _named_float(ref_out), _named_float(off)
+        if ref.keys() != floats.keys() or any(ref[k].shape != floats[k].shape for k in ref):
+            return False  # ``update`` says why
+        sums = {}
+        for name, x in ref.items():
+            x64 = x.detach().double()
+            sums[name] = [float((x64 * x64).sum()), float(((x64 - floats[name].detach().double()) ** 2).sum())]
+        if any(_db(signal, err) < NEGLIGIBLE_DRIFT_DB for signal, err in sums.values()):
+            return False
+        for name, (signal, err) in sums.items():
+            self.sums.setdefault(label, {})[name] = [0.0, 0.0, signal, err]
+        return True
 
     @staticmethod
     def merge(a: dict, b: dict) -> dict:
         merged = {}
         for label in {**a, **b}:
             rows_a, rows_b = a.get(label, {}), b.get(label, {})
-            merged[label] = {name: [x + y for x, y in zip(rows_a.get(name, [0.0] * 3), rows_b.get(name, [0.0] * 3))]
+            merged[label] = {name: [x + y for x, y in zip(rows_a.get(name, [0.0] * 4), rows_b.get(name, [0.0] * 4))]
                              for name in {**rows_a, **rows_b}}
         return merged
 
@@ -912,9 +1026,9 @@ class _ReferenceCheck:
                 out[label] = {"measured": False, "reason": "no batch"}
                 continue
             # The worst output (the lowest SQNR with quantization off) speaks for the model.
-            name = min(rows, key=lambda n: _db(rows[n][0], rows[n][2]))
-            signal, err, err_off = rows[name]
-            off_db, whole_db = _db(signal, err_off), _db(signal, err)
+            name = min(rows, key=lambda n: _db(rows[n][2], rows[n][3]))
+            signal, err, signal_off, err_off = rows[name]
+            off_db, whole_db = _db(signal_off, err_off), _db(signal, err)
             differs = off_db < limit_db and off_db < whole_db + FLOAT_DIFFERS_MARGIN_DB
             out[label] = {"measured": True, "output": name, "quantization_off_sqnr_db": off_db,
                           "output_sqnr_db": whole_db, "float_differs": bool(differs)}
@@ -966,31 +1080,18 @@ def _weights_on_their_grids(model: nn.Module) -> bool:
     return found
 
 
-def _quantization_off(model: nn.Module, inputs: Any, out: Any) -> Any:
-    """The model's output with every quant point in float mode (its own float model); a model
-    with no point (a float target) is its own."""
-    if not is_prepared(model):
-        return out
-    points = engine_state(model).points.values()
-    modes = [(point, point.mode) for point in points]
-    try:
-        for point in points:
-            if point.mode == "fake":
-                point.mode = "float"
-        return run_model(model, inputs)
-    finally:
-        for point, mode in modes:
-            point.mode = mode
-
-
-def reference_warning(label: str, ref_label: str, check: dict[str, Any]) -> str:
-    """The summary's first lines for a target whose float model is not the reference."""
-    return "\n".join([
+def reference_warning(label: str, ref_label: str, check: dict[str, Any], found: dict[str, Any] | None = None) -> str:
+    """The summary's first lines for a target whose float model is not the reference (``found``:
+    its findings, for the layer whose float output moved most)."""
+    lines = [
         f"warning: {label}'s float model differs from {ref_label}: not quantization",
-        (f"  quantization off: {_fmt_db(check['quantization_off_sqnr_db'])} output SQNR vs {ref_label} "
-         f"({_fmt_db(check['output_sqnr_db'])} quantized)"),
-        "  its weights or BN statistics changed (QAT with BN statistics not frozen?)",
-        f"  the errors this explains: rows {FLOAT_DIFFERS}, not rounding"])
+        (f"  quantization off: {_fmt_db(check['quantization_off_sqnr_db'])} vs {ref_label} "
+         f"({_fmt_db(check['output_sqnr_db'])} quantized); rows {FLOAT_DIFFERS}"),
+        "  its weights or BN statistics changed (QAT with BN statistics not frozen?)"]
+    if found and found.get("worst_drift_layer"):  # the same line, with where: at most 10 lines in all
+        lines[-1] = (f"  drifted most:  {found['worst_drift_layer']} ({_fmt_db(found['worst_drift_sqnr_db'])}; "
+                     "BN statistics not frozen?)")
+    return "\n".join(lines)
 
 
 # One short line of advice per cause (the summary's "cause" line; docs/compare.md explains more).
@@ -1066,7 +1167,7 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
             lines.append(f"{target} vs {ref_label}: no comparable layer")
             continue
         if found.get("float_differs"):  # said first: what the rows below measure is mostly not quantization
-            lines += reference_warning(target, ref_label, found["float_differs"]).splitlines()
+            lines += reference_warning(target, ref_label, found["float_differs"], found).splitlines()
         own = found["worst_isolated_sqnr_db"]
         worst = f"{found['worst_layer']} ({_fmt_db(found['worst_sqnr_db'])}" + (
             f"; its own error {_fmt_db(own)} isolated)" if own is not None and not math.isnan(own) else ")")
@@ -1075,9 +1176,14 @@ def summarize(frame: pd.DataFrame, limits: dict[str, float], ref_label: str,
                       f"(sqnr_db < {limits['sqnr_db']:g}, isolated_sqnr_db < {limits['isolated_sqnr_db']:g})",
                       f"  worst layer:   {worst}"]
             continue
-        lines += [f"{target} vs {ref_label}: {found['flagged']} of {found['layers']} layers flagged",
+        drifted = int(((frame["target"] == target) & (frame["diagnosis"] == FLOAT_DIFFERS)).sum())
+        lines += [f"{target} vs {ref_label}: {found['flagged']} of {found['layers']} layers flagged"
+                  + (f" ({drifted} {FLOAT_DIFFERS}: drift)" if drifted else ""),
                   f"  worst layer:   {worst}",
                   f"  first flagged: {found['first_flagged']} ({found['first_diagnosis']})"]
+        if drifted and not found.get("float_differs") and found.get("worst_drift_layer"):  # not said above
+            lines.append(f"  drifted most:  {found['worst_drift_layer']} ({_fmt_db(found['worst_drift_sqnr_db'])} "
+                         "quantization off)")
         if found.get("float_differs") and found["at_fault"] is None:
             lines += ["  at fault:      no layer: the float model differs, not quantization"]
         elif found["at_fault"] is None:  # the worst layer above is the one with the largest own error

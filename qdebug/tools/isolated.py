@@ -100,10 +100,13 @@ def same_module_function(a: nn.Module | None, b: nn.Module | None) -> bool:
 class IsolatedReplay:
     """The isolated outputs of one compared model's calls against one reference model."""
 
-    def __init__(self, model: nn.Module, reference: nn.Module, pairs: dict[str, str]):
+    def __init__(self, model: nn.Module, reference: nn.Module, pairs: dict[str, str], *, reference_float: bool = False):
+        """``reference_float``: the reference ran with every quant point in float mode (the
+        model itself with its quantization off: compare's own-float reference), whatever
+        the points' modes are now."""
         self.quantized = is_prepared(model) and engine_state(model).stage == "quantized"
         # The reference output is its float result unless a quant point of the reference changed it.
-        self.ref_points = engine_state(reference).points if is_prepared(reference) else {}
+        self.ref_points = engine_state(reference).points if is_prepared(reference) and not reference_float else {}
         self.ref_plan = engine_state(reference).plan if is_prepared(reference) else None
         self.ref_quantized = is_prepared(reference) and engine_state(reference).stage == "quantized"
         self.bn_of_pair = {bn: conv for conv, bn in pairs.items()}
