@@ -193,6 +193,16 @@ def test_compare_next_lines_carry_the_model_and_run(cli, project):
     assert "agreement" in gate.out, gate.out
 
 
+def test_compare_against_a_calibrated_reference_offers_no_baseline(cli, project):
+    """baseline gates a checkpoint against its float model and refuses any other order: with a
+    calibrated reference and nothing flagged, no baseline command is offered at all."""
+    quiet = cli("compare", "spread.pt", "blame.pt", "--threshold", "sqnr_db=-100", "--threshold",
+                "isolated_sqnr_db=-100", "--data", "data.pt", *FACTORY)
+    assert quiet.code == 0, quiet.err
+    assert not [w for w in next_commands(quiet.out) if w[1] == "baseline"], quiet.out
+    assert cli("baseline", "spread.pt", "blame.pt", "--data", "data.pt", *FACTORY).code == 2  # why
+
+
 def test_command_lines_quote_what_a_shell_would_split(monkeypatch, tmp_path):
     from qdebug.cli.common import STATE, RunOptions, command_line, option_text
 

@@ -158,8 +158,8 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
             return "a verified int16 plan for the worst of these", suggest
         return "", ""
     target = next(iter(found), None)
-    if target is None:
-        return "", ""
+    if target is None or result.meta.get("reference_stage") != "float":
+        return "", ""  # baseline gates a checkpoint against its float model, and refuses any other order
     metric = baseline_metric() if callable(baseline_metric) else baseline_metric
     return ("check that the task metric holds",
             command_line("baseline", paths[ref_index], paths[labels.index(target)]) + metric + options)
