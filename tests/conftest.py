@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ from qdebug.engine import QConfig, calibrate, convert, prepare
 from qdebug.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_RESNET as SMALL, randomize_bn
+
+# No plain progress line in a test's stderr unless the test asks for one (QDEBUG_PROGRESS_SECONDS):
+# a command slowed by a loaded machine must still print exactly its error and hint.
+os.environ.setdefault("QDEBUG_PROGRESS_SECONDS", "3600")
 
 
 def pytest_addoption(parser):

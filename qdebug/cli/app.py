@@ -34,7 +34,10 @@ app = typer.Typer(
         "Data-parallel (compare, step, suggest, baseline, calibrate): python -m qdebug.launch --nproc-per-node 2 "
         "compare fixtures/demo/float.pt fixtures/demo/qat.pt --data fixtures/demo/eval.pt (torchrun's options, "
         "qdebug's exit codes); see docs/scale.md.\n\n"
-        "Every command takes --format table|json|csv and --out DIR; see docs/cli.md."
+        "Every command takes --format table|json|csv and --out DIR; see docs/cli.md.\n\n"
+        "Progress goes to stderr: a bar on a terminal, else one line every 10 s (QDEBUG_PROGRESS_SECONDS); "
+        "--quiet drops it. Example: qdebug --quiet compare fixtures/demo/float.pt fixtures/demo/qat.pt "
+        "--data fixtures/demo/eval.pt"
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -57,11 +60,15 @@ def _global(
     config: Optional[Path] = typer.Option(None, "--config", metavar="FILE",
                                           help="Config file (default: qdebug.toml or [tool.qdebug] found upward)."),
     debug: bool = typer.Option(False, "--debug", help="Show the Python traceback of errors."),
+    quiet: bool = typer.Option(False, "--quiet",
+                               help="No progress on stderr (neither the bar nor, when stderr is not a "
+                               "terminal, the plain progress line)."),
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print qdebug's version and exit."),
 ) -> None:
     STATE.config_path = config
     STATE.debug = debug
+    STATE.quiet = quiet
 
 
 def _register() -> None:

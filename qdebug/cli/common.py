@@ -77,6 +77,7 @@ DEVICE_OPTION = typer.Option(None, "--device", metavar="cpu|cuda|cuda:N", callba
 class _State:
     config_path: Optional[Path] = None
     debug: bool = False
+    quiet: bool = False  # --quiet: no progress on stderr (``progress_bar``)
     _config: Optional[Config] = None
     device_option: Optional[str] = None  # --device as given (``DEVICE_OPTION``)
     model_kwargs_option: Optional[dict] = None  # --model-kwargs, parsed (``MODEL_KWARGS_OPTION``)
@@ -100,6 +101,7 @@ def reset_state() -> None:
     """Forget cached config (tests run many commands in one process)."""
     STATE.config_path = None
     STATE.debug = False
+    STATE.quiet = False
     STATE._config = None
     STATE.device_option, STATE._device, STATE._device_resolved = None, None, False
     STATE.model_kwargs_option = None
@@ -120,6 +122,31 @@ def stage_path(given: Optional[str], *keys: str, what: str) -> str:
         f"no {what + ' ' if what else ''}checkpoint given{where}",
         f"pass a path, or set {' / '.join(keys)} in qdebug.toml",
     )
+
+
+def config_checkpoints(command: str, order: tuple[str, ...], needs: str = "a FLOAT and a QUANT checkpoint"
+                       ) -> tuple[list[str], tuple[str, str]]:
+    """FLOAT and the checkpoint under test from the config, for a command given no checkpoint
+    (compare, baseline): ``float`` and the first key of ``order`` the config sets
+    (``qdebug.config.DEBUG_ORDER`` or ``GATE_ORDER``); with the keys they came from.  A config
+    lacking one is an error naming what it sets and what is missing, in the CLI's terms; ``needs``:
+    what the command needs, as the error says it."""
+    cfg = STATE.config()
+    float_key, test_key = cfg.stage_pair(order)
+    if float_key and test_key:
+        return [cfg.get(float_key), cfg.get(test_key)], (float_key, test_key)
+    example = f"qdebug {command} float.pt calibrated.pt"
+    if cfg.path is None:
+        raise QDebugError(f"{command} needs {needs}: none given, and no qdebug.toml was found",
+                          f"e.g. {example}, or name them once: qdebug init --float float.pt --calibrated calibrated.pt")
+    from qdebug.usercode import shown_path
+
+    named = cfg.named_stages()
+    has = f"names {' and '.join(named)} only" if named else "names no checkpoint"
+    missing = "float" if test_key else f"{', '.join(order[:-1])} or {order[-1]}"
+    init = "--float float.pt" if test_key else "--calibrated calibrated.pt"
+    raise QDebugError(f"{command} needs {needs}: none given, and {shown_path(str(cfg.path))} {has} (no {missing})",
+                      f"e.g. {example}, or add it: qdebug init {init}")
 
 
 @dataclass(frozen=True)
@@ -181,14 +208,13 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
     if STATE.model_kwargs_option is not None and not (model or default):
         raise QDebugError("--model-kwargs needs --model (or model = ... in qdebug.toml): a checkpoint's own "
                           "kwargs go only to the class it names", "pass --model package.module:Name with it")
-    trusted = tuple(s.split(":")[0] for s in (model, default) if s) + tuple(cfg.get("trust") or ())
     net, info = load(
         path,
         model=model,
         model_kwargs=user_model_kwargs(),
         default_model=default,
         unsafe=unsafe or unsafe_from_env(),
-        trusted_modules=trusted,
+        trusted_modules=cfg.trusted(model),
     )
     if expect and info.stage not in expect:
         raise QDebugError(
@@ -329,18 +355,38 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
 
 
 @contextlib.contextmanager
-def progress_bar(description: str, total: Optional[int]) -> Iterator[Any]:
-    """A rich progress bar on stderr; yields an ``advance(n, total=None)`` callback (``total``
-    when the amount of work is only known as it goes)."""
+def progress_bar(description: str, total: Optional[int], *, unit: str = "batches",
+                 runs: bool = False) -> Iterator[Any]:
+    """Progress on stderr: a rich bar on a terminal, else a plain line at a bounded rate
+    (``qdebug.cli.progress``; ``unit`` and ``runs`` word it), nothing with --quiet or on a rank
+    other than 0.  Yields an ``advance(n, total=None)`` callback (``total`` when the amount of
+    work is only known as it goes)."""
+    if STATE.quiet or err_console.quiet:
+        yield lambda n=1, total=None: None
+        return
+    if not err_console.is_terminal:
+        from qdebug.cli import progress as plain
+
+        line = plain.PlainProgress(description, total, unit=unit, runs=runs, write=_progress_line,
+                                   interval=plain.interval_from_env(), clock=plain.clock)
+        yield line.advance
+        line.finish()  # not after an error or Ctrl-C: the error is the last word
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=True, disable=not err_console.is_terminal,
+        console=err_console, transient=True,
     )
     with progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1, total=None: progress.update(task, completed=n, **({"total": total} if total else {}))
+
+
+def _progress_line(line: str) -> None:
+    # Flushed at once: a CI log shows the line when it is written, not when a buffer fills.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 @contextlib.contextmanager
