@@ -152,9 +152,9 @@ def _same_numbers(a, b, path: str = "") -> None:
 def _without_pass_counts(payload: dict) -> dict:
     """suggest's forward passes (``meta.forwards``, its summary's ``cost:`` line) counted over the
     ranks: compare settles a target's float model on each rank's first batch, one more pass per
-    extra rank (the numbers it gives are the same)."""
+    extra rank (the numbers it gives are the same); and the files a ``--out`` run alone wrote."""
     meta = payload.get("meta", {})
-    for key in ("forwards", "forwards_by_phase"):
+    for key in ("forwards", "forwards_by_phase", "files"):  # files: the --out run's plots, one run only
         meta.pop(key, None)
     if isinstance(meta.get("summary"), str):
         meta["summary"] = re.sub(r"cost: \d+ forward pass.*?\(diagnosis[^)]*\)", "cost:", meta["summary"], flags=re.S)  # wrapped

@@ -12,13 +12,14 @@ from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    STATE, RunOptions, check_data, command_line, err_console, load_checkpoint, model_errors, option_text, progress_bar,
-    resolve_batches,
+    STATE, RunOptions, check_data, command_line, config_checkpoints, err_console, load_checkpoint, model_errors,
+    option_text, progress_bar, resolve_batches,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
     table_width,
 )
+from qdebug.config import DEBUG_ORDER
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 
@@ -140,7 +141,7 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
         if cause == "clipping" and result.meta.get("reference_stage") == "float":
             return ("recalibrate with a range that clips less",
                     command_line("calibrate", paths[ref_index]) + options + " --observer percentile -o recalibrated.pt")
-        if cause == "outlier_channels":
+        if cause == "outlier_channels" and sort != "min_channel_sqnr_db":
             return "see the channels", (f"{compare_again} --metrics min_channel_sqnr_db,channel_range_ratio "
                                         "--sort min_channel_sqnr_db")
         if cause == "shared_scale" and result.meta.get("reference_stage") == "float":  # an old plan
@@ -148,6 +149,10 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
                     command_line("calibrate", paths[ref_index]) + options + " -o recalibrated.pt")
         # The pair as typed (none when it came from the config: suggest reads the same keys).
         suggest = command_line("suggest", *([paths[ref_index], paths[labels.index(target)]] if given else [])) + options
+        if cause == "outlier_channels":  # the channels seen: int16 at the layer (or equalize them, CLE)
+            if result.meta.get("reference_stage") == "float":
+                return "a verified int16 plan for the wide channels", suggest
+            return "", ""
         # An int16 point is among the fixes of these (the cause line names the point and the rest).
         int16_fix = ("rounding", "cell_state_range", "softmax_collapse", "logits_clipped")
         if cause in int16_fix and result.meta.get("reference_stage") == "float":
@@ -169,7 +174,7 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
     short_help="Where does the error enter, and why: per-layer error of two or more checkpoints.",
     help=(
         "Per-layer feature-map similarity of two or more CHECKPOINTs of one model in any stages (float, "
-        "calibrated, QAT, quantized; default: the config's float and qat), each against the least "
+        "calibrated, QAT, quantized; default: the config's float and qat, else calibrated, else quantized), each against the least "
         "quantized one (or --ref): propagated and isolated error, SQNR, cosine, saturation, per-channel "
         "SQNR, and a diagnosis (clipping, rounding, outlier_channels, propagated, nonfinite; for recurrent layers, "
         "attention and norms: shared_scale, cell_state_range, softmax_collapse, logits_clipped, "
@@ -221,10 +226,11 @@ def compare(
 ) -> None:
     cfg = STATE.config()
     paths = list(checkpoints or [])
-    if not paths:
-        paths = [p for p in (cfg.get("float"), cfg.get("qat")) if p]
+    if not paths:  # the config's float and the model under test, as step and suggest take them
+        paths, _ = config_checkpoints("compare", DEBUG_ORDER)
     if len(paths) < 2:
-        raise QDebugError("compare needs two or more checkpoints", "e.g. qdebug compare float.pt qat.pt (or set float and qat in qdebug.toml)")
+        raise QDebugError(f"compare needs two or more checkpoints, got {len(paths)}",
+                          f"e.g. qdebug compare float.pt {paths[0] if paths else 'calibrated.pt'}")
     fmt = output_format(fmt, as_json)
     if top is not None and top < 1:
         raise QDebugError(f"--top must be >= 1, got {top}", "e.g. --top 20 (leave it out for every row)")
@@ -303,7 +309,9 @@ def compare(
     meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command}
     if warning:
         meta["warning"] = warning
-    report = Report("compare", frame, meta, files=_plots(result, out, labels[ref_index]) if out is not None else [])
+    files = _plots(result, out, labels[ref_index]) if out is not None else []
+    meta["files"] = [path.name for path in files]  # the plots, in the --out folder (none without --out)
+    report = Report("compare", frame, meta, files=files)
 
     def render() -> None:
         reordered = " (least quantized)" if asked is None and ref_index != 0 else ""
@@ -354,6 +362,8 @@ def _torch_kernels(path: str, reference, info, batch_list, backend: str):
 
 
 def _plots(result, out: "StagedDir", reference: str) -> list[Path]:
+    """The along-network plot, the worst layers' error histograms, and one ``outlier_<layer>.png``
+    per outlier_channels layer (``_outlier_plots``)."""
     from qdebug.report.plots import plot_along_network, plot_histograms
 
     frame = result.frame
@@ -372,7 +382,41 @@ def _plots(result, out: "StagedDir", reference: str) -> list[Path]:
                                        reference=reference, frame=frame))
     else:  # an earlier run's histograms would show layers this run does not rank
         out.drop_stale("compare_worst_histograms.png")
+    return written + _outlier_plots(result, out, reference)
+
+
+def _outlier_plots(result, out: "StagedDir", reference: str) -> list[Path]:
+    """``outlier_<layer>.png`` for each layer diagnosed outlier_channels (its first compared model's
+    evidence: ``CompareResult.outliers``); an earlier run's outlier plots this run does not write
+    are dropped, so the folder never shows an outlier this run did not find."""
+    from qdebug.report.plots import plot_outlier_channels
+
+    written: list[Path] = []
+    names: dict[str, str] = {}  # layer -> its file name
+    for (layer, target), evidence in result.outliers.items():
+        if layer in names:  # written already, from another compared model's row of this layer
+            continue
+        names[layer] = _outlier_file(layer, set(names.values()))
+        written.append(plot_outlier_channels(layer, evidence, out.file(names[layer]), reference=reference,
+                                             target=target))
+    final = Path(out.final)
+    if final.is_dir():
+        out.drop_stale(*(p.name for p in final.glob("outlier_*.png") if p.name not in names.values()))
     return written
+
+
+def _outlier_file(layer: str, taken: set[str]) -> str:
+    """``outlier_<layer>.png`` with the layer's name made a safe file name (letters, digits, ``.``,
+    ``-``, ``_``; anything else ``_``; at most 100 characters; never hidden), ``-2``, ``-3`` ... added
+    when that name is ``taken`` (another layer's name came out the same)."""
+    import re
+
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", layer)[:100].lstrip(".") or "_"
+    name, n = f"outlier_{stem}.png", 1
+    while name in taken:
+        n += 1
+        name = f"outlier_{stem}-{n}.png"
+    return name
 
 
 def _check_architecture(frame: "pd.DataFrame", reference: str) -> None:

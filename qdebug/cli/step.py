@@ -94,7 +94,7 @@ def _next_command(meta: dict, given: list[str], run: RunOptions,
     # suggest takes the metric, ratio and data options too (no step-only option).
     suggest = command_line("suggest", *given, options=[*shaping, *run.data_options(), *run.model_options()])
     if meta.get("single_culprit") is False:
-        return "no single culprit: the smallest verified set of int16 points that meets the target", suggest
+        return "no single culprit: the smallest verified int16 set", suggest
     return (f"the smallest verified int16 fix ({culprit['selection']} first in line; a clipping range gets "
             "recalibration instead)", suggest)
 
@@ -178,7 +178,7 @@ def step(
     check_selection(net, modules)
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
     task, default_ratio, rules = metric_rules(spec, metric_fn, ratio)
-    with progress_bar("stepping", None) as advance, model_errors("stepping", batch_list):
+    with progress_bar("stepping", None, unit="forwards", runs=True) as advance, model_errors("stepping", batch_list):
         result = run_step(net, batch_list, reference=reference, modules=modules, mode=mode, depth=depth, kind=kind,
                           metric=metric_fn, metric_name=task, rules=rules,
                           progress=lambda done, total: advance(done, total))
@@ -196,7 +196,8 @@ def step(
         from qdebug.report.plots import plot_steps
 
         files.append(plot_steps(frame, out.file("step.png"), tasks=meta["tasks"], cumulative=mode == "cumulative",
-                                ratio=default_ratio, culprit=(meta.get("culprit") or {}).get("selection")))
+                                ratio=default_ratio, culprit=(culprit["selection"], culprit["kind"])
+                                if (culprit := meta.get("culprit")) else None))
 
     def render() -> None:
         print_table(render_step(frame, meta, sort=sort, width=table_width(wide)))

@@ -69,6 +69,7 @@ HISTOGRAM_SAMPLES = 4096
 # An outlier channel's consequence is named when this share (and twice the share elsewhere) of
 # the next layer's weights on it round to 0: weights shrunk to compensate the stretched channel.
 UNDERFLOW = 0.1
+OUTLIER_PLOTS = 8  # at most this many outlier_channels rows get the evidence a plot shows
 
 
 @dataclass
@@ -77,6 +78,8 @@ class CompareResult:
     meta: dict[str, Any]
     summary: str
     samples: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Per outlier_channels row (layer, target): what its plot shows (``_outlier_evidence``).
+    outliers: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
     def flagged(self) -> pd.DataFrame:
         return self.frame[self.frame["diagnosis"] != ""]
@@ -404,8 +407,24 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
     to compensate the channel underflow -- against that fraction on its other input channels.
     Empty when ``model`` is not prepared, no such layer follows, or nothing underflows
     (``UNDERFLOW``)."""
-    if not is_prepared(model):
+    found = _downstream_zero_codes(model, layer)
+    if found is None or found[1].numel() <= channel:
         return {}
+    owner, shares = found
+    on = float(shares[channel])
+    rest = torch.cat([shares[:channel], shares[channel + 1:]])  # every column holds as many weights
+    elsewhere = float(rest.mean()) if rest.numel() else 0.0
+    if on < UNDERFLOW or on < 2 * elsewhere:  # no underflow worth naming
+        return {}
+    return {"downstream_layer": owner, "downstream_zero_codes": on, "downstream_zero_codes_elsewhere": elsewhere}
+
+
+def _downstream_zero_codes(model: nn.Module, layer: str) -> tuple[str, torch.Tensor] | None:
+    """The first weighted layer fed by ``layer`` (its module's name) and, per its input channel,
+    the share of its quantized weights that are code 0.  None when ``model`` is not prepared,
+    no such layer follows, or it is depthwise (each channel kept to itself)."""
+    if not is_prepared(model):
+        return None
     plan = engine_state(model).plan
     layer = plan.call_of_point(layer)  # a member row (``lstm:1.1``): its call's consumers
     layer = folded_bn_rows(model).get(layer, layer)  # a torch-folded BN's row: its conv's consumers
@@ -421,19 +440,43 @@ def _downstream_underflow(model: nn.Module, layer: str, channel: int) -> dict[st
         if isinstance(module, _QWeighted) and point is not None and point.initialized:
             with torch.no_grad():
                 weight, _ = module.quantized_input_weight()
-                if weight.dim() < 2 or weight.shape[1] <= channel or module.weight.shape[1] == 1:
-                    return {}  # a depthwise layer keeps each channel to itself
+                if weight.dim() < 2 or module.weight.shape[1] == 1:
+                    return None  # a depthwise layer keeps each channel to itself
                 scale = elementwise(point.scale.detach(), point.spec, weight.shape)
                 zero = torch.round(weight / scale) == 0
-                on = float(zero[:, channel].float().mean())
-                rest = torch.cat([zero[:, :channel], zero[:, channel + 1:]], dim=1)
-            elsewhere = float(rest.float().mean()) if rest.numel() else 0.0
-            if on < UNDERFLOW or on < 2 * elsewhere:  # no underflow worth naming
-                return {}
-            return {"downstream_layer": rec.owner, "downstream_zero_codes": on,
-                    "downstream_zero_codes_elsewhere": elsewhere}
+                shares = zero.transpose(0, 1).reshape(weight.shape[1], -1).float().mean(1)
+            return rec.owner, shares.cpu()
         frontier += [c for c in rec.consumers if c != "<output>"]
-    return {}
+    return None
+
+
+def _outlier_evidence(frame: pd.DataFrame, stats: dict, models: dict[str, nn.Module],
+                      found: dict[str, dict]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per outlier_channels row (the layers at fault first, then in execution order, at most
+    ``OUTLIER_PLOTS``): the reference output's min and max per channel (axis 1, over every
+    batch: the sums the row's metrics came from, no pass more), the widest channel, its
+    range ratio, the output point's scale when there is one, and the first weighted layer
+    downstream with the share of its weights on code 0 per input channel
+    (``_downstream_zero_codes``)."""
+    rows = frame[frame["diagnosis"] == "outlier_channels"]
+    at_fault = {(item.get("at_fault"), target) for target, item in found.items()}
+    keys = [(r.layer, r.target) for r in rows.itertuples() if not pd.isna(r.widest_channel)]
+    keys = sorted(keys, key=lambda key: key not in at_fault)[:OUTLIER_PLOTS]  # a stable sort: order kept
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for layer, target in keys:
+        measured = stats.get((layer, target))
+        if measured is None or measured[0].ch_min is None:
+            continue
+        row = rows[(rows["layer"] == layer) & (rows["target"] == target)].iloc[0]
+        evidence: dict[str, Any] = {
+            "channel_min": measured[0].ch_min.double().cpu(), "channel_max": measured[0].ch_max.double().cpu(),
+            "channel": int(row["widest_channel"]), "channel_range_ratio": float(row["channel_range_ratio"]),
+            "out_scale": measured[0].out_scale}
+        downstream = _downstream_zero_codes(models[target], layer)
+        if downstream is not None and downstream[1].numel() > evidence["channel"]:
+            evidence.update(downstream_layer=downstream[0], downstream_zero_codes=downstream[1])
+        out[(layer, target)] = evidence
+    return out
 
 
 @dataclass
@@ -689,7 +732,7 @@ def compare(
     }
     if propagated_only:
         meta["propagated_only"] = propagated_only
-    return CompareResult(frame, meta, summary, samples)
+    return CompareResult(frame, meta, summary, samples, _outlier_evidence(frame, stats, models_by_label, found))
 
 
 def choose_reference(stages: Sequence[str], asked: int | None, *, names: Sequence[str] | None = None) -> tuple[int, str | None]:
