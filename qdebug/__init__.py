@@ -3,7 +3,7 @@
 Python API (the CLI is a thin layer over the same functions):
 
     import qdebug
-    model, info = qdebug.load("qat.pt")          # any of the four stages, safely
+    model, info = qdebug.load("qat.pt")          # any of the four stages, safely; reads qdebug.toml
     qdebug.save(model, "calibrated.pt", stage="calibrated")
     frame = qdebug.compare("float.pt", "qat.pt", data="eval.pt")   # per-layer DataFrame
     steps = qdebug.step("float.pt", "calibrated.pt", mode="drill", metric="top1", data="eval.pt")
@@ -19,7 +19,7 @@ from importlib import import_module
 
 from qdebug.errors import QDebugError
 
-_LAZY = {"load": "qdebug.checkpoint", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api",
+_LAZY = {"load": "qdebug.api", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api",
          "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch",
          "from_torch_ao": "qdebug.interop"}
 

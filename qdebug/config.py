@@ -92,6 +92,33 @@ class Config:
         """The CLI value when given, else the config's."""
         return override if override is not None else self.values.get(key)
 
+    def stage_pair(self, order: tuple[str, ...]) -> tuple[str | None, str | None]:
+        """The config key of the float checkpoint (None when unset) and of the checkpoint under
+        test: the first key of ``order`` the config sets (``DEBUG_ORDER``, ``GATE_ORDER``)."""
+        under_test = next((key for key in order if self.values.get(key)), None)
+        return ("float" if self.values.get("float") else None), under_test
+
+    def trusted(self, model: Any = None) -> tuple[str, ...]:
+        """The modules a checkpoint may name: those of the model the caller names (``--model``,
+        ``model=``; a spec string or a ``ModelSpec``) and of the config's ``model``, and the
+        config's ``trust`` list -- the one trust rule of the CLI and the Python API."""
+        targets = [m if isinstance(m, str) else getattr(m, "target", None) for m in (model, self.values.get("model"))]
+        return tuple(t.split(":")[0] for t in targets if t) + tuple(self.values.get("trust") or ())
+
+    def named_stages(self) -> list[str]:
+        """The stage keys this config sets, in pipeline order (for an error saying what it has)."""
+        return [key for key in STAGE_KEYS if self.values.get(key)]
+
+
+# The checkpoint under test a command takes from the config, when it names several and no path is
+# given: compare, step and suggest debug the model with quant points (QAT, else calibrated, else
+# quantized); baseline gates what ships (quantized, else QAT, else calibrated).  Every command takes
+# FLOAT from ``float``.  One table for the CLI and the Python API (docs/config.md, "Which checkpoints
+# a command takes").
+STAGE_KEYS = ("float", "calibrated", "qat", "quantized")
+DEBUG_ORDER = ("qat", "calibrated", "quantized")
+GATE_ORDER = ("quantized", "qat", "calibrated")
+
 
 PROJECT_MARKERS = (".git", "pyproject.toml", "qdebug.toml")  # a folder holding one ends the search upward
 

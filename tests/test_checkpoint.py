@@ -184,14 +184,14 @@ def test_plain_state_dict_without_model_asks_for_model(tmp_path, stages):
     torch.save(stages.models["float"].state_dict(), tmp_path / "sd.pt")
     with pytest.raises(QDebugError) as exc:
         qdebug.load(tmp_path / "sd.pt")
-    assert "--model" in str(exc.value)
+    assert 'model="package.module:Class"' in str(exc.value)  # from Python: the argument, not --model
 
 
 def test_pickled_module_refused_unless_unsafe(tmp_path, stages):
     torch.save(stages.models["float"], tmp_path / "whole.pt")
     with pytest.raises(QDebugError) as exc:
         qdebug.load(tmp_path / "whole.pt")
-    assert "--unsafe-load" in str(exc.value)
+    assert "unsafe=True" in str(exc.value) and "--unsafe-load" not in str(exc.value)
     model, info = qdebug.load(tmp_path / "whole.pt", unsafe=True)
     assert info.source == "pickle"
     assert torch.equal(_run(model, stages.x), _run(stages.models["float"], stages.x))
@@ -257,7 +257,7 @@ def test_spec_naming_an_unimported_module_is_refused_without_importing(tmp_path,
         with pytest.raises(QDebugError, match=refusal) as exc:
             qdebug.load(_crafted(tmp_path, stages, spec))
         # --model is suggested only for a class the module's source (read, not run) defines
-        assert (f"--model {spec}" in (exc.value.hint or "")) == (spec == f"{name}:Net")
+        assert (f'model="{spec}"' in (exc.value.hint or "")) == (spec == f"{name}:Net")
         assert module not in sys.modules
     assert not marker.exists()
 
@@ -420,8 +420,8 @@ def test_an_untrusted_user_class_is_refused_with_the_one_time_fix(project):
         qdebug.load(path)
     assert exc.value.message == ("the checkpoint names model class mypkg.net:Net; qdebug does not import modules "
                                  "named by a file unless you trust them, and 'mypkg' is not trusted")
-    assert exc.value.hint == ('if you trust it, add  trust = ["mypkg"]  to qdebug.toml (qdebug init --trust mypkg '
-                              "writes it), or pass --model mypkg.net:Net")
+    assert exc.value.hint == ('if you trust it, pass trusted_modules=["mypkg"] (or add  trust = ["mypkg"]  to '
+                              'qdebug.toml), or pass model="mypkg.net:Net"')  # Python's terms (the CLI's: test_trust)
     assert "mypkg" not in sys.modules
 
 
@@ -486,7 +486,7 @@ def test_unsafe_load_of_a_model_whose_class_is_not_findable_says_so(project, mon
     assert "whole pickled model of class mypkg.net.Net" in exc.value.message
     assert "module 'mypkg' cannot be imported" in exc.value.message
     assert "run qdebug from the directory that holds mypkg/" in exc.value.hint
-    assert "--model mypkg.net:Net" in exc.value.hint
+    assert 'model="mypkg.net:Net"' in exc.value.hint
     assert "damaged" not in str(exc.value)
 
 
@@ -530,7 +530,7 @@ def test_a_data_file_passed_as_a_checkpoint_is_called_a_data_file(tmp_path, kind
         qdebug.load(tmp_path / "eval.pt")
     assert exc.value.message.startswith(f"{tmp_path / 'eval.pt'} is a data file (")
     assert exc.value.message.endswith("), not a checkpoint")
-    assert f"pass it as --data {tmp_path / 'eval.pt'}" in exc.value.hint
+    assert f"pass it as data=\"{tmp_path / 'eval.pt'}\"" in exc.value.hint
     wording = {"tensor": "a tensor of 6 input(s), no targets", "list": "a list of 2 batch(es)"}
     assert wording.get(kind, "6 input(s) and their targets") in exc.value.message
 

@@ -162,7 +162,7 @@ def test_the_auto_next_drills_with_the_same_model_and_data(cli, project):
 def test_no_single_culprit_points_to_suggest_and_that_runs(cli, project):
     result = cli("step", "float.pt", "spread.pt", "--drill", "--data", "data.pt", *FACTORY)
     assert "no single culprit: the loss builds up" in result.out, result.out
-    assert "next: no single culprit: the smallest verified set of int16 points" in result.out
+    assert "next: no single culprit: the smallest verified int16 set" in result.out
     words, _ = run_next(cli, result)
     assert words[1] == "suggest" and has(words, "--model", "nxtpkg.net:make"), words
 

@@ -20,12 +20,15 @@ class AgainstFloat:
 
 
 def checkpoint_paths(given: list[str], command: str) -> list[str]:
-    """The paths given, else the config's ``float`` and ``qat`` (or ``calibrated``, ``quantized``)."""
+    """The paths given, else the config's ``float`` and its checkpoint under test (``DEBUG_ORDER``:
+    ``qat``, else ``calibrated``, else ``quantized``)."""
+    from qdebug.config import DEBUG_ORDER
+
     paths = list(given)
     if not paths:
         cfg = STATE.config()
-        quant = cfg.get("qat") or cfg.get("calibrated") or cfg.get("quantized")
-        paths = [p for p in (cfg.get("float"), quant) if p]
+        keys = cfg.stage_pair(DEBUG_ORDER)  # the same table as compare's and the Python API's
+        paths = [cfg.get(key) for key in keys if key]
     if not paths:
         raise QDebugError(f"{command} needs a checkpoint", f"e.g. qdebug {command} float.pt calibrated.pt "
                           "(or set float and calibrated/qat in qdebug.toml)")

@@ -20,12 +20,13 @@ from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, ratio_in_
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
     MODEL_OPTION, UNSAFE_LOAD_OPTION, STATE,
-    check_counts, check_data, err_console, load_checkpoint, resolve_batches, writable_file,
+    check_counts, check_data, config_checkpoints, err_console, load_checkpoint, resolve_batches, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
     say, table_width, with_out,
 )
+from qdebug.config import GATE_ORDER
 from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
@@ -79,13 +80,14 @@ def _precomputed(checkpoints: Optional[list[str]], numbers: tuple, files: tuple)
 ORDER_HINT = "or --allow-any-order if you mean it"
 
 
-def _checkpoint_pair(given: Optional[list[str]], cfg) -> tuple[list[str], tuple[str, str], Optional[str]]:
-    """FLOAT QUANT as given, else the config's float and quantized (or qat); with what an error
-    calls each (the argument, or the config key that named it) and that key of QUANT's."""
+def _checkpoint_pair(given: Optional[list[str]]) -> tuple[list[str], tuple[str, str], Optional[str]]:
+    """FLOAT QUANT as given, else the config's float and the stage it ships (quantized, else qat,
+    else calibrated: ``GATE_ORDER``); with what an error calls each (the argument, or the config
+    key that named it) and that key of QUANT's."""
     if given:
         return list(given), ("FLOAT", "QUANT"), None
-    quant_key = "quantized" if cfg.get("quantized") else "qat"
-    paths = [p for p in (cfg.get("float"), cfg.get(quant_key)) if p]
+    paths, (_, quant_key) = config_checkpoints("baseline", GATE_ORDER,
+                                               "a FLOAT and a QUANT checkpoint (or precomputed metrics)")
     return paths, ("the config's float", f"the config's {quant_key}"), quant_key
 
 
@@ -166,7 +168,7 @@ def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: 
     short_help="Is it good enough: the CI gate, quantized metric >= 0.99 x float, per task.",
     help=(
         "The precision gate for CI, on the FLOAT and QUANT checkpoints (default: the config's float and "
-        "quantized, else qat): each task passes when quantized >= ratio x float (default 0.99; "
+        "quantized, else qat, else calibrated): each task passes when quantized >= ratio x float (default 0.99; "
         "lower-is-better tasks: quantized <= float / ratio). Exit 0 pass, 1 fail, 2 error. With "
         "--confidence, a paired bootstrap decides pass / fail / inconclusive (inconclusive does not fail). "
         "FLOAT must be a float checkpoint and QUANT another file (a swapped pair, or one file twice, would "
@@ -244,9 +246,10 @@ def baseline(
         for values, source in zip((float_values, quant_values), sources):
             check_nonnegative(values, source)
     else:
-        paths, labels, quant_key = _checkpoint_pair(checkpoints, cfg)
+        paths, labels, quant_key = _checkpoint_pair(checkpoints)
         if len(paths) != 2:
-            raise QDebugError("baseline needs a FLOAT and a QUANT checkpoint (or precomputed metrics)",
+            raise QDebugError(f"baseline needs a FLOAT and a QUANT checkpoint (or precomputed metrics), got "
+                              f"{len(paths)} checkpoint(s)",
                               "e.g. qdebug baseline float.pt quantized.pt --metric top1 --data eval.pt")
         spec = metric or cfg.get("metric")
         if not spec:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -63,12 +65,13 @@ def headline(first: dict) -> list[str]:
     elif first["what"] == "param":
         where = f"the optimizer's step left {subject} non-finite"
     elif first["what"] == "scale":
-        where = f"quant point {subject} has an invalid scale"
+        where = f"quant point {subject} has {_scale_kind(first.get('value'))} scale"
     elif first["layer"] == "input" and first["op"] == "input":
         where = "the batch holds non-finite values"
     else:
         where = f"{first['layer']} ({first['op']}) {verb} a non-finite {what}"
-    lines = [f"FIRST NON-FINITE: {first['phase']} of step {first['step']}, batch {first['batch']}: {where}"]
+    label = "FIRST NON-FINITE" if _non_finite(first) else "FIRST INVALID SCALE"
+    lines = [f"{label}: {first['phase']} of step {first['step']}, batch {first['batch']}: {where}"]
     facts = [counts_text(finding)] if first.get("numel") or first.get("value") is not None else []
     if first.get("numel") and first["what"] != "scale":
         facts[0] += f" of {first['numel']} values ({first['dtype']} {first['shape']})"
@@ -81,6 +84,24 @@ def headline(first: dict) -> list[str]:
     lines.append(f"  cause: {first['cause']}: {first['detail']}")
     lines.append(f"  fix: {first['fix']}")
     return lines
+
+
+def _non_finite(first: dict) -> bool:
+    """Whether the first event is a NaN/Inf: a scale that is finite but negative, zero or too small
+    is an invalid scale, and is called one, not a non-finite value."""
+    value = first.get("value")
+    return not (first["what"] == "scale" and value is not None and math.isfinite(value))
+
+
+def _scale_kind(value: float | None) -> str:
+    """What is wrong with a scale of ``value``: "a negative", "a zero", "a NaN"... (for "has ... scale")."""
+    if value is None:
+        return "an invalid"
+    if math.isnan(value):
+        return "a NaN"
+    if math.isinf(value):
+        return "an infinite"
+    return "a negative" if value < 0 else "a zero" if value == 0 else "a tiny"
 
 
 def float_check_line(check: dict | None, first: dict | None) -> str:
@@ -275,7 +296,7 @@ def nan_trace(
                           "output trains nothing", "give (inputs, target) data, or --train package.module:function")
     float_net, float_kind = _float_model(net, info, float_path, model, unsafe_load) if float_check else (None, "")
     total = steps or batch_list.count
-    with progress_bar("tracing", total) as advance, model_errors("tracing", batch_list):
+    with progress_bar("tracing", total, unit="steps" if steps else "batches") as advance, model_errors("tracing", batch_list):
         result = trace_steps(net, batch_list, steps=steps, loss=settings["loss"], optimizer=settings["optimizer"],
                              lr=settings["lr"], seed=settings["seed"], train=trainer,
                              optimizer_state=bundle.get("optimizer_state"), rng_state=bundle.get("rng_state"),

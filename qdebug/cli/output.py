@@ -170,8 +170,32 @@ def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[
 
 def say(text: str) -> None:
     """A line of the table view's text (summary, next command), on stdout; what it quotes from
-    files or user code is shown escaped (``qdebug.safe_text``)."""
-    console.print(escaped(text), markup=False, highlight=False, emoji=False, soft_wrap=True)
+    files or user code is shown escaped (``qdebug.safe_text``), and it is wrapped to the
+    console's width (80 when piped: ``fitted``)."""
+    console.print(fitted(escaped(text), console.width), markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+
+PASTE_PREFIXES = ("qdebug ", "python -m qdebug")  # a printed command: never wrapped, it must run as pasted
+
+
+def fitted(text: str, width: int) -> str:
+    """``text`` wrapped to ``width`` columns, each line's continuation indented two spaces more
+    than it; a command to paste (an indented ``qdebug ...``) stays whole, and so does a word
+    longer than the width (a layer's name is not cut)."""
+    import textwrap
+
+    from rich.cells import cell_len
+
+    lines = []
+    for line in text.split("\n"):
+        body = line.lstrip()
+        if cell_len(line) <= width or body.startswith(PASTE_PREFIXES):
+            lines.append(line)
+            continue
+        indent = line[: len(line) - len(body)]
+        lines.append(textwrap.fill(line, width, subsequent_indent=indent + "  ", break_long_words=False,
+                                   break_on_hyphens=False))
+    return "\n".join(lines)
 
 
 def note(text: str) -> None:

@@ -208,7 +208,7 @@ def suggest(
     def diagnoses(searched) -> dict[str, str]:  # compare's on the searched batches, only when a plan is needed
         return diagnoses_of(found.reference, found.model, searched)
 
-    with progress_bar("suggesting", None) as advance, model_errors("suggesting", batch_list):
+    with progress_bar("suggesting", None, unit="forwards", runs=True) as advance, model_errors("suggesting", batch_list):
         result = run_suggest(found.model, batch_list, reference=found.reference, metric=metric_fn, metric_name=task,
                              rules=rules, min_sqnr=min_sqnr if min_sqnr is not None else DEFAULT_MIN_SQNR, bits=bits,
                              diagnoses=diagnoses, confidence=confidence, rank=rank,
@@ -287,8 +287,8 @@ def suggest(
             # checkpoint against its own float run, with baseline's verdict.
             check = (command_line("baseline", float_path, output) if len(paths) == 2
                      else command_line("step", output)) + gate
-            say("next: check the fixed checkpoint:" if spec else f"wrote {output}")
-            if spec:
+            if spec:  # what was written is said on stderr with the other files (emit): stdout is for results
+                say("next: check the fixed checkpoint:")
                 say(f"  {check}")
         elif plan_ok:
             say("next: apply the plan from the checkpoint's own statistics (exact):")
