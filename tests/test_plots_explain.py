@@ -139,15 +139,16 @@ def _assert_lines_stay_whole(rows: pd.DataFrame, fig) -> None:
     assert f"{len(folded)} row(s) without numbers left out" in cosine.get_xlabel()
 
 
-def test_an_outlier_finding_leads_to_the_channels_then_to_suggest(cli, tmp_path, planted):
+def test_an_outlier_finding_leads_to_the_channels_then_to_step(cli, tmp_path, planted):
     """compare's next line for wide channels: the table sorted by channel SQNR, whose own next
-    line goes on (a verified int16 plan) instead of printing itself again."""
+    line goes on (step's drill: which part costs the accuracy) instead of printing itself again."""
     d, _, _ = planted
     first = json.loads(cli("compare", d / "float.pt", d / "calibrated.pt", "--data", d / "data.pt",
                            "--format", "json").out)["meta"]["next"]
     assert first.endswith("--sort min_channel_sqnr_db"), first
     again = json.loads(cli(*shlex.split(first)[1:], "--format", "json").out)["meta"]["next"]
-    assert again.startswith("qdebug suggest") and again != first, again
+    assert again.startswith("qdebug step") and again.endswith("--drill"), again
+    assert cli(*shlex.split(again)[1:], "--format", "json").code in (0, 1)  # it runs as printed
 
 
 def test_no_outlier_plot_without_an_outlier_diagnosis_and_an_earlier_one_is_dropped(cli, tmp_path, planted, stages,

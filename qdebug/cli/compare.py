@@ -149,9 +149,10 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
                     command_line("calibrate", paths[ref_index]) + options + " -o recalibrated.pt")
         # The pair as typed (none when it came from the config: suggest reads the same keys).
         suggest = command_line("suggest", *([paths[ref_index], paths[labels.index(target)]] if given else [])) + options
-        if cause == "outlier_channels":  # the channels seen: int16 at the layer (or equalize them, CLE)
+        if cause == "outlier_channels":  # the channels seen: which flagged layer costs the accuracy
             if result.meta.get("reference_stage") == "float":
-                return "a verified int16 plan for the wide channels", suggest
+                step = command_line("step", *([paths[ref_index], paths[labels.index(target)]] if given else []))
+                return "which part costs the accuracy, down to the layer", step + options + " --drill"
             return "", ""
         # An int16 point is among the fixes of these (the cause line names the point and the rest).
         int16_fix = ("rounding", "cell_state_range", "softmax_collapse", "logits_clipped")
