@@ -94,21 +94,10 @@ def test_suggest_apply_without_a_metric_says_wrote_on_stderr(cli80, stages, tmp_
 
 
 def test_a_finite_negative_scale_is_named_an_invalid_scale_not_non_finite():
-    import torch
-
     from qdebug.cli.nan_trace import headline
-    from qdebug.engine import QConfig, QuantSpec, calibrate, prepare
-    from qdebug.modelspec import build_zoo
-    from qdebug.tools.nan_trace import trace_steps
-    from small_models import SMALL_RESNET
-    from test_nan_trace import _data, _first
+    from test_nan_trace import negative_scale_run
 
-    torch.manual_seed(0)
-    batches = _data()
-    qm = prepare(build_zoo("resnet", **SMALL_RESNET), QConfig(activation=QuantSpec(symmetric=False, estimator="lsq")),
-                 mode="with_bn_reverse_fold", example_inputs=batches[0].inputs)
-    calibrate(qm, [b.inputs for b in batches])
-    first = _first(trace_steps(qm, batches, steps=5, lr=10.0))
+    first = negative_scale_run()
     assert first["what"] == "scale" and first["value"] < 0  # finite: the optimizer drove it below zero
     lines = headline(first)
     assert lines[0].startswith("FIRST INVALID SCALE: update of step 0")

@@ -298,13 +298,18 @@ def test_a_large_lr_blows_up_as_gradient_explosion():
 
 
 # -- observers and learned scales ---------------------------------------------------------------
-def test_a_learned_scale_driven_negative_by_the_update():
+def negative_scale_run() -> dict:
+    """The first finding of an LSQ ResNet trained at lr 10: a learned scale driven below zero."""
     torch.manual_seed(0)
     batches = _data()
     qm = prepare(build_zoo("resnet", **SMALL_RESNET), QConfig(activation=QuantSpec(symmetric=False, estimator="lsq")),
                  mode="with_bn_reverse_fold", example_inputs=batches[0].inputs)
     calibrate(qm, [b.inputs for b in batches])
-    first = _first(trace_steps(qm, batches, steps=5, lr=10.0))
+    return _first(trace_steps(qm, batches, steps=5, lr=10.0))
+
+
+def test_a_learned_scale_driven_negative_by_the_update():
+    first = negative_scale_run()
     assert (first["phase"], first["step"], first["what"], first["cause"]) == ("update", 0, "scale", "scale")
     assert first["value"] < 0 and "optimizer drove the learned scale" in first["detail"]
 
