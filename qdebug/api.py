@@ -135,7 +135,7 @@ def _config_checkpoints(command: str, given: tuple, cfg: Config) -> tuple:
     if float_key and test_key:
         return (cfg.get(float_key), cfg.get(test_key))
     where = (f"{cfg.path} names {' and '.join(cfg.named_stages()) or 'no checkpoint'} (no "
-             f"{'float' if test_key else 'qat, calibrated or quantized'})" if cfg.path else "no qdebug.toml was found")
+             f"{'float' if test_key else 'qat, calibrated or quantized'})" if cfg.path else "no qdebug.toml was read (none found, or config=False)")
     raise QDebugError(f"qdebug.{command} needs models or checkpoint paths: none given, and {where}",
                       f'e.g. qdebug.{command}("float.pt", "calibrated.pt"), or set float and calibrated in qdebug.toml')
 
