@@ -33,6 +33,7 @@ from qdebug.tools.nan_trace import trace_steps
 from qdebug.tools.nan_watch import NonFiniteError
 
 from small_models import SMALL_RESNET
+from test_nan_trace import MaskedSqrt
 from user_project import clean_imports, user_module
 
 
@@ -358,18 +359,9 @@ def test_a_mask_before_log_names_the_quant_point_between_them():
 
 
 def test_mask_the_input_advice_in_a_quantized_model_warns_of_the_masks_own_point():
-    class HiddenSqrt(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16 * 16, 10)
-
-        def forward(self, x):
-            y = self.fc(x.flatten(1))
-            return torch.where(y > 0, torch.sqrt(y), torch.zeros_like(y))
-
     batches = _data()
     torch.manual_seed(0)
-    plain = HiddenSqrt()
+    plain = MaskedSqrt()
     first = trace_steps(copy.deepcopy(plain), batches, steps=2).first
     assert "mask the op's input" in first["fix"] and "quant point" not in first["fix"]
     with warnings.catch_warnings():

@@ -685,16 +685,19 @@ def test_cli_csv_keeps_the_finding_on_stderr_and_a_clean_run_removes_a_stale_bun
     assert good.code == 0 and not (tmp_path / "o" / "before.pt").exists() and not (tmp_path / "o" / "batch.pt").exists()
 
 
+class MaskedSqrt(nn.Module):
+    """sqrt behind a torch.where mask: finite forward, NaN gradient where the mask drops it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16 * 16, 10)
+
+    def forward(self, x):
+        y = self.fc(x.flatten(1))
+        return torch.where(y > 0, torch.sqrt(y), torch.zeros_like(y))
+
+
 def test_a_nan_hidden_by_torch_where_bites_in_the_backward():
-    class MaskedSqrt(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16 * 16, 10)
-
-        def forward(self, x):
-            y = self.fc(x.flatten(1))
-            return torch.where(y > 0, torch.sqrt(y), torch.zeros_like(y))
-
     torch.manual_seed(0)
     first = _first(trace_steps(MaskedSqrt(), _data(), steps=2))
     assert (first["phase"], first["layer"], first["cause"]) == ("backward", "sqrt", "backward_op")

@@ -65,14 +65,11 @@ class FoldedBatchNorm(nn.Module):
         return f"{self.num_features}, folded_into={self.folded_into!r}"
 
 
-class FoldedNormAct(FoldedBatchNorm):
-    """A ``FoldedBatchNorm`` for a norm-act layer (timm's ``BatchNormAct2d``, ``ops.is_norm_act``):
-    its norm is folded into the conv, its children (``drop``, ``act``) still run, in their order."""
+class _NormActChildren:
+    """What is left of a norm-act layer once its norm is gone: its children (``drop``, ``act``),
+    adopted and run in their order."""
 
-    norm_act_placeholder = True  # the context makes the (identity) norm call on its input
-
-    def __init__(self, norm_act: nn.Module, folded_into: str):
-        super().__init__(norm_act.num_features, folded_into)
+    def _adopt_children(self, norm_act: nn.Module) -> None:
         for name, child in norm_act.named_children():
             self.add_module(name, child)
 
@@ -80,6 +77,17 @@ class FoldedNormAct(FoldedBatchNorm):
         for child in self.children():
             x = child(x)
         return x
+
+
+class FoldedNormAct(_NormActChildren, FoldedBatchNorm):
+    """A ``FoldedBatchNorm`` for a norm-act layer (timm's ``BatchNormAct2d``, ``ops.is_norm_act``):
+    its norm is folded into the conv, its children (``drop``, ``act``) still run, in their order."""
+
+    norm_act_placeholder = True  # the context makes the (identity) norm call on its input
+
+    def __init__(self, norm_act: nn.Module, folded_into: str):
+        super().__init__(norm_act.num_features, folded_into)
+        self._adopt_children(norm_act)
 
 
 def folded_placeholder(bn: nn.Module, folded_into: str) -> FoldedBatchNorm:
@@ -92,7 +100,7 @@ def folded_placeholder(bn: nn.Module, folded_into: str) -> FoldedBatchNorm:
     return FoldedBatchNorm(bn.num_features, folded_into)
 
 
-class NormActTail(nn.Module):
+class NormActTail(_NormActChildren, nn.Module):
     """What is left of a norm-act layer whose norm torch folded into the conv before it (an
     imported PTQ or converted model): its children (``drop``, ``act``), run in order."""
 
@@ -100,13 +108,7 @@ class NormActTail(nn.Module):
 
     def __init__(self, norm_act: nn.Module):
         super().__init__()
-        for name, child in norm_act.named_children():
-            self.add_module(name, child)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for child in self.children():
-            x = child(x)
-        return x
+        self._adopt_children(norm_act)
 
 
 def without_norm(bn: nn.Module) -> nn.Module:
