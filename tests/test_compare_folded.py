@@ -27,7 +27,7 @@ import torch.nn as nn
 
 import qdebug
 from qdebug.interop import from_torch_ao, import_report
-from small_models import module_io, randomize_bn
+from small_models import module_io, randomize_bn, torch_ao_ptq
 
 tq = pytest.importorskip("torch.ao.quantization")
 nnq = pytest.importorskip("torch.ao.nn.quantized")
@@ -247,14 +247,10 @@ def torchvision_mobilenet_v2():
     model = randomize_bn(tv.models.quantization.mobilenet_v2(weights=None, quantize=False).eval(), 3)
     float_model = copy.deepcopy(model)
     model.fuse_model()
-    model.qconfig = tq.get_default_qconfig("x86")
     batches = _batches(2, 1, (2, 3, 64, 64))
+    prepared = torch_ao_ptq(model, batches)  # the x86 qconfig, prepared, the batches observed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = tq.prepare(model)
-        with torch.no_grad():
-            for x in batches:
-                prepared(x)
         converted = tq.convert(copy.deepcopy(prepared))
     return float_model, prepared, converted, batches[0]
 

@@ -65,6 +65,11 @@ def _eager(name: str, backend: str, qat: bool) -> torch.nn.Module:
             for seed in (10, 11):
                 prepared(_batch(seed))
         return prepared
+    return _trained(prepared)
+
+
+def _trained(prepared):
+    """Two SGD steps on the output's mean square, observers off, eval: a QAT model as trained."""
     optimizer = torch.optim.SGD(prepared.parameters(), lr=0.01)
     for seed in (10, 11):
         prepared(_batch(seed)).square().mean().backward()
@@ -141,13 +146,7 @@ def test_fx_qat_of_torchvisions_float_models_is_bit_identical(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = prepare_qat_fx(copy.deepcopy(float_model).train(), get_default_qat_qconfig_mapping("x86"), (x,))
-    optimizer = torch.optim.SGD(prepared.parameters(), lr=0.01)
-    for seed in (10, 11):
-        prepared(_batch(seed)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    prepared.apply(tq.disable_observer)
-    prepared.eval()
+    prepared = _trained(prepared)
     with torch.no_grad():
         qm = from_torch_ao(prepared, x, float_model=float_model)
         assert torch.equal(qm(_batch(2)), prepared(_batch(2)))
