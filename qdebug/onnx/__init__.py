@@ -1,0 +1,13 @@
+"""The deployed model as ONNX: qdebug's own QDQ export, ONNX Runtime as a compare stage, and the
+import of a model ONNX Runtime quantized.
+
+- ``model_file``: reading an ONNX file safely (no external data, bounded sizes, checked);
+- ``names``: which tensor of a torch-exported graph is which engine call (torch's scope names);
+- ``export``: a calibrated/QAT/quantized model -> a QDQ ONNX model named by its quant points;
+- ``parity``: ONNX Runtime on an exported model against the quantized stage, in LSB of the output scale;
+- ``stage``: an ONNX model run by ONNX Runtime, tapped per layer, as a stage of ``compare``;
+- ``qdq_source``: an ORT-quantized QDQ model -> a ``SourceModel`` the interop builder imports.
+
+``onnx`` and ``onnxruntime`` are optional (``pip install qdebug[onnx]``): they are imported only when
+an ONNX file is read or written, and a missing one is one error with the install command.
+"""
