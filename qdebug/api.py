@@ -199,8 +199,16 @@ def _as_model(item: Any, index: int, cfg: Config) -> tuple[str, nn.Module, Any]:
         return label, TorchStage(model) if is_converted(model) else model, None
     if isinstance(item, nn.Module):
         # A model torch.ao converted runs as it is, by torch's kernels (``qdebug.interop.torch_stage``).
-        return f"model{index}", TorchStage(item) if is_converted(item) else item, None
+        label = "onnx" if hasattr(type(item), "use_reference") else f"model{index}"  # an OnnxStage: "onnx"
+        return label, TorchStage(item) if is_converted(item) else item, None
     if isinstance(item, (str, Path)):
+        from qdebug.onnx.model_file import is_onnx_path
+
+        if is_onnx_path(item):  # run by ONNX Runtime (``qdebug.onnx.stage``), named after the reference
+            from qdebug.onnx.model_file import read_onnx
+            from qdebug.onnx.stage import OnnxStage
+
+            return "onnx", OnnxStage(read_onnx(item), source=str(item)), None
         model, info = _load(item, cfg)
         return info.stage, model, info
     raise QDebugError(f"cannot compare a {type(item).__name__}", "pass checkpoint paths, models or (label, model) pairs")
@@ -208,11 +216,18 @@ def _as_model(item: Any, index: int, cfg: Config) -> tuple[str, nn.Module, Any]:
 
 def _name_torch_stages(models: list[nn.Module], reference: nn.Module) -> None:
     """Give each converted torch model compared its float model: the reference, which must be one
-    (a graph keeps no class; the rows are named after the float model's calls)."""
+    (a graph keeps no class; the rows are named after the float model's calls); and each ONNX
+    model (``qdebug.onnx.stage.OnnxStage``) without one the reference, float or prepared."""
     from qdebug.engine import is_prepared
     from qdebug.interop.torch_stage import TorchStage
 
     for model in models:
+        if hasattr(type(model), "use_reference") and model.reference is None:  # an ONNX model (qdebug.onnx.stage)
+            if hasattr(type(reference), "qdebug_tap"):
+                raise QDebugError("an ONNX model is compared against a checkpoint or model of qdebug's, and the "
+                                  "reference is not one", "pass the float model first (or ref= its index)")
+            model.use_reference(reference)
+            continue
         if not isinstance(model, TorchStage) or model.float_model is not None or model.sources is not None:
             continue
         if isinstance(reference, TorchStage) or is_prepared(reference):

@@ -187,7 +187,10 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
         "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/quantized.pt --data fixtures/demo/eval.pt "
         "--device cuda (on the GPU; the same results as on the CPU, within float32 rounding)\n\n"
         "Example: qdebug compare float.pt q.pt --torch-kernels converted_state.pt --data eval.pt (q.pt: qdebug "
-        "import of converted_state.pt; torch's own int8 kernels as one more model, 'torch')"
+        "import of converted_state.pt; torch's own int8 kernels as one more model, 'torch')\n\n"
+        "Example: qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt model.onnx --data fixtures/demo/eval.pt "
+        "(a CHECKPOINT ending .onnx: that model run by ONNX Runtime, tapped per layer, as one more model, 'onnx'; "
+        "propagated error only)"
     )
 )
 def compare(
@@ -242,6 +245,7 @@ def compare(
     check_data(data, batches, batch_size)
     if ref is not None and ref.isdigit() and int(ref) >= len(paths):
         raise QDebugError(f"--ref {ref} is not an index below {len(paths)}", "e.g. --ref 0 (or a stage label)")
+    paths, onnx_models, ref = _onnx_paths(paths, ref)  # read (and checked) before torch loads
     if backend is not None and torch_kernels is None:
         raise QDebugError("--backend applies only with --torch-kernels", "e.g. --torch-kernels converted_state.pt "
                           f"--backend {backend}")
@@ -283,6 +287,10 @@ def compare(
         pairs.append((label, _torch_kernels(torch_kernels, loaded[ref_index][0], infos[ref_index], batch_list,
                                             backend)))
         labels, paths, skip = [*labels, label], [*paths, torch_kernels], (label,)
+    for path, proto in onnx_models:  # run by ONNX Runtime, named after the reference's calls
+        label = _onnx_label(path, labels, len(onnx_models))
+        pairs.append((label, _onnx_stage(proto, path, loaded[ref_index][0], batch_list)))
+        labels, paths, skip = [*labels, label], [*paths, path], (*skip, label)
     with progress_bar("comparing", batch_list.count) as advance, model_errors("comparing", batch_list):
         result = run_compare(pairs, batch_list, ref=ref_index, thresholds=limits, isolated=isolated,
                              kl_feature_maps="kl" in shown, progress=advance)
@@ -360,6 +368,46 @@ def _torch_kernels(path: str, reference, info, batch_list, backend: str):
     with model_errors("rebuilding the torch.ao model", first):
         rebuilt = rebuild_converted(state, float_model, inputs, backend, source=path)
         return TorchStage(rebuilt.prepared, float_model=rebuilt.float_model, example_inputs=inputs)
+
+
+def _onnx_paths(paths: list[str], ref: Optional[str]) -> tuple[list[str], list[tuple[str, object]], Optional[str]]:
+    """The checkpoints of ``paths``, the ONNX models among them (``(path, ModelProto)``, read by
+    ``qdebug.onnx.model_file.read_onnx``), and ``--ref`` as an index among the checkpoints."""
+    from qdebug.onnx.model_file import is_onnx_path
+
+    found = [p for p in paths if is_onnx_path(p)]
+    if not found:
+        return paths, [], ref
+    checkpoints = [p for p in paths if not is_onnx_path(p)]
+    if not checkpoints:
+        raise QDebugError("compare needs a checkpoint to compare the ONNX model with: an ONNX model cannot be the "
+                          "reference", f"e.g. qdebug compare float.pt {found[0]} --data eval.pt")
+    if ref is not None and ref.isdigit():
+        if is_onnx_path(paths[int(ref)]):
+            raise QDebugError(f"--ref {ref} is the ONNX model {paths[int(ref)]}: the reference must be a checkpoint",
+                              "pass the float checkpoint first (or --ref its index)")
+        ref = str(sum(not is_onnx_path(p) for p in paths[:int(ref)]))
+    from qdebug.onnx.model_file import read_onnx
+
+    return checkpoints, [(p, read_onnx(p)) for p in found], ref
+
+
+def _onnx_label(path: str, taken: list[str], count: int) -> str:
+    """``onnx``, or the file's stem when several ONNX models are compared (or ``onnx`` is taken)."""
+    label = "onnx" if count == 1 and "onnx" not in taken else Path(path).stem
+    while label in taken:
+        label += "'"
+    return label
+
+
+def _onnx_stage(proto, path: str, reference, batch_list):
+    """The ONNX model of ``path`` run by ONNX Runtime as a compare stage (``qdebug.onnx.stage``),
+    its rows named after ``reference``'s calls on the first batch."""
+    from qdebug.onnx.stage import OnnxStage
+
+    first = next(iter(batch_list))
+    with model_errors("running the ONNX model", first):
+        return OnnxStage(proto, reference, first.inputs, source=path)
 
 
 def _plots(result, out: "StagedDir", reference: str) -> list[Path]:

@@ -57,8 +57,7 @@ def read_onnx(path: str | Path) -> Any:
     size = file.stat().st_size
     if size > MAX_BYTES:
         raise QDebugError(f"{_short(str(file))} is {size / 2**30:.1f} GiB, more than an ONNX file can hold "
-                          "(2 GiB)", "a larger model keeps its weights as external data, which qdebug does "
-                          "not read")
+                          "(2 GiB)", "a larger model keeps its weights as external data, which is never read")
     if size == 0:
         raise QDebugError(f"{_short(str(file))} is empty", "pass an .onnx model file")
     data = file.read_bytes()
@@ -73,7 +72,7 @@ def read_onnx(path: str | Path) -> Any:
     external = _external_tensor(model.graph)
     if external is not None:
         raise QDebugError(f"{_short(str(file))}: tensor {_short(external)} keeps its data in another file "
-                          "(external data), which qdebug does not follow",
+                          "(external data), never followed",
                           "save the model with its data inside: onnx.save(model, path, "
                           "save_as_external_data=False)")
     try:

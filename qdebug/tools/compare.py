@@ -718,6 +718,10 @@ def compare(
                        if getattr(type(model), "propagated_only", "")}
     if propagated_only:
         summary += "".join(f"\n{escaped(label)}: {reason}" for label, reason in propagated_only.items())
+    # What a self-tapping stage says of itself (an ONNX model's unmatched tensors: qdebug.onnx.stage).
+    stage_reports = {label: model.stage_report() for label, model in others if hasattr(type(model), "stage_report")}
+    for label, report in stage_reports.items():
+        summary += "".join(f"\n{escaped(label)}: {line}" for line in report.pop("summary", []))
     meta = {
         "reference": ref_label,
         "targets": [label for label, _ in others],
@@ -732,6 +736,8 @@ def compare(
     }
     if propagated_only:
         meta["propagated_only"] = propagated_only
+    if stage_reports:
+        meta["stages"] = stage_reports
     return CompareResult(frame, meta, summary, samples, _outlier_evidence(frame, stats, models_by_label, found))
 
 
@@ -999,7 +1005,8 @@ class _ReferenceCheck:
             self.skipped = {label: reason for label, _ in others}
         for label, model in others:
             if label not in self.skipped and hasattr(type(model), "qdebug_tap"):
-                self.skipped[label] = "run by torch's kernels: its quantization cannot be turned off"
+                runner = getattr(type(model), "runner", "torch's kernels")
+                self.skipped[label] = f"run by {runner}: its quantization cannot be turned off"
             elif label not in self.skipped and _weights_on_their_grids(model):
                 self.skipped[label] = "its float weights are its quantized ones (a converted import)"
             elif label not in self.skipped and _holds_the_reference(model, reference):
