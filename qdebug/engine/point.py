@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from qdebug.engine import export_mode
 from qdebug.engine.fake_quant import (fake_quantize, fake_quantize_counting, fake_quantize_dynamic, group_layout,
                                        grouped_view)
 from qdebug.engine.observers import make_observer
@@ -180,6 +181,8 @@ class QuantPoint(nn.Module):
             if not self.spec.dynamic:  # a dynamic point has nothing to calibrate
                 self.observer(self._observed(x))
             return x
+        if export_mode.active is not None:  # an exporter's trace: an exportable op (qdebug.engine.export_mode)
+            return export_mode.active.apply(self, x)
         if self.spec.dynamic:
             out = fake_quantize_dynamic(x, self.spec, alpha=self.alpha, training=self.training, kind=self.kind)
             out._qdebug_point = self

@@ -1,0 +1,106 @@
+"""How far an exported model, run by ONNX Runtime, is from qdebug's quantized stage: ``export_parity``.
+
+Each output value of ONNX Runtime (CPU execution provider, default graph optimizations: the
+QDQ groups fused into QLinearConv, QLinearMatMul, ... as a deployment runs them) is compared
+with the quantized stage's (``qdebug.engine.convert``: the integer simulation), in LSB of the
+output's point: |ort - qdebug| / scale, rounded to whole steps (both lie on the point's grid).
+The result: ``values``, ``within_1_lsb`` (share of values at most 1 LSB apart), ``max_lsb``,
+``histogram`` (LSB 0, 1, 2, >2) and ``disabled_optimizers`` (ONNX Runtime optimizers the
+session had to leave out, see ``PROPAGATION``; [] normally).  NaN on both sides is agreement;
+NaN on one side counts >2.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from qdebug.errors import QDebugError
+from qdebug.onnx.model_file import require
+
+BINS = ("0", "1", "2", ">2")
+
+
+# ONNX Runtime 1.32's QDQ propagation (moving a DequantizeLinear past a Transpose, Slice, Reshape
+# ...) writes an invalid QuantizeLinear for an int8 zero point at opset >= 21 ("output_dtype INT8
+# does not match y_zero_point type UINT8"), so a graph with 16-bit points and such an op fails to
+# load with the default optimizations.  Without that one optimizer it loads, every other fusion on.
+PROPAGATION = "QDQPropagationTransformer"
+
+
+def ort_session(proto: Any) -> tuple[Any, list[str]]:
+    """An ONNX Runtime session (CPU, default optimizations) on the model ``proto``, and the
+    optimizers it had to leave out (``PROPAGATION`` when the default set cannot load it)."""
+    ort = require("onnxruntime")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # ORT's warnings (unused initializers ...) are not the user's business
+    options.intra_op_num_threads = max(torch.get_num_threads(), 1)
+    data = proto.SerializeToString()
+    try:
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]), []
+    except Exception as exc:  # a graph ONNX Runtime's optimizer or kernels do not take
+        first = exc
+    try:
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"],
+                                    disabled_optimizers=[PROPAGATION]), [PROPAGATION]
+    except Exception:
+        raise QDebugError(f"ONNX Runtime cannot load the exported model: {_first_line(first)}",
+                          "--no-check writes the model without running it (onnx.checker passes on it)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    from qdebug.errors import message_of
+    from qdebug.safe_text import one_line
+
+    text = message_of(exc).strip()
+    return one_line(text.splitlines()[0], limit=300) if text else type(exc).__name__
+
+
+def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
+                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """ONNX Runtime on ``proto`` against ``quantized`` (a converted model) on ``batches`` (each
+    a tensor or a tuple of tensors): see the module docstring."""
+    from qdebug.engine.point import grid_of
+    from qdebug.onnx.export import flat_outputs, input_tuple
+
+    session, disabled = ort_session(proto)
+    names = [i.name for i in session.get_inputs()]
+    counts = [0] * len(BINS)
+    worst = 0.0
+    done = 0
+    for batch in batches:
+        inputs = tuple(x.cpu() for x in input_tuple(batch))  # ONNX Runtime's CPU provider
+        if len(inputs) != len(names):
+            raise QDebugError(f"the model takes {len(names)} input(s), a batch holds {len(inputs)}",
+                              "pass --data whose batches are the model's inputs")
+        with torch.no_grad():
+            expected = flat_outputs(quantized(*inputs))
+        got = session.run(None, {name: x.detach().cpu().numpy() for name, x in zip(names, inputs)})
+        for k, (want, have) in enumerate(zip(expected, got)):
+            point = grid_of(want)
+            if point is None or point.spec.per_channel:
+                raise QDebugError(f"output {k} of the quantized model lies on no per-tensor grid (a float output)",
+                                  "parity is measured in LSB of the output's quant point: quantize the output "
+                                  "(or pass --no-check)")
+            lsb = _lsb(torch.as_tensor(have), want.detach().cpu().float(), float(point.scale.detach()))
+            for b in range(len(BINS)):
+                counts[b] += int((lsb == b).sum()) if b < len(BINS) - 1 else int((lsb > b - 1).sum())
+            if lsb.numel():
+                worst = max(worst, float(lsb.max()))
+        done += 1
+        if progress is not None:
+            progress(done)
+    values = sum(counts)
+    return {"batches": done, "values": values, "within_1_lsb": (counts[0] + counts[1]) / values if values else 1.0,
+            "max_lsb": worst, "histogram": dict(zip(BINS, counts)), "disabled_optimizers": disabled}
+
+
+def _lsb(have: torch.Tensor, want: torch.Tensor, scale: float) -> torch.Tensor:
+    """|have - want| in whole steps of ``scale`` (float64); NaN on both sides 0, on one side inf."""
+    have, want = have.to(torch.float64).reshape(-1), want.to(torch.float64).reshape(-1)
+    steps = torch.round((have - want).abs() / scale)
+    same = (have == want) | (torch.isnan(have) & torch.isnan(want))  # equal infinities too
+    steps = torch.where(same, torch.zeros_like(steps), steps)
+    return torch.nan_to_num(steps, nan=float("inf"))

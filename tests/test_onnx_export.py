@@ -1,0 +1,265 @@
+"""``qdebug export`` and ``qdebug.onnx.export``: a quantized stage as a QDQ ONNX model, run in ONNX Runtime.
+
+The references are independent of the export: ONNX Runtime's own kernels (CPU provider, default
+optimizations) against qdebug's integer stage (``convert``), the exported weight initializers
+dequantized with numpy against the engine's stored integer codes and torch's own fake-quant
+kernel, and the names of docs/onnx.md's conventions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from onnx_helpers import onnx, ort  # noqa: F401  (skips this module without the [onnx] extra)
+from small_models import INTEROP_ZOO, SMALL_MOBILENETV2, SMALL_RESNET, SMALL_SHUFFLENETV2, randomize_bn
+
+import qdebug
+from qdebug.engine import QConfig, QuantSpec, calibrate, convert, engine_state, prepare
+from qdebug.engine.modules import _QWeighted
+from qdebug.errors import QDebugError
+from qdebug.onnx.export import METADATA_KEY, export_onnx
+from qdebug.onnx.model_file import read_onnx, tensor_array
+from qdebug.onnx.parity import export_parity
+from qdebug.zoo import ResNet
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+class SameBlock(nn.Module):
+    """A MobileNet-style block as TF exports it: SAME padding (F.pad on a strided depthwise conv,
+    padding='same' on a stride-1 one), BN folded into every conv, ReLU6, and residual adds."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding="same", bias=False)
+        self.stem_bn = nn.BatchNorm2d(c)
+        self.dw = nn.Conv2d(c, c, 3, stride=2, groups=c, bias=False)
+        self.dw_bn = nn.BatchNorm2d(c)
+        self.pw = nn.Conv2d(c, c, 1, bias=False)
+        self.pw_bn = nn.BatchNorm2d(c)
+        self.dw2 = nn.Conv2d(c, c, 5, padding="same", groups=c, bias=False)
+        self.dw2_bn = nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        x = F.relu6(self.stem_bn(self.stem(x)))
+        y = F.relu6(self.dw_bn(self.dw(F.pad(x, (0, 1, 0, 1)))))  # TF SAME for stride 2: pad right/bottom
+        y = y + self.pw_bn(self.pw(y))
+        y = y + F.relu6(self.dw2_bn(self.dw2(y)))
+        return self.head(y.mean((2, 3)))
+
+
+def _calibrated(model: nn.Module, shape: tuple, qconfig: QConfig | None = None, seed: int = 0) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    randomize_bn(model, seed + 7)
+    model.eval()
+    batches = [torch.randn(*shape, generator=gen) for _ in range(3)]
+    cal = prepare(model, qconfig or QConfig(), example_inputs=batches[0])
+    calibrate(cal, batches[:2])
+    return cal, batches
+
+
+def _node(proto, name: str):
+    return next(n for n in proto.graph.node if n.name == name)
+
+
+def _initializers(proto) -> dict:
+    return {t.name: tensor_array(t) for t in proto.graph.initializer}
+
+
+def test_real_block_exports_with_parity_names_and_weight_codes():
+    torch.manual_seed(0)
+    cal, batches = _calibrated(SameBlock(), (4, 3, 17, 17))
+    proto, info = export_onnx(cal, batches[0][:1], stage="calibrated")
+    quantized = convert(cal)
+    qstate = engine_state(quantized)
+    assert info["opset"] == 13 and info["points"] == len(qstate.points)
+    ops = [n.op_type for n in proto.graph.node]
+    assert "BatchNormalization" not in ops and ops.count("QuantizeLinear") == info["activations"]
+    assert ops.count("DequantizeLinear") == info["points"]
+    # ONNX Runtime (fused QLinear kernels) against qdebug's integer stage, computed here with numpy.
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    scale = float(qstate.points["head"].scale)
+    got = np.concatenate([session.run(None, {"input": b.numpy()})[0] for b in batches])
+    with torch.no_grad():
+        want = np.concatenate([quantized(b).numpy() for b in batches])
+    lsb = np.round(np.abs(got - want) / scale)
+    assert (lsb <= 1).mean() >= 0.99
+    parity = export_parity(proto, quantized, batches)
+    assert parity["values"] == lsb.size and parity["max_lsb"] == lsb.max()
+    assert parity["within_1_lsb"] == pytest.approx((lsb <= 1).mean())
+    # Weights: integer initializer + DQ only; (q - z) equals the engine's codes, (q - z) * s torch's fake quant.
+    init = _initializers(proto)
+    for path, layer in quantized.named_modules():
+        if not isinstance(layer, _QWeighted):
+            continue
+        p = layer.weight_point.name
+        q, s, z = init[f"{p}/quantized"], init[f"{p}/scale"], init[f"{p}/zero_point"]
+        assert q.dtype == np.int8 and z.dtype == np.int8
+        assert not any(n.op_type == "QuantizeLinear" and n.input[0] == f"{p}/quantized" for n in proto.graph.node)
+        zb = z.reshape([-1] + [1] * (q.ndim - 1)) if z.ndim else z
+        sb = s.reshape([-1] + [1] * (q.ndim - 1)) if s.ndim else s
+        assert np.array_equal(q.astype(np.int64) - zb, layer.weight_int.numpy().astype(np.int64)), path
+        reference = torch.fake_quantize_per_channel_affine(
+            layer.weight.detach(), layer.weight_point.scale, layer.weight_point.zero_point, 0, -128, 127)
+        assert np.array_equal((q - zb).astype(np.float32) * sb, reference.numpy()), path
+        assert _node(proto, f"{p}/DequantizeLinear").output[0] == f"{p}/dequantized"
+    # Activations: P/QuantizeLinear -> P/quantized -> P/DequantizeLinear -> P/dequantized, metadata rows.
+    meta = json.loads(next(m.value for m in proto.metadata_props if m.key == METADATA_KEY))
+    assert meta["stage"] == "calibrated" and {p["name"] for p in meta["points"]} == set(qstate.points)
+    for entry in meta["points"]:
+        p = entry["name"]
+        assert entry["spec"] == qstate.points[p].spec.describe()
+        if entry["kind"] == "activation":
+            assert entry["row"] in qstate.plan.calls and qstate.plan.calls[entry["row"]].point == p
+            q_node, dq_node = _node(proto, f"{p}/QuantizeLinear"), _node(proto, f"{p}/DequantizeLinear")
+            assert list(q_node.input[1:]) == [f"{p}/scale", f"{p}/zero_point"]
+            assert q_node.output[0] == f"{p}/quantized" == dq_node.input[0]
+            assert dq_node.output[0] == f"{p}/dequantized"
+            assert float(init[f"{p}/scale"]) == float(qstate.points[p].scale)
+        else:
+            assert entry["row"] == qstate.points[p].owner
+    # The batch axis is free.
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+
+
+@pytest.mark.parametrize("name", ["mobilenetv2", "shufflenetv2", "multitask"])
+def test_zoo_models_match_the_quantized_stage(name):
+    from qdebug.zoo import MODELS
+
+    kwargs = {"mobilenetv2": SMALL_MOBILENETV2, "shufflenetv2": SMALL_SHUFFLENETV2}.get(name, INTEROP_ZOO.get(name))
+    channels = kwargs.get("in_channels", 3)
+    torch.manual_seed(1)
+    cal, batches = _calibrated(MODELS[name](**kwargs), (4, channels, 16, 16), seed=1)
+    proto, info = export_onnx(cal, batches[0][:1])
+    assert info["points"] == len(engine_state(cal).points)
+    parity = export_parity(proto, convert(cal), batches)
+    assert parity["within_1_lsb"] >= 0.99, parity
+
+
+def test_int16_points_export_at_opset_21_and_run():
+    torch.manual_seed(2)
+    qconfig = QConfig(overrides={"layer1.*": {"activation": {"bits": 16}}})
+    cal, batches = _calibrated(ResNet(**SMALL_RESNET),
+                               (4, 1, 16, 16), qconfig)
+    wide = [n for n, p in engine_state(cal).points.items() if p.spec.bits == 16]
+    assert wide
+    with pytest.raises(QDebugError, match="opset 21"):
+        export_onnx(cal, batches[0][:1], opset=13)
+    proto, info = export_onnx(cal, batches[0][:1])
+    assert info["opset"] == 21 and proto.opset_import[0].version == 21
+    assert _initializers(proto)[f"{wide[0]}/zero_point"].dtype == np.int16
+    parity = export_parity(proto, convert(cal), batches)
+    assert parity["within_1_lsb"] >= 0.99, parity
+
+
+def test_recurrent_model_at_opset_21_loads_and_matches():
+    """A GRU's transposes after int8 DequantizeLinear nodes at opset 21: ONNX Runtime 1.32's QDQ
+    propagation cannot load it by default; the check leaves that one optimizer out and says so."""
+    from qdebug.onnx.parity import PROPAGATION
+    from qdebug.zoo import KeywordGRU
+
+    torch.manual_seed(4)
+    model = KeywordGRU(mel_channels=8, conv_channels=8, hidden_size=8, num_layers=1, num_classes=4).eval()
+    batches = [torch.randn(3, 20, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    cal = prepare(model, QConfig(), example_inputs=batches[0])
+    calibrate(cal, batches[:1])
+    proto, info = export_onnx(cal, batches[0][:1], opset=21)
+    assert info["opset"] == 21
+    parity = export_parity(proto, convert(cal), batches)
+    assert parity["within_1_lsb"] >= 0.99 and parity["disabled_optimizers"] in ([], [PROPAGATION]), parity
+
+
+def test_narrow_activation_range_gets_an_exact_clip():
+    torch.manual_seed(3)
+    qconfig = QConfig(activation=QuantSpec(bits=7, signed=False, symmetric=False))  # uint7 in uint8
+    cal, batches = _calibrated(ResNet(**SMALL_RESNET),
+                               (4, 1, 16, 16), qconfig)
+    proto, _ = export_onnx(cal, batches[0][:1])
+    point = engine_state(cal).points["input"]
+    clip = _node(proto, "input/Clip")
+    low, high = (float(_initializers(proto)[name]) for name in clip.input[1:])
+    z, s = int(point.zero_point), float(point.scale)
+    assert (low, high) == (np.float32((0 - z) * np.float32(s)), np.float32((127 - z) * np.float32(s)))
+    assert export_parity(proto, convert(cal), batches)["within_1_lsb"] >= 0.99
+
+
+def test_cli_exports_each_quantized_stage(cli, stages):
+    for stage in ("calibrated", "qat", "quantized"):
+        result = cli("export", stages.path(stage), "-o", f"{stage}.onnx", "--format", "json")
+        assert result.code == 0, result.err
+        row = json.loads(result.out)["rows"][0]
+        assert row["stage"] == stage and row["opset"] == 13 and row["values"] == 40 and row["within_1_lsb"] >= 0.99
+        assert row["lsb_0"] + row["lsb_1"] + row["lsb_2"] + row["lsb_over_2"] == row["values"]
+        proto = read_onnx(Path.cwd() / f"{stage}.onnx")
+        assert row["points"] == len(engine_state(stages.models[stage]).points) > 0
+        assert any(n.name == "input/QuantizeLinear" for n in proto.graph.node)
+    table = cli("export", stages.quantized, "-o", "t.onnx", "--data", stages.data, "--batches", 2, "--batch-size", 5)
+    text = " ".join(table.out.split())  # the summary is wrapped to the terminal's width
+    assert table.code == 0, table.err
+    assert "on 100 output values (2 batch(es)): 100.00% within 1 LSB, max 0 LSB" in text, text
+
+
+def test_cli_float_stage_is_torchs_own_export(cli, stages):
+    result = cli("export", stages.float, "-o", "float.onnx", "--format", "csv")
+    assert result.code == 0, result.err
+    assert result.out.splitlines()[1].startswith("float.onnx,float,13,0,")
+    proto = read_onnx(Path.cwd() / "float.onnx")
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node)
+    assert any(n.name.startswith("/layer1/layer1.0/") for n in proto.graph.node)  # torch's scope names
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        want = stages.models["float"](stages.x).numpy()
+    assert np.allclose(session.run(None, {"input": stages.x.numpy()})[0], want, atol=1e-5)
+
+
+def test_cli_check_failure_exits_1_and_keeps_the_file(cli, stages, monkeypatch):
+    import qdebug.cli.export as command
+
+    monkeypatch.setattr(command, "PARITY_GATE", 1.01)  # no model reaches it: the failing path
+    result = cli("export", stages.calibrated, "-o", "m.onnx")
+    assert result.code == 1 and "check failed" in result.err
+    assert (Path.cwd() / "m.onnx").is_file()
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ({"layer1.*": {"activation": {"dynamic": True}}}, "computes its scale from each batch"),
+    ({"layer1.0.conv1": {"weight": {"group_size": 8}}}, "grouped weights"),
+])
+def test_cli_refuses_what_qdq_cannot_express(cli, stages, tmp_path, override, fragment):
+    model = ResNet(**SMALL_RESNET)
+    cal = prepare(model.eval(), QConfig(overrides=override), example_inputs=stages.x)
+    calibrate(cal, [stages.x])
+    qdebug.save(cal, tmp_path / "odd.pt", stage="calibrated", model_spec=stages.spec, model_kwargs=stages.kwargs,
+                sample_inputs=stages.x)
+    result = cli("export", tmp_path / "odd.pt", "-o", "odd.onnx")
+    result.assert_error(fragment)
+    assert not (tmp_path / "odd.onnx").exists()
+
+
+def test_cli_refuses_bad_options_before_work(cli, stages, tmp_path):
+    cli("export", stages.calibrated, "-o", "model.pt").assert_error("does not end in .onnx")
+    cli("export", stages.calibrated, "-o", "m.onnx", "--opset", "9").assert_error("--opset 9")
+    assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "model.pt").exists()
+
+
+def test_export_names_an_op_torchs_exporter_cannot_write():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return torch.special.i1(x)  # no ONNX symbolic in torch's exporter
+
+    with pytest.raises(QDebugError, match=r"cannot export op aten::special_i1"):
+        export_onnx(Odd(), torch.randn(2, 3))
+
+
+def test_without_onnxruntime_the_cli_says_how_to_install(cli, stages, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    cli("export", stages.calibrated, "-o", "m.onnx").assert_error("onnxruntime", "qdebug[onnx]")
