@@ -9,6 +9,7 @@ A qdebug checkpoint is a dict readable with ``torch.load(weights_only=True)``
     model          {"class": "package.module:Class", "kwargs": {...}}
     qconfig        QConfig.to_dict() (None for float)
     qat_mode       "fuse_bn" | "with_bn" | "with_bn_reverse_fold" (None for float)
+    arithmetic     a quantized stage's requantization: "fixed_point" | "float32" (absent: fixed_point)
     plan           the engine's traced plan (None for float)
     absorbed       conv paths whose BN was folded mid-QAT
     points         {name: {mode, frozen, observe_in_fake, alpha}}
@@ -46,6 +47,7 @@ import qdebug
 from qdebug.atomic import atomic_path, output_kind
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
+from qdebug.engine.integer import ARITHMETICS
 from qdebug.engine.modules import _QWeighted, without_norm
 from qdebug.engine.point import MODES as POINT_MODES
 from qdebug.engine.prepare import POINTS_ATTR, QAT_MODES, refresh_weight_qparams
@@ -142,6 +144,8 @@ def save(
             ckpt["state"] = _cpu_state(model)
         ckpt["qconfig"] = state.qconfig.to_dict()
         ckpt["qat_mode"] = state.qat_mode
+        if state.stage == "quantized":
+            ckpt["arithmetic"] = getattr(state, "arithmetic", "fixed_point")
         ckpt["plan"] = state.plan.to_dict()
         ckpt["absorbed"] = [
             c for c, _ in state.plan.pairs if model.get_submodule(c).bn is None and state.qat_mode != "fuse_bn"
@@ -307,6 +311,10 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     qat_mode = obj.get("qat_mode")
     if qat_mode is not None and (not isinstance(qat_mode, str) or qat_mode not in QAT_MODES):
         raise QDebugError(f"{path} has an unknown qat_mode {shown(qat_mode)}", f"QAT modes: {', '.join(QAT_MODES)}")
+    arithmetic = obj.get("arithmetic", "fixed_point")  # files before it: fixed point, the only one there was
+    if arithmetic not in ARITHMETICS:
+        raise QDebugError(f"{path} has an unknown arithmetic {shown(arithmetic)}",
+                          f"arithmetics: {', '.join(ARITHMETICS)}; re-save it with qdebug.save")
     absorbed = _checked_paths(obj.get("absorbed"), "absorbed", path)
     frozen_bn = _checked_paths(obj.get("frozen_bn"), "frozen_bn", path)
     folded_bn = _checked_paths(obj.get("folded_bn"), "folded_bn", path)
@@ -360,7 +368,7 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
                                   DAMAGED)
             absorb_bn(net, conv)
         if stage == "quantized":
-            net = convert(net)
+            net = convert(net, arithmetic=arithmetic)
             remember(net, spec)
             _make_integer_buffers(net, state)
     _load_state(net, state, path)

@@ -12,6 +12,8 @@ STAGE_RANK = {"float": 0, "calibrated": 1, "qat": 1, "quantized": 2}
 
 OBSERVERS = ("minmax", "ema", "percentile", "mse", "kl")
 QAT_MODES = ("fuse_bn", "with_bn", "with_bn_reverse_fold")
+# The quantized stage's requantization (qdebug.engine.integer): TFLite's fixed point, ONNX Runtime's float32.
+ARITHMETICS = ("fixed_point", "float32")
 
 # compare's metric columns, in display order (docs/compare.md defines each).
 COMPARE_METRICS = (

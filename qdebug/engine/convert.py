@@ -15,13 +15,19 @@ import copy
 
 import torch.nn as nn
 
+from qdebug.engine.integer import ARITHMETICS
 from qdebug.engine.modules import QLinear, _QWeighted
 from qdebug.engine.prepare import absorb_bn, engine_state
 from qdebug.errors import QDebugError
 
 
-def convert(model: nn.Module) -> nn.Module:
-    """The quantized stage of a prepared, calibrated model (the input is not modified)."""
+def convert(model: nn.Module, arithmetic: str = "fixed_point") -> nn.Module:
+    """The quantized stage of a prepared, calibrated model (the input is not modified).
+
+    ``arithmetic``: how layers requantize (``qdebug.engine.integer``): ``fixed_point`` (TFLite,
+    gemmlowp, most NPUs) or ``float32`` (ONNX Runtime's CPU kernels)."""
+    if arithmetic not in ARITHMETICS:
+        raise QDebugError(f"unknown arithmetic {arithmetic!r}", f"choose one of {', '.join(ARITHMETICS)}")
     state = engine_state(model)
     if state.stage == "quantized":
         raise QDebugError("the model is already converted", "convert a calibrated or QAT model")
@@ -32,6 +38,7 @@ def convert(model: nn.Module) -> nn.Module:
     absorb_bn(qm) if state.plan.pairs else None
     qstate = engine_state(qm)
     qstate.stage = "quantized"
+    qstate.arithmetic = arithmetic
     for point in qstate.points.values():
         if point.mode == "observe":
             point.mode = "fake"

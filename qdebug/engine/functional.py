@@ -280,7 +280,7 @@ def _integer_matmul(func: Callable, args: tuple, out_point: QuantPoint, activati
         return None
     (a, b), points = grids
     acc = func(integer.codes(a, points[0]), integer.codes(b, points[1])).to(torch.int64)
-    multiplier = points[0].scale.detach().double() * points[1].scale.detach().double() / out_point.scale.detach().double()
+    multiplier = integer.layer_multiplier(points[0].scale.detach(), points[1].scale.detach(), out_point.scale.detach())
     return tag(integer.requantize(acc, multiplier, out_point, activation), out_point)
 
 

@@ -14,6 +14,13 @@ Kernels then compute in integers:
   accumulator needs the headroom, so acc * m0 < 2^62), rounding half away from
   zero: r = sign(v) ((|v| + 2^(n-1)) >> n) with v = acc * m0;
 - then clamp to [qmin, qmax] and, for a fused ReLU/ReLU6, to [z, z + round(6/s)].
+
+That requantization is the *fixed-point* arithmetic (TFLite, gemmlowp, most NPUs).  A quantized
+stage converted with ``arithmetic="float32"`` requantizes as ONNX Runtime's CPU kernels (MLAS:
+QLinearConv, QGemm, QLinearMatMul) do instead: M = (s_x s_w) / s_y in float32 operations,
+q_y = z_y + round_half_even(float32(acc) * M) in float32 -- so the quantized stage computes, bit
+for bit, what the deployed ONNX model computes wherever ONNX Runtime fuses a layer into an
+integer kernel.  Element-wise ops (add, cat, mean) keep their own rescaling in both.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from typing import Iterator
 
 import torch
 
+from qdebug.engine.context import active_context
 from qdebug.engine.point import QuantPoint
+from qdebug.vocab import ARITHMETICS  # noqa: F401  (the engine's name for them)
 
 MAX_MULTIPLIER_BITS = 31
 
@@ -190,9 +199,32 @@ def requantize_codes(q: torch.Tensor, out_point: QuantPoint, activation: str | N
     return values((q + zp).clamp(lo, hi), out_point)
 
 
+def arithmetic() -> str:
+    """The requantization arithmetic of the model running now (its engine state's, set by
+    ``convert``): ``fixed_point`` outside any forward and for models converted without one."""
+    handler = getattr(active_context(), "handler", None)
+    return getattr(getattr(handler, "state", None), "arithmetic", "fixed_point")
+
+
+def layer_multiplier(s_in: torch.Tensor, s_w: torch.Tensor, s_out: torch.Tensor) -> torch.Tensor:
+    """M = s_in s_w / s_out of a conv/linear/matmul, float64: exact in float64 for fixed point, the
+    float32 operations ONNX Runtime performs (``(s_in * s_w) / s_out``) for ``float32``."""
+    if arithmetic() == "float32":
+        return ((s_in.float() * s_w.float()) / s_out.float()).double()
+    return s_in.double() * s_w.double() / s_out.double()
+
+
+def float32_multiply(acc: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    """round_half_even(float32(acc) * float32(M)) as int64: ONNX Runtime's requantization (MLAS
+    converts the int32 accumulator to float32, multiplies by the float32 scale and rounds to
+    nearest even)."""
+    return torch.round(acc.to(torch.float32) * multiplier.to(torch.float32)).to(torch.int64)
+
+
 def requantize(acc: torch.Tensor, multiplier: torch.Tensor, out_point: QuantPoint, activation: str | None) -> torch.Tensor:
     """Integer accumulator -> output codes (with zero point), clamped; returns float32 values."""
-    return requantize_codes(fixed_point_multiply(acc, multiplier), out_point, activation)
+    scaled = float32_multiply(acc, multiplier) if arithmetic() == "float32" else fixed_point_multiply(acc, multiplier)
+    return requantize_codes(scaled, out_point, activation)
 
 
 def channel_shape(ndim: int, axis: int = 1) -> list[int]:

@@ -274,7 +274,7 @@ class _QWeighted(nn.Module):
         if self.bias is not None:
             q_bias = torch.round(self.bias.detach().to(torch.float64) / (s_in * s_w)).to(torch.int64)
             acc = acc + q_bias.reshape(shape)
-        multiplier = (s_in * s_w / s_out)
+        multiplier = integer.layer_multiplier(s_in, s_w, s_out)
         if multiplier.dim():
             multiplier = multiplier.reshape(shape)
         y = integer.requantize(acc, multiplier, out_point, self._fused_activation)

@@ -66,6 +66,7 @@ class EngineState:
         self.qconfig = qconfig
         self.qat_mode = qat_mode
         self.stage = "fake"  # "fake" (float/calibrated/qat) or "quantized" (integer simulation)
+        self.arithmetic = "fixed_point"  # the quantized stage's requantization (qdebug.engine.integer)
         self.table = table
         self.points: "OrderedDict[str, QuantPoint]" = OrderedDict()
         self.listeners: list = []
