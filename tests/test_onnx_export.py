@@ -162,15 +162,16 @@ def test_int16_points_export_at_opset_21_and_run():
 
 
 def test_recurrent_model_at_opset_21_loads_and_matches():
-    """A GRU's transposes after int8 DequantizeLinear nodes at opset 21: ONNX Runtime 1.32's QDQ
-    propagation cannot load it by default; the check leaves that one optimizer out and says so."""
+    """A GRU's transposes after int8 DequantizeLinear nodes at opset 21 (symmetric activations:
+    affine ones are written as uint8): ONNX Runtime 1.32's QDQ propagation cannot load it by
+    default; the check leaves that one optimizer out and says so."""
     from qdebug.onnx.parity import PROPAGATION
     from qdebug.zoo import KeywordGRU
 
     torch.manual_seed(4)
     model = KeywordGRU(mel_channels=8, conv_channels=8, hidden_size=8, num_layers=1, num_classes=4).eval()
     batches = [torch.randn(3, 20, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    cal = prepare(model, QConfig(), example_inputs=batches[0])
+    cal = prepare(model, QConfig(activation=QuantSpec(bits=8, signed=True, symmetric=True)), example_inputs=batches[0])
     calibrate(cal, batches[:1])
     proto, info = export_onnx(cal, batches[0][:1], opset=21)
     assert info["opset"] == 21
@@ -263,3 +264,121 @@ def test_export_names_an_op_torchs_exporter_cannot_write():
 def test_without_onnxruntime_the_cli_says_how_to_install(cli, stages, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     cli("export", stages.calibrated, "-o", "m.onnx").assert_error("onnxruntime", "qdebug[onnx]")
+
+
+# -- ONNX Runtime's int8 kernels (issue 32 follow-up) --------------------------------------------
+DEMO = Path(__file__).resolve().parent.parent / "fixtures" / "demo"
+X86 = __import__("platform").machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+COMPUTE = {"Conv": ("QLinearConv",), "Add": ("QLinearAdd",), "Gemm": ("QGemm",)}
+
+
+def _ort_optimized(proto, tmp_path: Path, name: str):
+    """The graph ONNX Runtime runs (CPU provider, default optimizations), as it writes it itself."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / f"{name}.opt.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return onnx.load(options.optimized_model_filepath)
+
+
+def _without_requantization(proto):
+    """``proto`` as qdebug wrote it before ONNX Runtime's fusions were planned for: uint8
+    activation pairs back to int8 (zero point - 128) and the pairs after a Flatten removed."""
+    from onnx import numpy_helper
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    graph = copy.graph
+    added = [n for n in graph.node if "/Flatten" in n.name and n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    for q in (n for n in added if n.op_type == "QuantizeLinear"):
+        dq = next(n for n in added if n.input[0] == q.output[0])
+        for node in graph.node:
+            node.input[:] = [q.input[0] if v == dq.output[0] else v for v in node.input]
+    kept = [n for n in graph.node if n not in added]
+    del graph.node[:]
+    graph.node.extend(kept)
+    for k, tensor in enumerate(graph.initializer):
+        if tensor.name.endswith("/zero_point") and tensor.data_type == onnx.TensorProto.UINT8:
+            signed = (numpy_helper.to_array(tensor).astype(np.int32) - 128).astype(np.int8)
+            graph.initializer[k].CopyFrom(numpy_helper.from_array(signed, tensor.name))
+    return copy
+
+
+@pytest.mark.parametrize("name", ["small_resnet", "demo_mobilenetv2"])
+def test_onnx_runtime_runs_every_layer_as_an_int8_kernel(name, tmp_path):
+    """Every Conv, Add and Gemm of the export runs as ONNX Runtime's int8 kernel (counted in the
+    graph ORT optimized), the parity reports it, and the graph computes what the int8 form did."""
+    if name == "small_resnet":
+        torch.manual_seed(5)
+        cal, batches = _calibrated(ResNet(**SMALL_RESNET), (4, 1, 16, 16), seed=5)
+    else:
+        from qdebug.data import load_batches
+
+        cal, _ = qdebug.load(DEMO / "calibrated.pt")
+        batches = [next(iter(load_batches(str(DEMO / "eval.pt"), batches=1))).inputs[:16]]
+    proto, _ = export_onnx(cal, batches[0][:1])
+    exported = [n.op_type for n in proto.graph.node]
+    producers = {out: n for n in proto.graph.node for out in n.output}
+    for gemm in (n for n in proto.graph.node if n.op_type == "Gemm"):  # after the Flatten: its pair
+        assert producers[gemm.input[0]].op_type == "DequantizeLinear" and producers[gemm.input[0]].name.endswith(
+            "/DequantizeLinear/Flatten")
+    fused = [n.op_type for n in _ort_optimized(proto, tmp_path, name).graph.node]
+    for op, kernels in COMPUTE.items():
+        assert exported.count(op) > 0 and sum(fused.count(k) for k in kernels) == exported.count(op), (op, fused)
+        assert op not in fused
+    parity = export_parity(proto, convert(cal), batches)
+    assert parity["within_1_lsb"] >= 0.99, parity
+    assert parity["float_kernels"] == [] and all(k["float"] == 0 for k in parity["kernels"].values())
+    assert {op: parity["kernels"][op]["int8"] for op in COMPUTE} == {op: exported.count(op) for op in COMPUTE}
+    # The same numbers as the int8 form, with ONNX Runtime's fusions off (each op as ONNX defines it).
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    feed = {"input": batches[0].numpy()}
+    plain = [ort.InferenceSession(p.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feed)[0]
+             for p in (proto, _without_requantization(proto))]
+    assert np.array_equal(plain[0], plain[1])
+
+
+def test_affine_int8_activations_are_written_as_uint8():
+    torch.manual_seed(6)
+    cal, batches = _calibrated(ResNet(**SMALL_RESNET), (4, 1, 16, 16), seed=6)
+    proto, _ = export_onnx(cal, batches[0][:1])
+    init = _initializers(proto)
+    for name, point in engine_state(cal).points.items():
+        z = init[f"{name}/zero_point"]
+        if point.kind == "activation":  # the engine's int8 codes + 128: the same values
+            assert z.dtype == np.uint8 and z.astype(np.int32) == int(point.zero_point) + 128, name
+        else:
+            assert z.dtype == np.int8, name
+
+
+@pytest.mark.skipif(not X86, reason="ONNX Runtime runs int8 (not only uint8) activations fused off x86")
+def test_layers_onnx_runtime_leaves_in_float_are_named(cli, stages, tmp_path):
+    """Symmetric int8 activations stay int8 (TensorRT's form): on x86 ONNX Runtime converts a pair
+    to uint8 only when one layer reads it, so a residual block's layers stay float -- reported."""
+    cal = prepare(ResNet(**SMALL_RESNET).eval(), QConfig(activation=QuantSpec(bits=8, signed=True, symmetric=True)),
+                  example_inputs=stages.x)
+    calibrate(cal, [stages.x])
+    qdebug.save(cal, tmp_path / "sym.pt", stage="calibrated", model_spec=stages.spec, model_kwargs=stages.kwargs,
+                sample_inputs=stages.x)
+    result = cli("export", tmp_path / "sym.pt", "-o", "sym.onnx", "--format", "json")
+    assert result.code == 0, result.err
+    out = json.loads(result.out)
+    kernels, left = out["meta"]["ort_kernels"], out["meta"]["ort_float_layers"]
+    assert kernels["Add"] == {"int8": 0, "float": 2} and "/layer1/layer1.0/Add" in left
+    assert out["rows"][0]["ort_float"] == len(left) == sum(k["float"] for k in kernels.values()) > 0
+    text = " ".join(cli("export", tmp_path / "sym.pt", "-o", "sym.onnx").out.split())
+    assert f"in float ({len(left)}): {left[0]}" in text and "0/2 Add" in text, text
+
+
+def test_cli_reports_onnx_runtimes_int8_kernels(cli, stages):
+    result = cli("export", stages.calibrated, "-o", "m.onnx", "--format", "json")
+    assert result.code == 0, result.err
+    out = json.loads(result.out)
+    proto = read_onnx(Path.cwd() / "m.onnx")
+    convs = sum(n.op_type == "Conv" for n in proto.graph.node)
+    assert out["meta"]["ort_kernels"]["Conv"] == {"int8": convs, "float": 0} and out["meta"]["ort_float_layers"] == []
+    assert out["rows"][0]["ort_float"] == 0 and out["rows"][0]["ort_int8"] == sum(
+        k["int8"] for k in out["meta"]["ort_kernels"].values())
+    table = cli("export", stages.calibrated, "-o", "m.onnx")
+    assert f"ONNX Runtime runs {convs}/{convs} Conv, 1/1 Gemm, 2/2 Add" in " ".join(table.out.split()), table.out

@@ -28,7 +28,8 @@ PARITY_GATE = 0.99  # share of output values within 1 LSB of the quantized stage
         "DequantizeLinear at every quant point, named by the points.  A float checkpoint is exported by "
         "torch unchanged.  With --check (default) ONNX Runtime runs it on the sample inputs (or --data) "
         "and its outputs are compared with qdebug's quantized stage, in LSB of the output scale; exit 1 "
-        "when fewer than 99% lie within 1 LSB.  Needs pip install \"qdebug[onnx]\".\n\n"
+        "when fewer than 99% lie within 1 LSB.  The summary says which layers ONNX Runtime runs as int8 "
+        "kernels and which in float.  Needs pip install \"qdebug[onnx]\".\n\n"
         "Example: qdebug export fixtures/demo/qat.pt -o model.onnx\n\n"
         "Example: qdebug export calibrated.pt -o model.onnx --data fixtures/demo/eval.pt --batches 4 --format json\n\n"
         "Example: qdebug export int16.pt -o model.onnx --opset 21 --no-check"
@@ -88,7 +89,8 @@ def export(
     meta = {"source": path, "output": str(output), "stage": info.stage, "opset": exported["opset"],
             "inputs": exported["inputs"], "outputs": exported["outputs"], "float_points": exported["float_points"],
             "check": check, "gate_within_1_lsb": PARITY_GATE,
-            "ort_disabled_optimizers": parity["disabled_optimizers"] if parity else []}
+            "ort_disabled_optimizers": parity["disabled_optimizers"] if parity else [],
+            "ort_kernels": parity["kernels"] if parity else {}, "ort_float_layers": parity["float_kernels"] if parity else []}
     failed = parity is not None and parity["within_1_lsb"] < PARITY_GATE
 
     def render() -> None:
@@ -147,6 +149,8 @@ def _row(exported: dict, parity: Optional[dict], output: Path) -> dict:
         "within_1_lsb": parity["within_1_lsb"] if parity else None, "max_lsb": parity["max_lsb"] if parity else None,
         "lsb_0": histogram.get("0"), "lsb_1": histogram.get("1"), "lsb_2": histogram.get("2"),
         "lsb_over_2": histogram.get(">2"),
+        "ort_int8": sum(k["int8"] for k in parity["kernels"].values()) if parity else None,
+        "ort_float": sum(k["float"] for k in parity["kernels"].values()) if parity else None,
     }
 
 
@@ -162,9 +166,24 @@ def _summary(row: dict, parity: Optional[dict], exported: dict) -> list[str]:
     lines.append(f"ONNX Runtime vs qdebug's quantized stage on {row['values']} output values ({row['batches']} "
                  f"batch(es)): {row['within_1_lsb']:.2%} within 1 LSB, max {row['max_lsb']:g} LSB "
                  f"(0: {row['lsb_0']}, 1: {row['lsb_1']}, 2: {row['lsb_2']}, >2: {row['lsb_over_2']})")
+    lines.extend(_kernel_lines(parity))
     if parity["disabled_optimizers"]:
         lines.append(f"ONNX Runtime loads it only without its {', '.join(parity['disabled_optimizers'])} (an ONNX "
                      "Runtime bug at opset 21 with int8 points, docs/onnx.md): pass disabled_optimizers=[...] to "
                      "InferenceSession where you deploy it")
     lines.append(f"next: qdebug compare FLOAT {row['output']} --data ... puts the deployed model beside the others")
+    return lines
+
+
+def _kernel_lines(parity: dict) -> list[str]:
+    """What ONNX Runtime runs as int8 kernels, per op, and the layers it leaves in float."""
+    kernels = parity["kernels"]
+    if not kernels:
+        return []
+    counts = ", ".join(f"{k['int8']}/{k['int8'] + k['float']} {op}" for op, k in kernels.items())
+    lines = [f"ONNX Runtime runs {counts} as int8 kernels"]
+    left = parity["float_kernels"]
+    if left:
+        lines.append(f"in float ({len(left)}): " + ", ".join(left[:4]) + (" ..." if len(left) > 4 else "")
+                     + " (docs/onnx.md#export says why)")
     return lines

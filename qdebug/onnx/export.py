@@ -11,7 +11,13 @@ engine's own values, named by the point P (docs/onnx.md, "Export"):
 - weight: the integer codes (``quantize_to_int``, as ``convert`` stores them) as the
   initializer ``P/quantized`` -> ``P/DequantizeLinear`` -> ``P/dequantized`` (per channel on
   the point's axis), as ONNX Runtime's own quantizer writes weights;
-- ``P/scale`` (float32) and ``P/zero_point`` (the storage type: int8/uint8, int16/uint16).
+- ``P/scale`` (float32) and ``P/zero_point`` (the storage type: int8/uint8, int16/uint16; an
+  affine int8 activation as uint8, codes and zero point + 128: ``_stored_as_uint8``).
+
+Written for ONNX Runtime's fusions, with the same values: the uint8 activations (its x86
+kernels' type, which it cannot convert a value several layers read to itself) and a pair
+repeated after a Flatten/Reshape/... (``_requantize_after_moves``), so that every Conv, Add,
+Gemm reading quantized values runs as its int8 kernel (``qdebug.onnx.parity`` counts them).
 
 8-bit storage needs opset 13, 16-bit opset 21 (torch's exporter writes at most 20: opset 21
 changed no operator but by widening its types, so the graph is declared 21 as it is).  The
@@ -42,6 +48,11 @@ MAX_OPSET = 23  # the newest opset this export declares (ONNX Runtime 1.2x runs 
 DOMAIN = "qdebug"
 NODE = "QuantizeDequantize"
 METADATA_KEY = "qdebug.export"
+UINT8_SHIFT = 128  # int8 code + 128 = the uint8 code of the same value (``_stored_as_uint8``)
+# Ops that move or reshape values without computing new ones: their output lies on their
+# input's grid, so a QuantizeLinear/DequantizeLinear pair of the input's qparams after them is
+# exact -- and lets ONNX Runtime fuse the layer reading them (a Gemm after a Flatten).
+MOVES = ("Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose")
 
 
 def export_onnx(model: nn.Module, example_inputs: Any, *, opset: int | None = None,
@@ -110,6 +121,7 @@ def _export_quantized(onnx, model: nn.Module, inputs: tuple, opset: int | None,
     _write_points(proto, applied)
     _remove_no_ops(proto)
     _remove_unused(proto)
+    _requantize_after_moves(proto)
     _declare_opset(proto, opset)
     points = _unique_points(applied)
     rows = _rows(engine_state(graph))
@@ -308,9 +320,27 @@ def _write_points(proto: Any, applied: list) -> None:
 
 
 def _qparams(point) -> tuple[Any, Any]:
+    """(scale, zero point) as written: the zero point in the storage type, an affine int8
+    activation's shifted to uint8 (``_stored_as_uint8``)."""
+    import numpy as np
+
     dtype, _, _ = _storage(point.spec)
     scale = point.scale.detach().to(torch.float32).cpu().numpy()
-    return scale, point.zero_point.detach().cpu().numpy().astype(dtype)
+    zero_point = point.zero_point.detach().cpu().numpy().astype(np.int32)
+    if _stored_as_uint8(point):
+        return scale, (zero_point + UINT8_SHIFT).astype(np.uint8)
+    return scale, zero_point.astype(dtype)
+
+
+def _stored_as_uint8(point) -> bool:
+    """An affine (asymmetric) 8-bit signed activation is written as uint8, codes and zero point
+    + 128: the same values (``(q + 128) - (z + 128) = q - z``, the same saturation), and what
+    ONNX Runtime's x86 optimizer converts an int8 pair to itself (``QDQS8ToU8Transformer``) --
+    except for a QuantizeLinear read by several DequantizeLinear nodes (a value several layers
+    read), which it leaves int8, so the QLinearConv/QLinearAdd reading it mix int8 and uint8 and
+    stay float.  A symmetric one (zero point 0: TensorRT's and most NPUs' form) stays int8."""
+    spec = point.spec
+    return point.kind == "activation" and spec.signed and spec.bits <= 8 and not spec.symmetric
 
 
 def _axis(point, received: torch.Tensor | None) -> int:
@@ -393,6 +423,55 @@ def _remove_no_ops(proto: Any) -> None:
             node.input[k] = source(value)
     del graph.node[:]
     graph.node.extend(kept)
+
+
+def _requantize_after_moves(proto: Any) -> None:
+    """A QuantizeLinear/DequantizeLinear pair after each op of ``MOVES`` that reads a per-tensor
+    activation's dequantized value and is read by no QuantizeLinear: the input's scale and zero
+    point (exact: the values lie on that grid), named by the point and the op:
+    ``P/QuantizeLinear/Flatten`` -> ``P/quantized/Flatten`` -> ``P/DequantizeLinear/Flatten`` ->
+    ``P/dequantized/Flatten``.  ONNX Runtime fuses DequantizeLinear -> Gemm -> QuantizeLinear
+    into a QGemm only when the Gemm reads a DequantizeLinear, not a Flatten between (its own
+    quantizer writes the same pair)."""
+    from onnx import helper
+
+    graph = proto.graph
+    outputs = {o.name for o in graph.output}
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for value in node.input:
+            readers.setdefault(value, []).append(node)
+    grids = {}  # a dequantized activation value -> its DequantizeLinear (the qparams to requantize with)
+    for node in graph.node:
+        source = producers.get(node.input[0]) if node.input else None
+        if (node.op_type == "DequantizeLinear" and source is not None and source.op_type == "QuantizeLinear"
+                and not any(a.name == "axis" for a in node.attribute) and len(node.input) > 2):
+            grids[node.output[0]] = node
+    nodes = []
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type not in MOVES or not node.input or node.input[0] not in grids:
+            continue
+        value = node.output[0]
+        after = readers.get(value, [])
+        if not after or value in outputs or any(r.op_type == "QuantizeLinear" for r in after):
+            continue
+        dq = grids[node.input[0]]
+        point = dq.name.rsplit("/DequantizeLinear", 1)[0]
+        where = node.name if node.name.startswith("/") else f"/{node.name or value}"
+        qparams = list(dq.input[1:3])
+        nodes.append(helper.make_node("QuantizeLinear", [value, *qparams], [f"{point}/quantized{where}"],
+                                      name=f"{point}/QuantizeLinear{where}"))
+        nodes.append(helper.make_node("DequantizeLinear", [f"{point}/quantized{where}", *qparams],
+                                      [f"{point}/dequantized{where}"], name=f"{point}/DequantizeLinear{where}"))
+        for reader in after:
+            for k, name in enumerate(reader.input):
+                if name == value:
+                    reader.input[k] = f"{point}/dequantized{where}"
+        grids[f"{point}/dequantized{where}"] = dq  # a Reshape after the Flatten: requantized again
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _remove_unused(proto: Any) -> None:

@@ -5,20 +5,25 @@ QDQ groups fused into QLinearConv, QLinearMatMul, ... as a deployment runs them)
 with the quantized stage's (``qdebug.engine.convert``: the integer simulation), in LSB of the
 output's point: |ort - qdebug| / scale, rounded to whole steps (both lie on the point's grid).
 The result: ``values``, ``within_1_lsb`` (share of values at most 1 LSB apart), ``max_lsb``,
-``histogram`` (LSB 0, 1, 2, >2) and ``disabled_optimizers`` (ONNX Runtime optimizers the
-session had to leave out, see ``PROPAGATION``; [] normally).  NaN on both sides is agreement;
-NaN on one side counts >2.
+``histogram`` (LSB 0, 1, 2, >2), ``disabled_optimizers`` (ONNX Runtime optimizers the
+session had to leave out, see ``PROPAGATION``; [] normally), and what ONNX Runtime runs as int8:
+``kernels`` (``ort_kernels``: per op type of the exported graph, how many of its quantized
+layers ONNX Runtime's optimized graph runs as an int8 kernel, QLinearConv, QGemm, QLinearAdd
+..., and how many in float) and ``float_kernels`` (the exported nodes it runs in float).  NaN
+on both sides is agreement; NaN on one side counts >2.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 from qdebug.errors import QDebugError
-from qdebug.onnx.model_file import require
+from qdebug.onnx.model_file import read_onnx, require
 
 BINS = ("0", "1", "2", ">2")
 
@@ -29,14 +34,25 @@ BINS = ("0", "1", "2", ">2")
 # load with the default optimizations.  Without that one optimizer it loads, every other fusion on.
 PROPAGATION = "QDQPropagationTransformer"
 
+# ONNX Runtime's int8 kernels (its QDQ fusions, CPU execution provider) -> the op they compute.
+INT8_KERNELS = {
+    "QLinearConv": "Conv", "ConvInteger": "Conv", "QGemm": "Gemm", "QLinearMatMul": "MatMul",
+    "MatMulInteger": "MatMul", "MatMulIntegerToFloat": "MatMul", "QLinearAdd": "Add", "QLinearMul": "Mul",
+    "QLinearAveragePool": "AveragePool", "QLinearGlobalAveragePool": "GlobalAveragePool",
+}
+COUNTED = ("Conv", "Gemm", "MatMul", "Add", "Mul", "AveragePool", "GlobalAveragePool")  # the order shown
 
-def ort_session(proto: Any) -> tuple[Any, list[str]]:
+
+def ort_session(proto: Any, optimized_path: str | Path | None = None) -> tuple[Any, list[str]]:
     """An ONNX Runtime session (CPU, default optimizations) on the model ``proto``, and the
-    optimizers it had to leave out (``PROPAGATION`` when the default set cannot load it)."""
+    optimizers it had to leave out (``PROPAGATION`` when the default set cannot load it);
+    ``optimized_path``: where ONNX Runtime writes the graph it optimized (what it runs)."""
     ort = require("onnxruntime")
     options = ort.SessionOptions()
     options.log_severity_level = 3  # ORT's warnings (unused initializers ...) are not the user's business
     options.intra_op_num_threads = max(torch.get_num_threads(), 1)
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
     data = proto.SerializeToString()
     try:
         return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]), []
@@ -65,7 +81,13 @@ def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
     from qdebug.engine.point import grid_of
     from qdebug.onnx.export import flat_outputs, input_tuple
 
-    session, disabled = ort_session(proto)
+    with tempfile.TemporaryDirectory(prefix="qdebug-ort-") as folder:
+        optimized_path = Path(folder) / "optimized.onnx"
+        session, disabled = ort_session(proto, optimized_path)
+        try:
+            kernels, float_kernels = ort_kernels(proto, read_onnx(optimized_path))
+        except QDebugError:  # a model past 2 GiB: ONNX Runtime's graph is not read back, nothing counted
+            kernels, float_kernels = {}, []
     names = [i.name for i in session.get_inputs()]
     counts = [0] * len(BINS)
     worst = 0.0
@@ -94,7 +116,32 @@ def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
             progress(done)
     values = sum(counts)
     return {"batches": done, "values": values, "within_1_lsb": (counts[0] + counts[1]) / values if values else 1.0,
-            "max_lsb": worst, "histogram": dict(zip(BINS, counts)), "disabled_optimizers": disabled}
+            "max_lsb": worst, "histogram": dict(zip(BINS, counts)), "disabled_optimizers": disabled,
+            "kernels": kernels, "float_kernels": float_kernels}
+
+
+def ort_kernels(proto: Any, optimized: Any) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """How ONNX Runtime runs the exported model's quantized layers: ``{op: {"int8": n, "float":
+    m}}`` for each op of ``COUNTED`` reading a DequantizeLinear in ``proto`` (a layer of the
+    quantized graph, not shape arithmetic), and the names of those it runs in float.  A layer
+    runs as int8 when ONNX Runtime's ``optimized`` graph holds an int8 kernel of its op
+    (``INT8_KERNELS``) carrying its name (its own, or with ONNX Runtime's ``_token_N`` suffix)."""
+    dequantized = {out for node in proto.graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    layers = [n for n in proto.graph.node if n.op_type in COUNTED and any(v in dequantized for v in n.input)]
+    fused = [(n.name, INT8_KERNELS[n.op_type]) for n in optimized.graph.node if n.op_type in INT8_KERNELS]
+
+    def as_int8(name: str, op: str) -> bool:
+        return any(computes == op and (f == name or f.startswith(f"{name}_token_")) for f, computes in fused)
+
+    kernels: dict[str, dict[str, int]] = {}
+    in_float = []
+    for op in COUNTED:
+        mine = [n.name for n in layers if n.op_type == op]
+        if mine:
+            int8 = sum(as_int8(name, op) for name in mine)
+            kernels[op] = {"int8": int8, "float": len(mine) - int8}
+            in_float.extend(name for name in mine if not as_int8(name, op))
+    return kernels, in_float
 
 
 def _lsb(have: torch.Tensor, want: torch.Tensor, scale: float) -> torch.Tensor:
