@@ -1,10 +1,13 @@
-"""``qdebug import``: a torch.ao prepared (or converted) model's state_dict -> a qdebug checkpoint.
+"""``qdebug import``: a torch.ao prepared (or converted) model's state_dict, or an ONNX model ONNX
+Runtime quantized (QDQ), -> a qdebug checkpoint.
 
 Reads tensors only (``qdebug.interop.state_dict``): torch rebuilds the prepared model (or the
 converted one, from a state_dict of torch's int8 modules) from the user's float class
 (``--model``), ``qdebug.interop.from_torch_ao`` imports it, and the engine model is saved as an
 ordinary qat, calibrated or quantized checkpoint with its import report (printed here, kept in
-the file's meta, shown by ``qdebug inspect``).  See docs/interop.md.
+the file's meta, shown by ``qdebug inspect``).  ``--from onnx-qdq`` reads an ONNX file (only through
+``qdebug.onnx.model_file.read_onnx``) with ``qdebug.onnx.qdq_source``: a quantized checkpoint,
+checked against ONNX Runtime's own run of the file.  See docs/interop.md and docs/onnx.md.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from qdebug.cli.output import (
 )
 from qdebug.errors import QDebugError
 
-SOURCES = ("torch-ao",)
+SOURCES = ("torch-ao", "onnx-qdq")
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")  # qdebug.interop.state_dict.BACKENDS, said before torch loads
 QAT_MODES = ("with_bn_reverse_fold", "fuse_bn")  # how torch's Conv-BN modules map (from_torch_ao's qat_mode)
 
@@ -65,13 +68,18 @@ def _model_target(model: Optional[str]) -> str:
         "Example: qdebug import qat_state.pt --from torch-ao --model mypkg.net:Net --data eval.pt -o qat.pt\n\n"
         "Example: qdebug import converted_state.pt --from torch-ao --model mypkg.net:Net --data eval.pt "
         "--backend x86 -o q.pt (torch.save(converted.state_dict(), ...) after convert)\n\n"
+        "Example: qdebug import model_int8.onnx --from onnx-qdq --model mypkg.net:Net --data eval.pt -o ort.pt "
+        "(an ONNX model onnxruntime's quantize_static made, QDQ format: a quantized checkpoint, checked against "
+        "ONNX Runtime's own run of the file)\n\n"
         "Example: qdebug compare float.pt qat.pt --data eval.pt (the imported checkpoint, like any other)"
     ),
 )
 def import_(
     src: str = typer.Argument(..., metavar="SRC", hidden=True, show_default=False,
                               help="The prepared or converted model's state_dict (torch.save(m.state_dict()))."),
-    source: str = typer.Option(..., "--from", metavar="torch-ao", help="What made SRC: torch-ao."),
+    source: str = typer.Option(..., "--from", metavar="torch-ao|onnx-qdq",
+                               help="What made SRC: torch-ao (a state_dict), onnx-qdq (an .onnx file ONNX Runtime's "
+                               "quantize_static made in QDQ format from torch.onnx.export of --model)."),
     model: Optional[str] = typer.Option(None, "--model", metavar="PKG.MODULE:CLASS",
                                         help="Your float model's class or factory (default: the config's model; "
                                         "its kwargs: --model-kwargs, else the config's model_kwargs)."),
@@ -105,16 +113,25 @@ def import_(
     if not Path(src).exists():  # said before torch loads: a typo answers at once
         raise QDebugError(f"no such file: {src}", "check the path")
 
-    from qdebug.interop.state_dict import read_state_dict
+    if source == "onnx-qdq":
+        from qdebug.onnx.model_file import read_onnx
 
-    state = read_state_dict(src)
-    with with_out(out):  # with --out: both appear, or neither
-        frame, meta = _import(state, src, target, data, backend, qat_mode, output)
+        proto = read_onnx(src)
+        with with_out(out):
+            frame, meta = _import_onnx(proto, src, target, data, output)
+    else:
+        from qdebug.interop.state_dict import read_state_dict
+
+        state = read_state_dict(src)
+        with with_out(out):  # with --out: both appear, or neither
+            frame, meta = _import(state, src, target, data, backend, qat_mode, output)
     unmapped = meta["statuses"].get("unmapped", 0)
+    onnx_flow = meta["flow"] == "onnx-qdq"
+    kind = "QDQ" if onnx_flow else "converted" if meta["converted"] else "QAT" if meta["qat"] else "PTQ"
 
     def render() -> None:
-        kind = "converted" if meta["converted"] else "QAT" if meta["qat"] else "PTQ"
-        title = f"{src}: torch.ao {meta['flow']} {kind} ({backend}) -> {output}"
+        title = (f"{src}: ONNX Runtime {kind} -> {output}" if onnx_flow
+                 else f"{src}: torch.ao {meta['flow']} {kind} ({backend}) -> {output}")
         print_table(render_import(frame, title=title, width=table_width(wide)))
         for line in _summary(meta):
             say(line)
@@ -122,7 +139,6 @@ def import_(
             say(line)
 
     emit(Report("import", frame, meta), fmt, out, render)
-    kind = "converted" if meta["converted"] else "QAT" if meta["qat"] else "PTQ"
     note(f"wrote {output} (stage {meta['stage']}, {meta['flow']} {kind} from {src})")
     if meta["factory"] and not _config_names(target):
         note(_factory_note(output, meta["model"]))
@@ -215,6 +231,39 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
     return frame, meta
 
 
+def _import_onnx(proto, src: str, target: str, data: Optional[str], output: Path):
+    """Import an ORT-quantized QDQ model and save it (a quantized checkpoint); the report's frame and
+    the command's meta (the torch.ao import's keys, backend and fusions empty)."""
+    import pandas as pd
+
+    from qdebug.checkpoint import save
+    from qdebug.cli.calibrate import _first_samples
+    from qdebug.engine import engine_state
+    from qdebug.interop import import_check
+    from qdebug.interop.build import REPORT_COLUMNS, import_report
+    from qdebug.modelspec import ModelSpec, build, is_model_class
+    from qdebug.onnx.qdq_source import FLOW, NODES_ATTR, import_qdq
+
+    spec = ModelSpec(target, dict(user_model_kwargs() or {}))
+    float_model = build(spec, from_user=True)
+    first = resolve_batches(data, 1, None, announce=False)[0]
+    with model_errors("importing the ONNX model", first):
+        qm = import_qdq(proto, float_model, first.inputs)
+    check = import_check(qm)
+    save(qm, output, stage="quantized", model_spec=spec, sample_inputs=_first_samples(first.inputs),
+         meta={"source": str(src), "import_check": check,
+               NODES_ATTR: getattr(engine_state(qm), NODES_ATTR, {})})  # suggest --to onnxruntime reads it
+    frame = pd.DataFrame(import_report(qm), columns=REPORT_COLUMNS)
+    quantizers = frame[(frame["source"] != "") & (frame["kind"] != "bn")]
+    meta = {"source": str(src), "output": str(output), "stage": "quantized", "flow": FLOW, "qat": False,
+            "converted": True, "backend": None, "qat_mode": None, "model": spec.to_dict(),
+            "factory": not is_model_class(target), "fusions": [], "quantizers": len(quantizers),
+            "statuses": {str(k): int(v) for k, v in quantizers["status"].value_counts().items()},
+            "float_points": int((frame["status"] == "float").sum()), "check": check,
+            "folded_bn": [str(s) for s in frame.loc[frame["kind"] == "bn", "source"]]}
+    return frame, meta
+
+
 def _exceptions(frame) -> list[str]:
     """What did not map as torch has it, said under the table whatever its width: every
     unmapped quantizer with its reason, frozen ones once per reason."""
@@ -234,11 +283,13 @@ def _summary(meta: dict) -> list[str]:
     """The lines under the table: the counts, then (a few of) the fusions found."""
     counts = meta["statuses"]
     shown = ", ".join(f"{n} {status}" for status, n in counts.items())
-    lines = [f"{meta['quantizers']} torch quantizer(s): {shown or 'none'}"]
+    who = "ONNX Runtime" if meta["flow"] == "onnx-qdq" else "torch"
+    lines = [f"{meta['quantizers']} {who} quantizer(s): {shown or 'none'}"]
     if meta["float_points"]:
-        lines.append(f"{meta['float_points']} engine point(s) left float, as in torch")
+        lines.append(f"{meta['float_points']} engine point(s) left float, as in {who}")
     if meta["folded_bn"]:
-        lines.append(f"{len(meta['folded_bn'])} BatchNorm(s) torch folded into their convs")
+        lines.append(f"{len(meta['folded_bn'])} BatchNorm(s) torch{'.onnx.export' if who != 'torch' else ''} "
+                     "folded into their convs")
     if meta.get("check"):
         lines += check_lines(meta["check"])
     fusions = meta["fusions"]
@@ -264,7 +315,8 @@ def check_lines(check: dict) -> list[str]:
     against = {"fake-quant": "torch's model (eval, observers off)",
                "ptq": "torch's reference conversion of it",
                "converted": "torch's converted model",
-               "quantizer qparams": "torch's observers' qparams"}.get(check.get("compared_with"), "torch")
+               "quantizer qparams": "torch's observers' qparams",
+               "onnxruntime": "ONNX Runtime's run of the file"}.get(check.get("compared_with"), "torch")
     if check.get("max_abs_diff") is None:
         measured = "equal" if check.get("within_tolerance") else "not equal"
     elif check["max_abs_diff"] == 0:
@@ -275,7 +327,13 @@ def check_lines(check: dict) -> list[str]:
     verdict = "within" if check.get("within_tolerance") else "beyond"
     lines = [f"checked on the first batch against {against}:", f"  {measured}, {verdict} the tolerance",
              f"  (tolerance: {check.get('tolerance')})"]
+    if check.get("within_1_lsb") is not None:
+        lines.append(f"  {100 * check['within_1_lsb']:.2f}% of output values within 1 LSB")
+    if check.get("rows_checked"):
+        lines.append(f"  {check['rows_checked']} row(s) checked against its codes: mean difference at most "
+                     f"{check['rows_max_mean_codes']:g}")
     rows = check.get("rows_differing") or []
     if rows:
-        lines.append(f"  {len(rows)} row(s) approximate: their values differ from torch's")
+        theirs = "ONNX Runtime's" if check.get("compared_with") == "onnxruntime" else "torch's"
+        lines.append(f"  {len(rows)} row(s) approximate: their values differ from {theirs}")
     return lines

@@ -112,6 +112,11 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
     save(net, output, stage=found.info.stage, model_spec=found.info.model, sample_inputs=found.info.sample_inputs)
 
 
+# --to: the files each flow's write-back is (--out DIR)
+WRITE_BACK = {"torch-ao": ("plan_torch_ao.py", "plan_torch_ao.json"),
+              "onnxruntime": ("plan_onnxruntime.py", "plan_onnxruntime.json")}
+
+
 @app.command(
     short_help="The smallest set of int16 changes proven to bring the model back over its target.",
     help=(
@@ -129,7 +134,9 @@ def _apply(found, candidates: list, overrides: dict, bits: int, output: Path) ->
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
         "--batches 2 --min-sqnr 38 --apply -o fixed.pt\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
-        "--metric top1 --device cuda"
+        "--metric top1 --device cuda\n\n"
+        "Example: qdebug suggest float.pt ort.pt --data eval.pt --min-sqnr 35 --to onnxruntime --out sout "
+        "(ort.pt from qdebug import --from onnx-qdq: the plan as quantize_static's TensorQuantOverrides)"
     ),
 )
 def suggest(
@@ -151,9 +158,11 @@ def suggest(
     apply: bool = typer.Option(False, "--apply", help="Write the checkpoint with the plan applied (-o FILE)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="FILE",
                                           help="With --apply: the checkpoint to write."),
-    to: Optional[str] = typer.Option(None, "--to", metavar="torch-ao",
-                                     help="Also write the plan for the torch.ao flow an imported checkpoint came "
-                                          "from (--out DIR: plan_torch_ao.py, plan_torch_ao.json)."),
+    to: Optional[str] = typer.Option(None, "--to", metavar="torch-ao|onnxruntime",
+                                     help="Also write the plan for the flow an imported checkpoint came from (--out "
+                                          "DIR): torch-ao (plan_torch_ao.py, plan_torch_ao.json), onnxruntime (an "
+                                          "onnx-qdq import: quantize_static's TensorQuantOverrides and "
+                                          "nodes_to_exclude in plan_onnxruntime.py, plan_onnxruntime.json)."),
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
     out: Optional[Path] = OUT_OPTION,
@@ -185,22 +194,24 @@ def suggest(
                           "drop one of them")
     # --min-sqnr asks for an SQNR target: the config's metric then stays out.
     spec = metric or (cfg.get("metric") if min_sqnr is None else None)
-    if to is not None and to != "torch-ao":
-        raise QDebugError(f"--to {to!r}: the only flow a plan goes back to is torch-ao", "e.g. --to torch-ao")
+    if to is not None and to not in WRITE_BACK:
+        raise QDebugError(f"--to {to!r}: a plan goes back to {' or '.join(WRITE_BACK)}", "e.g. --to torch-ao")
     if output is not None:
         writable_file(output)  # its folder is created only when a plan is written to it
     out = prepare_out(out)
     if to is not None and out is None:
-        raise QDebugError("--to torch-ao writes plan_torch_ao.py and plan_torch_ao.json into a folder",
-                          "add --out DIR")
+        raise QDebugError(f"--to {to} writes {' and '.join(WRITE_BACK[to])} into a folder", "add --out DIR")
 
     from qdebug.metrics import resolve_metric
     from qdebug.tools.suggest import DEFAULT_MIN_SQNR, diagnoses_of, suggest as run_suggest
 
     metric_fn = resolve_metric(spec) if spec else None
     found = load_against_float(paths, model=model, unsafe=unsafe_load, command="suggest")
-    if to is not None:  # before the search: a checkpoint with no torch flow to go back to is refused now
-        from qdebug.tools.plan_torch_ao import check_imported
+    if to is not None:  # before the search: a checkpoint with no flow to go back to is refused now
+        if to == "onnxruntime":
+            from qdebug.tools.plan_onnxruntime import check_imported
+        else:
+            from qdebug.tools.plan_torch_ao import check_imported
 
         check_imported(found.model)
     batch_list = resolve_batches(data, batches, found.info, batch_size=batch_size)
@@ -231,7 +242,7 @@ def suggest(
     exact_command = f"{command_line('suggest', *given)}{options}{shaping} --apply -o fixed.pt"
     meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
     files = []
-    torch_ao = None
+    written_back = None
     plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
     if out is not None:
         from qdebug.atomic import atomic_path
@@ -244,20 +255,30 @@ def suggest(
             files.append(out.file("plan.toml"))
         else:  # an earlier run's plan would read as this run's
             out.drop_stale("plan.toml")
-        if to is not None and plan_ok:
+        if to == "onnxruntime" and plan_ok:
+            from qdebug.tools import plan_onnxruntime
+
+            written_back = plan_onnxruntime.onnxruntime_plan(found.model, meta["plan"]["overrides"], bits=bits,
+                                                             nodes=(found.info.meta or {}).get("onnx_nodes"))
+            for name, text in zip(WRITE_BACK[to], (plan_onnxruntime.python_source(written_back),
+                                                   plan_onnxruntime.json_document(written_back))):
+                with atomic_path(out.file(name)) as tmp:
+                    Path(tmp).write_text(text)
+                files.append(out.file(name))
+        elif to is not None and plan_ok:
             from qdebug.tools.plan_torch_ao import json_document, python_source, torch_ao_plan
 
             # Before --apply raises the model's points: the plan is read against the checkpoint as loaded.
-            torch_ao = torch_ao_plan(found.model, meta["plan"]["overrides"], bits=bits,
+            written_back = torch_ao_plan(found.model, meta["plan"]["overrides"], bits=bits,
                                      qat={"qat": True, "calibrated": False}.get(found.info.stage))
-            for name, text in (("plan_torch_ao.py", python_source(torch_ao)),
-                               ("plan_torch_ao.json", json_document(torch_ao))):
+            for name, text in (("plan_torch_ao.py", python_source(written_back)),
+                               ("plan_torch_ao.json", json_document(written_back))):
                 with atomic_path(out.file(name)) as tmp:
                     Path(tmp).write_text(text)
                 files.append(out.file(name))
         elif to is not None:
-            out.drop_stale("plan_torch_ao.py")
-            out.drop_stale("plan_torch_ao.json")
+            for name in WRITE_BACK[to]:
+                out.drop_stale(name)
         if frame["rank"].notna().any():  # nothing ranked (the model meets the target): no picture to draw
             files.append(plot_suggest(frame, meta, out.file("suggest.png")))
         else:
@@ -270,8 +291,8 @@ def suggest(
         applied = True
     plan = meta.pop("plan")
     extra = {"plan": plan}
-    if torch_ao is not None:
-        extra["torch_ao"] = {"meta": torch_ao.attrs["meta"], "rows": torch_ao.to_dict("records")}
+    if written_back is not None:  # JSON key: torch_ao or onnxruntime
+        extra[to.replace("-", "_")] = {"meta": written_back.attrs["meta"], "rows": written_back.to_dict("records")}
     report = Report("suggest", frame, {**meta, "plan_points": plan["points"]}, files=files, json_extra=extra)
 
     def render() -> None:
@@ -296,11 +317,17 @@ def suggest(
             if out is not None:
                 say(f"  or recalibrate the float model with {plan_path} on the data it was calibrated on:")
                 say(f"  {apply_command}")
-        if torch_ao is not None:  # with --apply too
-            torch_meta = torch_ao.attrs["meta"]
+        if written_back is not None and to == "onnxruntime":
+            say(f"onnxruntime: {written_back.attrs['meta']['expressible']} tensor(s) for quantize_static in "
+                f"{out.final / WRITE_BACK[to][0]} and {WRITE_BACK[to][1]}")
+            for row in written_back.itertuples():
+                if not row.expressible:
+                    say(f"  not expressible: {row.point} ({row.tensor}): {row.reason}")
+        elif written_back is not None:  # with --apply too
+            torch_meta = written_back.attrs["meta"]
             say(f"torch.ao ({torch_meta['flow']}): {torch_meta['expressible']} tensor(s) in "
                 f"{out.final / 'plan_torch_ao.py'} and plan_torch_ao.json")
-            for row in torch_ao.itertuples():
+            for row in written_back.itertuples():
                 if not row.expressible:
                     say(f"  not expressible: {row.point} ({row.tensor}): {row.reason}")
 
