@@ -110,3 +110,110 @@ def test_an_unknown_arithmetic_is_one_error(cli, tmp_path):
     cli("convert", demo, "-o", tmp_path / "q.pt", "--arithmetic", "float64").assert_error(
         "not one of fixed_point, float32")
     assert not (tmp_path / "q.pt").exists()
+
+
+# -- element-wise kernels and the input's quantization, against ORT's own nodes --------------------------
+
+
+def _ort_node(op: str, inputs: list[tuple[str, np.ndarray]], params: list[tuple[str, object, type]],
+              domain: str = "", **attributes) -> np.ndarray:
+    """ONNX Runtime's ``op`` on ``inputs`` (name, uint8/float array) with constant ``params``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    kind = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.float32): TensorProto.FLOAT}
+    inits = [numpy_helper.from_array(np.array(v, dtype=t), n) for n, v, t in params]
+    names = [n for n, _ in inputs] + [n for n, _, _ in params]
+    order = {"QLinearAdd": ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"],
+             "QLinearGlobalAveragePool": ["x", "sx", "zx", "sy", "zy"], "QuantizeLinear": ["x", "sy", "zy"]}[op]
+    assert sorted(order) == sorted(names)
+    node = helper.make_node(op, order, ["y"], domain=domain, **attributes)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, kind[v.dtype], v.shape) for n, v in inputs],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)], inits)
+    opsets = [helper.make_opsetid("", 13)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    session = ort.InferenceSession(helper.make_model(graph, opset_imports=opsets).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, dict(inputs))[0].astype(np.int64)
+
+
+class _Add(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+def _quantized_add(scales, zero_points):
+    """``a + b`` converted in float32 with these qparams (asymmetric int8 points: ORT stores them as
+    uint8, zero point + 128)."""
+    a = torch.randn(2, 8)
+    prepared = calibrate(prepare(_Add(), example_inputs=(a, a)), [(a, a)])
+    state = engine_state(prepared)
+    for name, s, z in zip(("input", "input#2", "add"), scales, zero_points):
+        state.points[name].set_qparams(torch.tensor(s), torch.tensor(z - 128))
+    return convert(prepared, arithmetic="float32"), state
+
+
+def test_float32_add_is_onnx_runtimes_qlinearadd_ties_included():
+    # Scales and codes met in torchvision's MobileNetV2 (features.16.add): 136.5 plus one float32 ulp
+    # where a plain multiply-then-add gives exactly 136.5 and rounds to even, 136 -- ORT's fused
+    # multiply-adds give 137.
+    scales, zero_points = (0.0624510757625103, 0.04306953027844429, 0.07082371413707733), (137, 127, 132)
+    quantized, _ = _quantized_add(scales, zero_points)
+    rng = np.random.default_rng(0)
+    a = np.concatenate([[109], rng.integers(0, 256, 200_000)]).astype(np.uint8)
+    b = np.concatenate([[175], rng.integers(0, 256, 200_000)]).astype(np.uint8)
+    values = [torch.from_numpy((v.astype(np.float32) - z) * np.float32(s)) for v, s, z in zip((a, b), scales, zero_points)]
+    with torch.no_grad():
+        ours = torch.round(quantized(*values) / torch.tensor(scales[2], dtype=torch.float32)).to(torch.int64) + 132
+    params = [("sa", scales[0], np.float32), ("za", zero_points[0], np.uint8), ("sb", scales[1], np.float32),
+              ("zb", zero_points[1], np.uint8), ("sc", scales[2], np.float32), ("zc", zero_points[2], np.uint8)]
+    theirs = _ort_node("QLinearAdd", [("a", a), ("b", b)], params, domain="com.microsoft")
+    assert int(theirs[0]) == 137 and int(ours[0]) == 137
+    assert (ours.numpy() == theirs).all()
+
+
+class _Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        return self.pool(x)
+
+
+def test_float32_global_average_is_onnx_runtimes_qlinearglobalaveragepool():
+    # s_x / (s_y * 4) = 1/4 exactly: every sum = 2 (mod 4) is a tie, rounded to even as ORT does.
+    x = torch.randn(2, 8, 2, 2)
+    prepared = calibrate(prepare(_Pool(), example_inputs=x), [x])
+    state = engine_state(prepared)
+    state.points["input"].set_qparams(torch.tensor(2.0**-4), torch.tensor(-128 + 3))
+    state.points["pool"].set_qparams(torch.tensor(2.0**-4), torch.tensor(-128 + 77))
+    quantized = convert(prepared, arithmetic="float32")
+    rng = np.random.default_rng(1)
+    codes_u8 = rng.integers(0, 256, (64, 32, 2, 2)).astype(np.uint8)
+    x = torch.from_numpy((codes_u8.astype(np.float32) - 3) * np.float32(2.0**-4))
+    with torch.no_grad():
+        ours = (torch.round(quantized(x) / 2.0**-4).to(torch.int64) + 77).reshape(64, 32)
+    params = [("sx", 2.0**-4, np.float32), ("zx", 3, np.uint8), ("sy", 2.0**-4, np.float32), ("zy", 77, np.uint8)]
+    theirs = _ort_node("QLinearGlobalAveragePool", [("x", codes_u8)], params, domain="com.microsoft",
+                       channels_last=0).reshape(64, 32)
+    sums = codes_u8.astype(np.int64).reshape(64, 32, 4).sum(-1)
+    assert ((sums % 4) == 2).any()  # ties are there
+    assert (ours.numpy() == theirs).all()
+
+
+def test_float32_stage_quantizes_its_input_as_onnx_runtimes_quantizelinear():
+    """ORT's QuantizeLinear divides by the scale; x * (1/s) -- torch's kernel -- rounds a few values
+    per million the other way (-6.47394990921 at s = 0.0371)."""
+    s = 0.0371
+    rng = np.random.default_rng(0)
+    x = np.concatenate([[-6.473949909210205], rng.normal(0, 3, 400_000)]).astype(np.float32)
+    prepared = calibrate(prepare(nn.Identity(), example_inputs=torch.zeros(4)), [torch.zeros(4)])
+    engine_state(prepared).points["input"].set_qparams(torch.tensor(s), torch.tensor(-128 + 250))
+    quantized = convert(prepared, arithmetic="float32")
+    with torch.no_grad():
+        ours = torch.round(quantized(torch.from_numpy(x)) / torch.tensor(s, dtype=torch.float32)).to(torch.int64) + 250
+    theirs = _ort_node("QuantizeLinear", [("x", x)], [("sy", s, np.float32), ("zy", 250, np.uint8)])
+    assert (ours.numpy() == theirs).all()
+    fixed = convert(prepared)  # torch's own kernel's rounding: the test can fail
+    with torch.no_grad():
+        other = torch.round(fixed(torch.from_numpy(x[:1])) / torch.tensor(s, dtype=torch.float32)).to(torch.int64) + 250
+    assert int(other[0]) != int(theirs[0])

@@ -206,7 +206,7 @@ def test_cli_exports_each_quantized_stage(cli, stages):
     table = cli("export", stages.quantized, "-o", "t.onnx", "--data", stages.data, "--batches", 2, "--batch-size", 5)
     text = " ".join(table.out.split())  # the summary is wrapped to the terminal's width
     assert table.code == 0, table.err
-    assert "on 100 output values (2 batch(es)): 100.00% within 1 LSB, max 0 LSB" in text, text
+    assert "100 output values (2 batch(es)): 100.00% equal, 100.00% within 1 LSB, max 0 LSB" in text, text
 
 
 def test_cli_float_stage_is_torchs_own_export(cli, stages):

@@ -148,7 +148,9 @@ def _row(exported: dict, parity: Optional[dict], output: Path) -> dict:
         "batches": parity["batches"] if parity else 0, "values": parity["values"] if parity else 0,
         "within_1_lsb": parity["within_1_lsb"] if parity else None, "max_lsb": parity["max_lsb"] if parity else None,
         "lsb_0": histogram.get("0"), "lsb_1": histogram.get("1"), "lsb_2": histogram.get("2"),
-        "lsb_over_2": histogram.get(">2"),
+        "lsb_over_2": histogram.get(">2"), "equal": parity["equal"] if parity else None,
+        "fixed_point_within_1_lsb": parity["fixed_point"]["within_1_lsb"] if parity else None,
+        "fixed_point_max_lsb": parity["fixed_point"]["max_lsb"] if parity else None,
         "ort_int8": sum(k["int8"] for k in parity["kernels"].values()) if parity else None,
         "ort_float": sum(k["float"] for k in parity["kernels"].values()) if parity else None,
     }
@@ -163,9 +165,12 @@ def _summary(row: dict, parity: Optional[dict], exported: dict) -> list[str]:
     if parity is None:
         lines.append("not checked in ONNX Runtime" + (" (a float model)" if row["stage"] == "float" else ""))
         return lines
-    lines.append(f"ONNX Runtime vs qdebug's quantized stage on {row['values']} output values ({row['batches']} "
-                 f"batch(es)): {row['within_1_lsb']:.2%} within 1 LSB, max {row['max_lsb']:g} LSB "
-                 f"(0: {row['lsb_0']}, 1: {row['lsb_1']}, 2: {row['lsb_2']}, >2: {row['lsb_over_2']})")
+    lines.append(f"ONNX Runtime vs qdebug's quantized stage in ONNX Runtime's arithmetic, {row['values']} "
+                 f"output values ({row['batches']} batch(es)): {row['equal']:.2%} equal, {row['within_1_lsb']:.2%} "
+                 f"within 1 LSB, max {row['max_lsb']:g} LSB (0: {row['lsb_0']}, 1: {row['lsb_1']}, 2: "
+                 f"{row['lsb_2']}, >2: {row['lsb_over_2']})")
+    lines.append(f"in fixed-point arithmetic (convert's default): {row['fixed_point_within_1_lsb']:.2%} within 1 "
+                 f"LSB, max {row['fixed_point_max_lsb']:g} LSB")
     lines.extend(_kernel_lines(parity))
     if parity["disabled_optimizers"]:
         lines.append(f"ONNX Runtime loads it only without its {', '.join(parity['disabled_optimizers'])} (an ONNX "

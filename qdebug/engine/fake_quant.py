@@ -97,6 +97,15 @@ def _per_tensor_exact(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     return codes.clamp_(spec.qmin, spec.qmax).sub_(z).mul_(scale.detach().reshape(()).to(torch.float32))
 
 
+def quantize_dividing(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """(clamp(round_half_even(x / s) + z, qmin, qmax) - z) s in float32, per tensor, NaN kept: ONNX
+    Runtime's QuantizeLinear (MLAS divides by the scale; torch's kernel multiplies by 1/s, which
+    rounds a few values per million the other way) and its DequantizeLinear."""
+    s = scale.detach().reshape(()).to(torch.float32)
+    z = zero_point.detach().reshape(()).to(torch.float32)
+    return torch.div(x, s).round_().add_(z).clamp_(spec.qmin, spec.qmax).sub_(z).mul_(s)
+
+
 def _clamp_for_per_channel(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec, axis: int
 ) -> torch.Tensor:

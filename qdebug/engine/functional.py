@@ -203,6 +203,8 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
         if grids is None:
             return None
         (a, b), points = grids
+        if category == "add" and integer.arithmetic() == "float32":
+            return tag(_float32_add(a, b, points, out_point, activation), out_point)
         shift = _left_shift_for(points)
         s_a, s_b = (p.scale.detach().double() for p in points)
         s_out = out_point.scale.detach().double()
@@ -243,7 +245,7 @@ def _integer_op(category: str, func: Callable, args: tuple, kwargs: dict, out_po
             return None
         (x,), points = grids
         average = func(integer.codes(x, points[0]), *args[1:], **kwargs)  # float64: exact sum / count
-        return tag(_rescale_average(average, points[0], out_point, activation), out_point)
+        return tag(_rescale_average(average, points[0], out_point, activation, x.numel()), out_point)
     return None
 
 
@@ -284,18 +286,65 @@ def _integer_matmul(func: Callable, args: tuple, out_point: QuantPoint, activati
     return tag(integer.requantize(acc, multiplier, out_point, activation), out_point)
 
 
-def _rescale_average(average: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint, activation: str | None):
+def _float32_add(a: torch.Tensor, b: torch.Tensor, points: list[QuantPoint], out_point: QuantPoint,
+                 activation: str | None) -> torch.Tensor:
+    """ONNX Runtime's QLinearAdd on x86 (MLAS's AVX2 kernel): with r = s / s_y in float32 and the
+    stored codes q (an asymmetric int8 tensor is stored as uint8, q + 128, as qdebug's export and
+    ORT's own conversion write it), q_y = rint(fma(q_b, r_b, fma(q_a, r_a, z_y - (r_a z_a + r_b z_b))))
+    in float32, saturated to the stored type (tests/test_integer_arithmetic.py checks it against
+    ORT's kernel, on values where a plain multiply-then-add rounds the other way)."""
+    s_out = out_point.scale.detach().float()
+    out_offset = _storage_offset(out_point)
+    ratio_a, ratio_b = (p.scale.detach().float() / s_out for p in points)
+    za, zb = (float(p.zero_point) + _storage_offset(p) for p in points)
+    fixed = torch.tensor(float(out_point.zero_point) + out_offset, dtype=torch.float32) - (ratio_a * za + ratio_b * zb)
+    stored_a, stored_b = (integer.codes(t, p, torch.float32) + (float(p.zero_point) + _storage_offset(p))
+                          for t, p in zip((a, b), points))
+    # Two fused multiply-adds (AVX2's vfmadd): one rounding each, emulated exactly in float64 (a
+    # product of two float32 values is exact there).
+    inner = (stored_a.double() * ratio_a.double() + fixed.double()).float()
+    q = torch.round((stored_b.double() * ratio_b.double() + inner.double()).float()).to(torch.int64)
+    low, high = (0, 255) if out_offset else (out_point.spec.qmin, out_point.spec.qmax)
+    q = q.clamp(low, high) - int(out_point.zero_point) - out_offset
+    return integer.requantize_codes(q, out_point, activation)
+
+
+def _storage_offset(point: QuantPoint) -> int:
+    """128 where ONNX Runtime stores the point's int8 codes as uint8 (asymmetric 8-bit signed: the
+    export's and ORT's own int8 -> uint8 conversion), else 0."""
+    spec = point.spec
+    return 128 if spec.bits == 8 and spec.signed and not spec.symmetric else 0
+
+
+def _rescale_average(average: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint, activation: str | None,
+                     numel: int | None = None):
     """round_half_away(mean of codes * s_in / s_out) + z_out, clamped.
+
+    Under ONNX Runtime's arithmetic (``float32``) a global average -- one output per sample and
+    channel, of ``numel`` input values in all -- is its QLinearGlobalAveragePool instead:
+    round_half_even(float32(sum of codes) * (s_in / (s_out * count))) in float32.
 
     The mean of integer codes is a fraction, and an exact tie (sum / count = k + 1/2) is common
     when s_in = s_out.  Devices compute it differently -- the CPU's ``mean`` divides by the
     count, CUDA's multiplies by its reciprocal -- a few ulp apart, which would round a tie
     away on one and down on the other.  So a value within ``TIE_ULPS`` ulp below a half counts
     as the tie: every device gives the same integer."""
+    count = numel // average.numel() if numel and average.numel() else 0
+    if integer.arithmetic() == "float32" and count and _global(average, numel):
+        total = torch.round(average * count)  # the integer sum of the codes: exact in float64
+        scale = in_point.scale.detach().float() / (out_point.scale.detach().float() * float(count))
+        q = torch.round(total.to(torch.float32) * scale).to(torch.int64)
+        return integer.requantize_codes(q, out_point, activation)
     scaled = average * (in_point.scale.detach().double() / out_point.scale.detach().double())
     magnitude = scaled.abs()
     q = torch.sign(scaled) * torch.floor(magnitude + 0.5 + magnitude * TIE_TOLERANCE)
     return integer.requantize_codes(q.to(torch.int64), out_point, activation)
+
+
+def _global(average: torch.Tensor, numel: int) -> bool:
+    """Whether ``average`` holds one value per sample and channel (a global pool or a spatial mean)."""
+    return average.dim() >= 2 and average.shape[0] * average.shape[1] == average.numel() and \
+        numel % average.numel() == 0
 
 
 def _integer_rescale_average(x: Any, output: torch.Tensor, module: nn.Module, out_point: QuantPoint | None):
@@ -306,7 +355,7 @@ def _integer_rescale_average(x: Any, output: torch.Tensor, module: nn.Module, ou
         return None
     (x,), points = grids
     average = module.forward(integer.codes(x, points[0]))
-    return tag(_rescale_average(average, points[0], out_point, None), out_point)
+    return tag(_rescale_average(average, points[0], out_point, None, x.numel()), out_point)
 
 
 def warn_fallbacks(names: list[str]) -> None:

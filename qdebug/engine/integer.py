@@ -31,9 +31,8 @@ from typing import Iterator
 
 import torch
 
-from qdebug.engine.context import active_context
+from qdebug.engine.arithmetic import ARITHMETICS, current as arithmetic  # noqa: F401  (re-exported)
 from qdebug.engine.point import QuantPoint
-from qdebug.vocab import ARITHMETICS  # noqa: F401  (the engine's name for them)
 
 MAX_MULTIPLIER_BITS = 31
 
@@ -199,19 +198,21 @@ def requantize_codes(q: torch.Tensor, out_point: QuantPoint, activation: str | N
     return values((q + zp).clamp(lo, hi), out_point)
 
 
-def arithmetic() -> str:
-    """The requantization arithmetic of the model running now (its engine state's, set by
-    ``convert``): ``fixed_point`` outside any forward and for models converted without one."""
-    handler = getattr(active_context(), "handler", None)
-    return getattr(getattr(handler, "state", None), "arithmetic", "fixed_point")
-
-
 def layer_multiplier(s_in: torch.Tensor, s_w: torch.Tensor, s_out: torch.Tensor) -> torch.Tensor:
     """M = s_in s_w / s_out of a conv/linear/matmul, float64: exact in float64 for fixed point, the
     float32 operations ONNX Runtime performs (``(s_in * s_w) / s_out``) for ``float32``."""
     if arithmetic() == "float32":
         return ((s_in.float() * s_w.float()) / s_out.float()).double()
     return s_in.double() * s_w.double() / s_out.double()
+
+
+def bias_codes(bias: torch.Tensor, s_in: torch.Tensor, s_w: torch.Tensor) -> torch.Tensor:
+    """q_b = round_half_even(b / (s_in s_w)) as int64: in float64 for fixed point; in float32
+    operations for ``float32``, as ONNX Runtime's bias quantization computes it when it fuses a
+    layer whose bias is float."""
+    if arithmetic() == "float32":
+        return torch.round(bias.float() / (s_in.float() * s_w.float())).to(torch.int64)
+    return torch.round(bias.to(torch.float64) / (s_in.double() * s_w.double())).to(torch.int64)
 
 
 def float32_multiply(acc: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:

@@ -272,8 +272,7 @@ class _QWeighted(nn.Module):
         shape[self.out_channel_axis] = -1
         acc = acc.to(torch.int64)
         if self.bias is not None:
-            q_bias = torch.round(self.bias.detach().to(torch.float64) / (s_in * s_w)).to(torch.int64)
-            acc = acc + q_bias.reshape(shape)
+            acc = acc + integer.bias_codes(self.bias.detach(), s_in, s_w).reshape(shape)
         multiplier = integer.layer_multiplier(s_in, s_w, s_out)
         if multiplier.dim():
             multiplier = multiplier.reshape(shape)

@@ -26,8 +26,9 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import export_mode
+from qdebug.engine import arithmetic
 from qdebug.engine.fake_quant import (fake_quantize, fake_quantize_counting, fake_quantize_dynamic, group_layout,
-                                       grouped_view)
+                                       grouped_view, quantize_dividing)
 from qdebug.engine.observers import make_observer
 from qdebug.engine.spec import QuantSpec, check_kind
 from qdebug.errors import QDebugError
@@ -209,6 +210,11 @@ class QuantPoint(nn.Module):
                 f"quant point {self.name!r} has no scale yet",
                 "calibrate the model (qdebug.engine.calibrate) before fake quantization",
             )
+        if self.kind == "activation" and not self.spec.per_channel and arithmetic.current() == "float32":
+            # A quantized stage computing as ONNX Runtime does: its QuantizeLinear divides.
+            out = quantize_dividing(x, self.scale, self.zero_point, self.spec)
+            out._qdebug_point = self
+            return out
         if self.count_clipped and self._can_count(x):
             out, self.clipped = fake_quantize_counting(x, self.scale, self.zero_point, self.spec)
             out._qdebug_point = self

@@ -2,10 +2,12 @@
 
 Each output value of ONNX Runtime (CPU execution provider, default graph optimizations: the
 QDQ groups fused into QLinearConv, QLinearMatMul, ... as a deployment runs them) is compared
-with the quantized stage's (``qdebug.engine.convert``: the integer simulation), in LSB of the
-output's point: |ort - qdebug| / scale, rounded to whole steps (both lie on the point's grid).
-The result: ``values``, ``within_1_lsb`` (share of values at most 1 LSB apart), ``max_lsb``,
-``histogram`` (LSB 0, 1, 2, >2), ``disabled_optimizers`` (ONNX Runtime optimizers the
+with the quantized stage's (``qdebug.engine.convert``: the integer simulation) computing ONNX
+Runtime's arithmetic (``float32``, ``qdebug.engine.integer``), in LSB of the output's point:
+|ort - qdebug| / scale, rounded to whole steps (both lie on the point's grid).  The result:
+``values``, ``within_1_lsb`` (share of values at most 1 LSB apart), ``equal`` (share 0 LSB
+apart), ``max_lsb``, ``histogram`` (LSB 0, 1, 2, >2), the same figures against the fixed-point
+stage under ``fixed_point``, ``disabled_optimizers`` (ONNX Runtime optimizers the
 session had to leave out, see ``PROPAGATION``; [] normally), and what ONNX Runtime runs as int8:
 ``kernels`` (``ort_kernels``: per op type of the exported graph, how many of its quantized
 layers ONNX Runtime's optimized graph runs as an int8 kernel, QLinearConv, QGemm, QLinearAdd
@@ -78,6 +80,7 @@ def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """ONNX Runtime on ``proto`` against ``quantized`` (a converted model) on ``batches`` (each
     a tensor or a tuple of tensors): see the module docstring."""
+    from qdebug.engine.arithmetic import ARITHMETICS, computing
     from qdebug.engine.point import grid_of
     from qdebug.onnx.export import flat_outputs, input_tuple
 
@@ -89,35 +92,51 @@ def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
         except QDebugError:  # a model past 2 GiB: ONNX Runtime's graph is not read back, nothing counted
             kernels, float_kernels = {}, []
     names = [i.name for i in session.get_inputs()]
-    counts = [0] * len(BINS)
-    worst = 0.0
+    tallies = {arithmetic: _Tally() for arithmetic in ARITHMETICS}
     done = 0
     for batch in batches:
         inputs = tuple(x.cpu() for x in input_tuple(batch))  # ONNX Runtime's CPU provider
         if len(inputs) != len(names):
             raise QDebugError(f"the model takes {len(names)} input(s), a batch holds {len(inputs)}",
                               "pass --data whose batches are the model's inputs")
-        with torch.no_grad():
-            expected = flat_outputs(quantized(*inputs))
         got = session.run(None, {name: x.detach().cpu().numpy() for name, x in zip(names, inputs)})
-        for k, (want, have) in enumerate(zip(expected, got)):
-            point = grid_of(want)
-            if point is None or point.spec.per_channel:
-                raise QDebugError(f"output {k} of the quantized model lies on no per-tensor grid (a float output)",
-                                  "parity is measured in LSB of the output's quant point: quantize the output "
-                                  "(or pass --no-check)")
-            lsb = _lsb(torch.as_tensor(have), want.detach().cpu().float(), float(point.scale.detach()))
-            for b in range(len(BINS)):
-                counts[b] += int((lsb == b).sum()) if b < len(BINS) - 1 else int((lsb > b - 1).sum())
-            if lsb.numel():
-                worst = max(worst, float(lsb.max()))
+        for arithmetic, tally in tallies.items():
+            with torch.no_grad(), computing(quantized, arithmetic):
+                expected = flat_outputs(quantized(*inputs))
+            for k, (want, have) in enumerate(zip(expected, got)):
+                point = grid_of(want)
+                if point is None or point.spec.per_channel:
+                    raise QDebugError(f"output {k} of the quantized model lies on no per-tensor grid (a float "
+                                      "output)", "parity is measured in LSB of the output's quant point: quantize "
+                                      "the output (or pass --no-check)")
+                tally.add(_lsb(torch.as_tensor(have), want.detach().cpu().float(), float(point.scale.detach())))
         done += 1
         if progress is not None:
             progress(done)
-    values = sum(counts)
-    return {"batches": done, "values": values, "within_1_lsb": (counts[0] + counts[1]) / values if values else 1.0,
-            "max_lsb": worst, "histogram": dict(zip(BINS, counts)), "disabled_optimizers": disabled,
-            "kernels": kernels, "float_kernels": float_kernels}
+    # The figures: against the stage computing ONNX Runtime's arithmetic (the check), and the
+    # fixed-point stage's beside them (what a TFLite-style target would compute instead).
+    return {"batches": done, **tallies["float32"].figures(), "fixed_point": tallies["fixed_point"].figures(),
+            "disabled_optimizers": disabled, "kernels": kernels, "float_kernels": float_kernels}
+
+
+class _Tally:
+    """LSB differences of one comparison, binned (``BINS``), and the largest."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(BINS)
+        self.worst = 0.0
+
+    def add(self, lsb: torch.Tensor) -> None:
+        for b in range(len(BINS)):
+            self.counts[b] += int((lsb == b).sum()) if b < len(BINS) - 1 else int((lsb > b - 1).sum())
+        if lsb.numel():
+            self.worst = max(self.worst, float(lsb.max()))
+
+    def figures(self) -> dict[str, Any]:
+        values = sum(self.counts)
+        return {"values": values, "within_1_lsb": (self.counts[0] + self.counts[1]) / values if values else 1.0,
+                "equal": self.counts[0] / values if values else 1.0, "max_lsb": self.worst,
+                "histogram": dict(zip(BINS, self.counts))}
 
 
 def ort_kernels(proto: Any, optimized: Any) -> tuple[dict[str, dict[str, int]], list[str]]:

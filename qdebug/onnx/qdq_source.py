@@ -375,15 +375,17 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
 
 
 def import_qdq(model: Any, float_model: nn.Module, example_inputs: Any, *, check: bool = True) -> nn.Module:
-    """The engine model (quantized stage) of an ORT-quantized QDQ ``model``: ``read_qdq``, the
-    interop builder, ``qdebug.engine.convert``; its report is ``qdebug.interop.import_report``.
+    """The engine model (quantized stage, ONNX Runtime's ``float32`` arithmetic) of an ORT-quantized
+    QDQ ``model``: ``read_qdq``, the interop builder, ``qdebug.engine.convert``; its report is ``qdebug.interop.import_report``.
     ``check``: run ONNX Runtime on the file and the import on ``example_inputs`` and compare
     (``check_against_ort``; the result is ``qdebug.interop.import_check``)."""
     from qdebug.engine import convert, engine_state
     from qdebug.interop.build import REPORT_ATTR, build
 
     source, plan, bias_rows = read_qdq(model, float_model, example_inputs)
-    imported = convert(build(source, plan))
+    # ONNX Runtime's own arithmetic (float32 requantization, its add and pooling kernels): the
+    # quantized stage computes what the file computes there, bit for bit where ORT fuses a layer.
+    imported = convert(build(source, plan), arithmetic="float32")
     state = engine_state(imported)
     setattr(state, REPORT_ATTR, list(getattr(state, REPORT_ATTR, None) or []) + bias_rows)
     setattr(state, NODES_ATTR, tensor_nodes(model))
