@@ -214,7 +214,7 @@ def _hostile(kind: str, demo, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("kind, fragment", [
     ("not-onnx", "is not an ONNX model"), ("truncated", "is not an ONNX model"),
-    ("external-data", "external data"), ("unknown-op", "ONNX Runtime cannot run"),
+    ("external-data", "external data"), ("unknown-op", "ONNX Runtime cannot load"),
 ])
 def test_bad_onnx_files_are_one_error(cli, demo, tmp_path, kind, fragment):
     path = _hostile(kind, demo, tmp_path)

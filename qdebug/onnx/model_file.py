@@ -64,7 +64,7 @@ def read_onnx(path: str | Path) -> Any:
     try:
         model = onnx.load_model_from_string(data)
     except Exception as exc:  # protobuf's DecodeError and friends: the file is not a model
-        raise QDebugError(f"{_short(str(file))} is not an ONNX model ({_first_line(exc)})",
+        raise QDebugError(f"{_short(str(file))} is not an ONNX model ({_error_line(exc)})",
                           "pass a file written by torch.onnx.export, qdebug export or onnx.save") from None
     if not model.HasField("graph"):
         raise QDebugError(f"{_short(str(file))} holds no ONNX graph", "pass a file written by torch.onnx.export, "
@@ -78,19 +78,20 @@ def read_onnx(path: str | Path) -> Any:
     try:
         onnx.checker.check_model(model)
     except Exception as exc:
-        raise QDebugError(f"{_short(str(file))} is not a valid ONNX model: {_first_line(exc)}",
+        raise QDebugError(f"{_short(str(file))} is not a valid ONNX model: {_error_line(exc)}",
                           "re-export it (torch.onnx.export), or check it with onnx.checker.check_model") from None
     return model
+
+
+def _error_line(exc: BaseException) -> str:
+    from qdebug.onnx.session import first_line  # that module imports this one
+
+    return first_line(exc)
 
 
 def _short(text: str) -> str:
     """A name or path from the file, bounded (the error line escapes it on the way out)."""
     return one_line(text, limit=300)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return _short(text[0]) if text else type(exc).__name__
 
 
 def _graphs(graph: Any):

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from qdebug.errors import QDebugError
-from qdebug.onnx.model_file import read_onnx, require
+from qdebug.onnx.model_file import read_onnx
+from qdebug.onnx.session import cpu_session
 
 BINS = ("0", "1", "2", ">2")
 
@@ -46,34 +47,32 @@ COUNTED = ("Conv", "Gemm", "MatMul", "Add", "Mul", "AveragePool", "GlobalAverage
 
 
 def ort_session(proto: Any, optimized_path: str | Path | None = None) -> tuple[Any, list[str]]:
-    """An ONNX Runtime session (CPU, default optimizations) on the model ``proto``, and the
-    optimizers it had to leave out (``PROPAGATION`` when the default set cannot load it);
-    ``optimized_path``: where ONNX Runtime writes the graph it optimized (what it runs)."""
-    ort = require("onnxruntime")
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # ORT's warnings (unused initializers ...) are not the user's business
-    options.intra_op_num_threads = max(torch.get_num_threads(), 1)
-    if optimized_path is not None:
-        options.optimized_model_filepath = str(optimized_path)
-    data = proto.SerializeToString()
+    """An ONNX Runtime session (``qdebug.onnx.session``) on the model ``proto``, and the optimizers it
+    had to leave out (``PROPAGATION`` when the default set cannot load it); ``optimized_path``:
+    where ONNX Runtime writes the graph it optimized (what it runs)."""
+    hint = "--no-check writes the model without running it (onnx.checker passes on it)"
+    threads = max(torch.get_num_threads(), 1)
     try:
-        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]), []
-    except Exception as exc:  # a graph ONNX Runtime's optimizer or kernels do not take
-        first = exc
-    try:
-        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"],
-                                    disabled_optimizers=[PROPAGATION]), [PROPAGATION]
-    except Exception:
-        raise QDebugError(f"ONNX Runtime cannot load the exported model: {_first_line(first)}",
-                          "--no-check writes the model without running it (onnx.checker passes on it)") from None
+        return cpu_session(proto, "the exported model", hint, threads=threads, optimized_path=optimized_path), []
+    except QDebugError as first:  # the default optimizers could not take it: without ORT's buggy one?
+        try:
+            return cpu_session(proto, "the exported model", hint, threads=threads, optimized_path=optimized_path,
+                               disabled_optimizers=[PROPAGATION]), [PROPAGATION]
+        except QDebugError:
+            raise first from None
 
 
-def _first_line(exc: BaseException) -> str:
-    from qdebug.errors import message_of
-    from qdebug.safe_text import one_line
-
-    text = message_of(exc).strip()
-    return one_line(text.splitlines()[0], limit=300) if text else type(exc).__name__
+def session_and_kernels(proto: Any) -> tuple[Any, list[str], dict[str, dict[str, int]], list[str]]:
+    """``ort_session`` on ``proto``, the optimizers it left out, and how ONNX Runtime's optimized
+    graph runs the quantized layers (``ort_kernels``: the counts, the layers left in float)."""
+    with tempfile.TemporaryDirectory(prefix="qdebug-ort-") as folder:
+        optimized_path = Path(folder) / "optimized.onnx"
+        session, disabled = ort_session(proto, optimized_path)
+        try:
+            kernels, float_kernels = ort_kernels(proto, read_onnx(optimized_path))
+        except QDebugError:  # a model past 2 GiB: ONNX Runtime's graph is not read back, nothing counted
+            kernels, float_kernels = {}, []
+    return session, disabled, kernels, float_kernels
 
 
 def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
@@ -84,13 +83,7 @@ def export_parity(proto: Any, quantized: nn.Module, batches: Iterable[Any], *,
     from qdebug.engine.point import grid_of
     from qdebug.onnx.export import flat_outputs, input_tuple
 
-    with tempfile.TemporaryDirectory(prefix="qdebug-ort-") as folder:
-        optimized_path = Path(folder) / "optimized.onnx"
-        session, disabled = ort_session(proto, optimized_path)
-        try:
-            kernels, float_kernels = ort_kernels(proto, read_onnx(optimized_path))
-        except QDebugError:  # a model past 2 GiB: ONNX Runtime's graph is not read back, nothing counted
-            kernels, float_kernels = {}, []
+    session, disabled, kernels, float_kernels = session_and_kernels(proto)
     names = [i.name for i in session.get_inputs()]
     tallies = {arithmetic: _Tally() for arithmetic in ARITHMETICS}
     done = 0

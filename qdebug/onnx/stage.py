@@ -56,6 +56,7 @@ from qdebug.engine.context import Call, Event, split_inputs
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.errors import QDebugError
 from qdebug.onnx.model_file import require, tensor_array
+from qdebug.onnx.session import cpu_session, first_line
 from qdebug.safe_text import one_line
 
 PROPAGATED_ONLY = ("ONNX Runtime: propagated error only (the isolated columns are blank: compare replays a layer "
@@ -192,14 +193,8 @@ class OnnxStage(nn.Module):
 
     # -- running ----------------------------------------------------------------------------------
     def _new_session(self, model: Any) -> Any:
-        ort = require("onnxruntime")
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # errors only: ORT's warnings are not the user's
-        try:
-            return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:
-            raise QDebugError(f"ONNX Runtime cannot run {self.source}: {_first_line(exc)}",
-                              "check the model with onnx.checker and ONNX Runtime's own InferenceSession") from None
+        return cpu_session(model, self.source, "check the model with onnx.checker and ONNX Runtime's own "
+                           "InferenceSession")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device = next((t.device for t in tensors_in((args, kwargs))), None)
@@ -251,7 +246,7 @@ class OnnxStage(nn.Module):
         try:
             values = session.run(names, feeds)
         except Exception as exc:
-            raise QDebugError(f"ONNX Runtime failed to run {self.source}: {_first_line(exc)}",
+            raise QDebugError(f"ONNX Runtime failed to run {self.source}: {first_line(exc)}",
                               "check the inputs against the model's (shapes, types)") from None
         got = names if names is not None else [o.name for o in session.get_outputs()]
         return dict(zip(got, values))
@@ -454,7 +449,7 @@ def _export_points(model: Any, source: str) -> list[dict[str, str]]:
         if not all(isinstance(p["name"], str) and isinstance(p["row"], str) for p in points):
             raise TypeError("a point's name or row is not a string")
     except Exception as exc:
-        raise QDebugError(f"{source}: its {METADATA_KEY} metadata is malformed ({_first_line(exc)})",
+        raise QDebugError(f"{source}: its {METADATA_KEY} metadata is malformed ({first_line(exc)})",
                           "export the checkpoint again with qdebug export") from None
     return points
 
@@ -515,8 +510,3 @@ def _float_array(array: Any) -> Any:
 
     array = np.asarray(array)
     return array if array.dtype.kind == "f" else array.astype(np.float32)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return one_line(lines[0], limit=300) if lines else type(exc).__name__
