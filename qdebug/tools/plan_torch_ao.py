@@ -71,8 +71,9 @@ def check_imported(model: nn.Module) -> str:
                           "apply the plan with qdebug calibrate --qconfig plan.toml, or import your torch.ao model "
                           "(qdebug import) and run suggest on the import")
     if flow not in FLOWS:
+        other = " (--to onnxruntime writes ONNX Runtime's quantize_static options)" if flow == "onnx-qdq" else ""
         raise QDebugError(f"--to torch-ao writes eager, FX and PT2E configs; this model was imported from {flow}",
-                          "apply the plan with qdebug calibrate --qconfig plan.toml")
+                          f"apply the plan with qdebug calibrate --qconfig plan.toml{other}")
     return FLOWS[flow]
 
 
