@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
-from qdebug.engine.context import Event, ForwardContext, active_context, open_contexts, release_aborted
+from qdebug.engine.context import Call, Event, ForwardContext, active_context, open_contexts, release_aborted
 from qdebug.engine.ops import map_tensors, tensors_in
 
 
@@ -73,6 +73,34 @@ def tap(model: nn.Module, listener: Callable[[Event], None]) -> Iterator[None]:
         for handle in handles:
             handle.remove()
         release_aborted(depth)  # a forward aborted inside the block left its context open
+
+
+class ReportsCalls:
+    """What a model that runs outside the engine and reports its own calls shares (a converted
+    model run by torch's kernels, ``qdebug.interop.torch_stage``; an ONNX model run by ONNX
+    Runtime, ``qdebug.onnx.stage``): ``tap`` finds ``qdebug_tap`` on it, and each forward reports
+    the rows it tapped with ``_emit``, as the engine reports its calls.  ``_calls`` maps a row to
+    its call's (category, op, owner); ``_listeners`` are the taps listening now."""
+
+    _calls: dict[str, tuple[str, str, str]]
+    _listeners: list[Callable[[Event], None]]
+
+    def _emit(self, row: str, y: torch.Tensor) -> None:
+        category, op, owner = self._calls[row]
+        base, _, index = row.partition("#")
+        call = Call(row, base, int(index) if index.isdigit() else 1, category, op, owner)
+        event = Event(call, (), {}, None, None, y)
+        for listener in list(self._listeners):
+            listener(event)
+
+    @contextlib.contextmanager
+    def qdebug_tap(self, listener: Callable[[Event], None]) -> Iterator[None]:
+        """``qdebug.tap``'s entry for this model: ``listener`` sees each forward's tapped rows."""
+        self._listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._listeners.remove(listener)
 
 
 @dataclass

@@ -29,17 +29,17 @@ the inputs' device.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from qdebug.engine.context import Call, Event, split_inputs
+from qdebug.engine.context import Event, split_inputs
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.errors import QDebugError
+from qdebug.tap import ReportsCalls
 
 CONVERTED_FLOWS = ("eager-converted", "fx-converted", "pt2e-converted")
 PROPAGATED_ONLY = ("torch's own kernels: propagated error only (the isolated columns are blank: "
@@ -53,7 +53,7 @@ def is_converted(model: Any) -> bool:
     return isinstance(model, nn.Module) and not isinstance(model, TorchStage) and detect_flow(model) in CONVERTED_FLOWS
 
 
-class TorchStage(nn.Module):
+class TorchStage(ReportsCalls, nn.Module):
     """``converted`` run by torch, tapped per layer under ``float_model``'s names (module docstring).
 
     ``float_model``: an instance of the architecture (FX and PT2E graphs need it; eager models
@@ -201,22 +201,6 @@ class TorchStage(nn.Module):
             taps[self.output_row] = _dequantized(out)
         return out, taps
 
-    def _emit(self, row: str, y: torch.Tensor) -> None:
-        category, op, owner = self._calls[row]
-        base, _, index = row.partition("#")
-        call = Call(row, base, int(index) if index.isdigit() else 1, category, op, owner)
-        event = Event(call, (), {}, None, None, y)
-        for listener in list(self._listeners):
-            listener(event)
-
-    @contextlib.contextmanager
-    def qdebug_tap(self, listener: Callable[[Event], None]) -> Iterator[None]:
-        """``qdebug.tap``'s entry for this model: ``listener`` sees each forward's tapped rows."""
-        self._listeners.append(listener)
-        try:
-            yield
-        finally:
-            self._listeners.remove(listener)
 
 
 def _what(model: Any, flow: str | None) -> str:

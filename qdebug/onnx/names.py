@@ -451,9 +451,12 @@ def _cone_reads(graph: _Graph, tensor: str, own: set[str], rows: dict[str, str])
 
 
 def _row_of(plan: Plan, call: str, result: TensorMap) -> str | None:
-    """The row carrying ``call``'s output in the graph: its own, else that of the call a fused BN
-    or activation hands it to (the exporter folded it in)."""
-    rows = set(result.rows.values())
+    return row_through_fusion(plan, call, set(result.rows.values()))
+
+
+def row_through_fusion(plan: Plan, call: str, rows: set[str]) -> str | None:
+    """The row (of ``rows``) carrying ``call``'s output in the graph: its own, else that of the call
+    a fused BN or activation hands it to (the exporter or ONNX Runtime folded it in); None."""
     for _ in range(len(plan.calls) + 1):
         if call in rows:
             return call

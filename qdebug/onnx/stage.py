@@ -42,19 +42,19 @@ layer of qdebug's engine, which ONNX Runtime is not.  Sessions are made from the
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import platform
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from qdebug.engine.context import Call, Event, split_inputs
+from qdebug.engine.context import Event, split_inputs
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.errors import QDebugError
+from qdebug.tap import ReportsCalls
 from qdebug.onnx.model_file import require, tensor_array
 from qdebug.onnx.session import cpu_session, first_line
 from qdebug.safe_text import one_line
@@ -91,7 +91,7 @@ class Tap:
         return torch.from_numpy((codes.astype(np.float32) * scale.astype(np.float32)).astype(np.float32))
 
 
-class OnnxStage(nn.Module):
+class OnnxStage(ReportsCalls, nn.Module):
     """``model`` (an ``onnx.ModelProto``, e.g. ``read_onnx(path)``) run by ONNX Runtime, tapped per
     layer under ``reference``'s call names (module docstring).
 
@@ -277,22 +277,6 @@ class OnnxStage(nn.Module):
             feeds[name] = value.detach().cpu().numpy().astype(dtype, copy=False)
         return feeds
 
-    def _emit(self, row: str, y: torch.Tensor) -> None:
-        category, op, owner = self._calls[row]
-        base, _, index = row.partition("#")
-        call = Call(row, base, int(index) if index.isdigit() else 1, category, op, owner)
-        event = Event(call, (), {}, None, None, y)
-        for listener in list(self._listeners):
-            listener(event)
-
-    @contextlib.contextmanager
-    def qdebug_tap(self, listener: Callable[[Event], None]) -> Iterator[None]:
-        """``qdebug.tap``'s entry for this model: ``listener`` sees each forward's tapped rows."""
-        self._listeners.append(listener)
-        try:
-            yield
-        finally:
-            self._listeners.remove(listener)
 
     # -- what compare reports of it -----------------------------------------------------------
     def stage_report(self) -> dict[str, Any]:
@@ -470,15 +454,10 @@ def _plan(reference: nn.Module, example_inputs: Any) -> tuple[Any, nn.Module]:
 def _notes(plan: Any, rows: set[str]) -> dict[str, str]:
     """Why a call of the plan has no tensor here: folded by the exporter, inside another row's
     kernel, or not in the graph (as ``TorchStage``'s notes say it of torch's kernels)."""
+    from qdebug.onnx.names import row_through_fusion
+
     def row_of(name: str) -> str | None:
-        for _ in range(len(plan.calls) + 1):
-            if name in rows:
-                return name
-            rec = plan.calls.get(name)
-            if rec is None or not rec.fused_into:
-                return None
-            name = rec.fused_into
-        return None
+        return row_through_fusion(plan, name, rows)
 
     notes: dict[str, str] = {}
     for conv, bn in plan.pairs:
