@@ -62,7 +62,7 @@ def onnxruntime_plan(model: nn.Module, overrides: Mapping[str, Mapping[str, Any]
     from qdebug.onnx.qdq_source import NODES_ATTR
 
     from qdebug.interop.build import REPORT_ATTR
-    from qdebug.tools.suggest import _point_name, candidates
+    from qdebug.tools.plan_torch_ao import plan_entries
 
     check_imported(model)
     state = engine_state(model)
@@ -72,45 +72,39 @@ def onnxruntime_plan(model: nn.Module, overrides: Mapping[str, Mapping[str, Any]
     for r in report:
         if r["status"] in MAPPED and r["point"] and r["source"] and r["kind"] in ("weight", "activation"):
             by_point.setdefault((r["kind"], r["point"]), []).append(r["source"])
-    quantizable = [n for n, p in state.points.items() if p.mode == "fake"]
-    found = {(c.glob, c.kind, c.group_size): c for c in candidates(model, quantizable, bits)}
     rows = []
-    for glob, entry in overrides.items():
-        for kind, spec in (entry or {}).items():
-            group = (spec or {}).get("group_size")
-            c = found.get((glob, kind, group))
-            label = _point_name(c) if c else glob if kind == "activation" else f"{glob}.weight"
-            base = {"point": label, "tensor": kind, "onnx_name": "", "quant_type": "", "axis": None, "expressible": False,
-                    "reason": "", "engine_points": ", ".join(c.points) if c else ""}
-            points = c.points if c else ((glob,) if kind == "activation" else (f"{glob}.weight",))
-            sources = [s for p in points for s in by_point.get((kind, p), [])]
-            if group:
-                rows.append({**base, "reason": "ONNX Runtime has no grouped weights: a smaller group cannot be written"})
-                continue
-            if not sources:
-                rows.append({**base, "reason": "ONNX Runtime quantizes nothing here: the engine point has no ORT "
-                                               "quantizer"})
-                continue
-            if spec is None:
-                for source in sources:
-                    around = nodes.get(source) if kind == "activation" else None
-                    rows.append({**base, "onnx_name": ", ".join(around or []) or source, "quant_type": "float",
-                                 "expressible": bool(around),
-                                 "reason": "" if around else (
-                                     "a weight stays float when its layer's node is excluded, which leaves its "
-                                     "activations float too" if kind == "weight" else
-                                     "the import does not record the nodes around this tensor (re-import it)")})
-                continue
-            # The plan changes the width; signedness and granularity stay the imported point's.
-            now = state.points[points[0]].spec
-            qtype = quant_type(int(spec.get("bits", bits)), bool(spec.get("signed", now.signed)), kind)
+    for glob, kind, spec, group, c, label in plan_entries(model, overrides, bits):
+        base = {"point": label, "tensor": kind, "onnx_name": "", "quant_type": "", "axis": None, "expressible": False,
+                "reason": "", "engine_points": ", ".join(c.points) if c else ""}
+        points = c.points if c else ((glob,) if kind == "activation" else (f"{glob}.weight",))
+        sources = [s for p in points for s in by_point.get((kind, p), [])]
+        if group:
+            rows.append({**base, "reason": "ONNX Runtime has no grouped weights: a smaller group cannot be written"})
+            continue
+        if not sources:
+            rows.append({**base, "reason": "ONNX Runtime quantizes nothing here: the engine point has no ORT "
+                                           "quantizer"})
+            continue
+        if spec is None:
             for source in sources:
-                row = {**base, "onnx_name": source, "quant_type": qtype or "", "expressible": qtype is not None}
-                if qtype is None:
-                    row["reason"] = f"ONNX Runtime quantizes to 4 (weights), 8 or 16 bits, not {spec.get('bits')}"
-                elif kind == "weight" and spec.get("per_channel", now.per_channel):
-                    row["axis"] = int(spec.get("ch_axis", now.ch_axis))
-                rows.append(row)
+                around = nodes.get(source) if kind == "activation" else None
+                rows.append({**base, "onnx_name": ", ".join(around or []) or source, "quant_type": "float",
+                             "expressible": bool(around),
+                             "reason": "" if around else (
+                                 "a weight stays float when its layer's node is excluded, which leaves its "
+                                 "activations float too" if kind == "weight" else
+                                 "the import does not record the nodes around this tensor (re-import it)")})
+            continue
+        # The plan changes the width; signedness and granularity stay the imported point's.
+        now = state.points[points[0]].spec
+        qtype = quant_type(int(spec.get("bits", bits)), bool(spec.get("signed", now.signed)), kind)
+        for source in sources:
+            row = {**base, "onnx_name": source, "quant_type": qtype or "", "expressible": qtype is not None}
+            if qtype is None:
+                row["reason"] = f"ONNX Runtime quantizes to 4 (weights), 8 or 16 bits, not {spec.get('bits')}"
+            elif kind == "weight" and spec.get("per_channel", now.per_channel):
+                row["axis"] = int(spec.get("ch_axis", now.ch_axis))
+            rows.append(row)
     frame = pd.DataFrame(rows, columns=COLUMNS)
     frame["axis"] = pd.Series([r["axis"] for r in rows], index=frame.index, dtype=object)  # an int, or None
     written = int(frame["expressible"].sum()) if len(frame) else 0

@@ -34,7 +34,7 @@ dtype's full range (``qdebug.interop.source.full_range``), which for qint32 is 3
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import pandas as pd
 import torch.nn as nn
@@ -77,6 +77,22 @@ def check_imported(model: nn.Module) -> str:
     return FLOWS[flow]
 
 
+def plan_entries(model: nn.Module, overrides: Mapping[str, Mapping[str, Any]], bits: int) -> Iterator[tuple]:
+    """Each entry of a suggest plan's ``overrides`` on ``model``: (glob, kind, spec, group_size, its
+    suggest candidate or None, the point's name for a row) -- what a plan writer (torch.ao,
+    ONNX Runtime) turns into its tool's options."""
+    from qdebug.tools.suggest import _point_name, candidates
+
+    quantizable = [n for n, p in engine_state(model).points.items() if p.mode == "fake"]
+    found = {(c.glob, c.kind, c.group_size): c for c in candidates(model, quantizable, bits)}
+    for glob, entry in overrides.items():
+        for kind, spec in (entry or {}).items():
+            group = (spec or {}).get("group_size")
+            c = found.get((glob, kind, group))
+            label = _point_name(c) if c else glob if kind == "activation" else f"{glob}.weight"
+            yield glob, kind, spec, group, c, label
+
+
 def torch_ao_plan(model: nn.Module, overrides: Mapping[str, Mapping[str, Any]], *, bits: int = 16,
                   qat: bool | None = None) -> pd.DataFrame:
     """One row per plan entry (``COLUMNS``): where its torch quantizer's qconfig goes.
@@ -86,7 +102,6 @@ def torch_ao_plan(model: nn.Module, overrides: Mapping[str, Mapping[str, Any]], 
     ``flow`` (eager/fx), ``qat`` (from the report unless given), ``bits``, ``dtype``.
     """
     from qdebug.interop.build import REPORT_ATTR
-    from qdebug.tools.suggest import _point_name, candidates
 
     flow = check_imported(model)
     if not 2 <= bits <= 16:
@@ -104,28 +119,22 @@ def torch_ao_plan(model: nn.Module, overrides: Mapping[str, Mapping[str, Any]], 
             by_point.setdefault(r["point"], []).append(r)
             by_source.setdefault(r["source"], []).append(r)
     left_float = {r["point"] for r in report if r["status"] == "float"}
-    quantizable = [n for n, p in state.points.items() if p.mode == "fake"]
-    found = {(c.glob, c.kind, c.group_size): c for c in candidates(model, quantizable, bits)}
     rows = []
-    for glob, entry in overrides.items():
-        for kind, spec in (entry or {}).items():
-            group = (spec or {}).get("group_size")
-            c = found.get((glob, kind, group))
-            label = _point_name(c) if c else glob if kind == "activation" else f"{glob}.weight"
-            row = {"point": label, "tensor": kind, "module_name": "", "source": "",
-                   "dtype": _dtype(bits), "quant_min": low, "quant_max": high,
-                   "expressible": False, "reason": "", "engine_points": ", ".join(c.points) if c else ""}
-            if spec is None:
-                row["reason"] = "kept in float: torch.ao's qconfig None on the module (not a width)"
-            elif group:
-                row["reason"] = "torch.ao has no grouped weights: a smaller group cannot be written"
-            elif c is None and ({glob, f"{glob}.weight"} & left_float):
-                row["reason"] = "torch quantizes nothing here: the engine point has no torch quantizer"
-            elif c is None:
-                row["reason"] = f"not a point of this model below {bits} bits"
-            else:
-                _locate(row, c, flow, by_point, by_source, modules)
-            rows.append(row)
+    for glob, kind, spec, group, c, label in plan_entries(model, overrides, bits):
+        row = {"point": label, "tensor": kind, "module_name": "", "source": "",
+               "dtype": _dtype(bits), "quant_min": low, "quant_max": high,
+               "expressible": False, "reason": "", "engine_points": ", ".join(c.points) if c else ""}
+        if spec is None:
+            row["reason"] = "kept in float: torch.ao's qconfig None on the module (not a width)"
+        elif group:
+            row["reason"] = "torch.ao has no grouped weights: a smaller group cannot be written"
+        elif c is None and ({glob, f"{glob}.weight"} & left_float):
+            row["reason"] = "torch quantizes nothing here: the engine point has no torch quantizer"
+        elif c is None:
+            row["reason"] = f"not a point of this model below {bits} bits"
+        else:
+            _locate(row, c, flow, by_point, by_source, modules)
+        rows.append(row)
     frame = pd.DataFrame(rows, columns=COLUMNS)
     written = sum(bool(r["expressible"]) for r in rows)
     frame.attrs["meta"] = {"flow": flow, "qat": bool(qat), "bits": bits, "dtype": _dtype(bits), "quant_min": low,
