@@ -10,6 +10,8 @@ A qdebug checkpoint is a dict readable with ``torch.load(weights_only=True)``
     qconfig        QConfig.to_dict() (None for float)
     qat_mode       "fuse_bn" | "with_bn" | "with_bn_reverse_fold" (None for float)
     arithmetic     a quantized stage's requantization: "fixed_point" | "float32" (absent: fixed_point)
+    float_kernels  a quantized stage's calls its target computes in float (ONNX Runtime's unfused
+                   layers, ``qdebug.engine.arithmetic.run_in_float``; absent: none)
     plan           the engine's traced plan (None for float)
     absorbed       conv paths whose BN was folded mid-QAT
     points         {name: {mode, frozen, observe_in_fake, alpha}}
@@ -47,6 +49,7 @@ import qdebug
 from qdebug.atomic import atomic_path, output_kind
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
+from qdebug.engine.arithmetic import run_in_float
 from qdebug.engine.integer import ARITHMETICS
 from qdebug.engine.modules import _QWeighted, without_norm
 from qdebug.engine.point import MODES as POINT_MODES
@@ -146,6 +149,8 @@ def save(
         ckpt["qat_mode"] = state.qat_mode
         if state.stage == "quantized":
             ckpt["arithmetic"] = getattr(state, "arithmetic", "fixed_point")
+            if getattr(state, "float_kernels", None):
+                ckpt["float_kernels"] = sorted(state.float_kernels)
         ckpt["plan"] = state.plan.to_dict()
         ckpt["absorbed"] = [
             c for c, _ in state.plan.pairs if model.get_submodule(c).bn is None and state.qat_mode != "fuse_bn"
@@ -315,6 +320,10 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
     if arithmetic not in ARITHMETICS:
         raise QDebugError(f"{path} has an unknown arithmetic {shown(arithmetic)}",
                           f"arithmetics: {', '.join(ARITHMETICS)}; re-save it with qdebug.save")
+    float_kernels = obj.get("float_kernels", [])
+    if not isinstance(float_kernels, list) or not all(isinstance(c, str) for c in float_kernels) or \
+            (float_kernels and stage != "quantized"):
+        raise QDebugError(f"{path}: 'float_kernels' is not a list of call names of a quantized stage", DAMAGED)
     absorbed = _checked_paths(obj.get("absorbed"), "absorbed", path)
     frozen_bn = _checked_paths(obj.get("frozen_bn"), "frozen_bn", path)
     folded_bn = _checked_paths(obj.get("folded_bn"), "folded_bn", path)
@@ -369,6 +378,10 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
             absorb_bn(net, conv)
         if stage == "quantized":
             net = convert(net, arithmetic=arithmetic)
+            try:
+                run_in_float(net, float_kernels)
+            except QDebugError as exc:
+                raise QDebugError(f"{path}: {exc.message}", DAMAGED) from None
             remember(net, spec)
             _make_integer_buffers(net, state)
     _load_state(net, state, path)

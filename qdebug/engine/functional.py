@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from qdebug.engine import integer
+from qdebug.engine import arithmetic, integer
 from qdebug.engine.context import Call, ForwardContext, Handler
 from qdebug.engine.members import map_members, member_name, member_paths
 from qdebug.engine.modules import _QWeighted
@@ -100,6 +100,7 @@ class QuantHandler(Handler):
             point, activation = self._out_target(call)
             object.__setattr__(module, "_out_point", point if point is not None and point.mode == "fake" else None)
             object.__setattr__(module, "_fused_activation", activation)
+            object.__setattr__(module, "_in_float", arithmetic.in_float(self.state, call.name))
 
     def on_module_output(self, ctx, call, module, args, output):
         if self.state.stage == "quantized" and call.category in ("relu", "relu6") and args:
@@ -113,6 +114,11 @@ class QuantHandler(Handler):
             result = integer_prelu(args[0], module, self._out_target(call)[0])
             if result is not None:
                 return self._apply(call, result)
+        if (self.state.stage == "quantized" and not isinstance(module, _QWeighted)
+                and arithmetic.in_float(self.state, call.name)):
+            result = _float_kernel(output, *self._out_target(call))
+            if result is not None:
+                return self._apply(call, result)
         if self.state.stage == "quantized" and call.category == "avgpool" and isinstance(output, torch.Tensor):
             out_point, activation = self._out_target(call)
             result = _integer_rescale_average(args[0], output, module, out_point)
@@ -124,6 +130,10 @@ class QuantHandler(Handler):
         if self.state.stage == "quantized":
             out_point, activation = self._out_target(call)
             if out_point is not None and out_point.mode == "fake":
+                if arithmetic.in_float(self.state, call.name):  # the op computed once, in float
+                    output = func(*args, **kwargs)
+                    result = _float_kernel(output, out_point, activation)
+                    return self._apply(call, output if result is None else result)
                 result = _integer_op(call.category, func, args, kwargs, out_point, activation)
                 if result is not None:
                     return self._apply(call, result)
@@ -307,6 +317,17 @@ def _float32_add(a: torch.Tensor, b: torch.Tensor, points: list[QuantPoint], out
     low, high = (0, 255) if out_offset else (out_point.spec.qmin, out_point.spec.qmax)
     q = q.clamp(low, high) - int(out_point.zero_point) - out_offset
     return integer.requantize_codes(q, out_point, activation)
+
+
+def _float_kernel(output: Any, out_point: QuantPoint | None, activation: str | None) -> torch.Tensor | None:
+    """A call the target computes in float (``qdebug.engine.arithmetic.in_float``): ``output``, the
+    op's float32 result on its dequantized inputs, through the fused ReLU/ReLU6, quantized by ONNX
+    Runtime's QuantizeLinear (``quantize_dividing``) onto the output point; None (the op's usual
+    path) without a per-tensor output grid."""
+    if out_point is None or out_point.mode != "fake" or out_point.spec.per_channel or \
+            not isinstance(output, torch.Tensor) or not torch.is_floating_point(output):
+        return None
+    return tag(integer.quantize_float(output.float(), out_point, activation), out_point)
 
 
 def _storage_offset(point: QuantPoint) -> int:

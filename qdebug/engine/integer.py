@@ -20,7 +20,9 @@ stage converted with ``arithmetic="float32"`` requantizes as ONNX Runtime's CPU 
 QLinearConv, QGemm, QLinearMatMul) do instead: M = (s_x s_w) / s_y in float32 operations,
 q_y = z_y + round_half_even(float32(acc) * M) in float32 -- so the quantized stage computes, bit
 for bit, what the deployed ONNX model computes wherever ONNX Runtime fuses a layer into an
-integer kernel.  Element-wise ops (add, cat, mean) keep their own rescaling in both.
+integer kernel.  Element-wise ops (add, cat, mean) keep their own rescaling in both.  A call ONNX
+Runtime leaves in float (``qdebug.engine.arithmetic.in_float``) computes in float32 on the
+dequantized values instead and is quantized by ``quantize_float`` (ORT's QuantizeLinear).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Iterator
 import torch
 
 from qdebug.engine.arithmetic import ARITHMETICS, current as arithmetic  # noqa: F401  (re-exported)
+from qdebug.engine.fake_quant import quantize_dividing
 from qdebug.engine.point import QuantPoint
 
 MAX_MULTIPLIER_BITS = 31
@@ -226,6 +229,33 @@ def requantize(acc: torch.Tensor, multiplier: torch.Tensor, out_point: QuantPoin
     """Integer accumulator -> output codes (with zero point), clamped; returns float32 values."""
     scaled = float32_multiply(acc, multiplier) if arithmetic() == "float32" else fixed_point_multiply(acc, multiplier)
     return requantize_codes(scaled, out_point, activation)
+
+
+# ONNX Runtime's float GEMM (MLAS's sgemm, behind its Conv and Gemm) sums K in blocks of this many
+# terms and adds the blocks' sums in order: its float Conv is im2col + that GEMM.
+MLAS_STRIDE_K = 128
+
+
+def float_gemm(a: torch.Tensor, b: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+    """``start + a @ b`` in float32 summed as ONNX Runtime's float kernels sum it (``MLAS_STRIDE_K``
+    blocks of K, each block's product added in order); ``a`` [..., M, K], ``b`` [..., K, N].
+    Measured against ONNX Runtime 1.32's float Conv in torchvision's ResNet-18 (its first float 3x3
+    conv, 3.2 million codes on the same input): no code apart, where torch's own conv puts 20 one
+    step off, and summing K in one block 22."""
+    total = start
+    for k in range(0, a.shape[-1], MLAS_STRIDE_K):
+        block = a[..., k:k + MLAS_STRIDE_K] @ b[..., k:k + MLAS_STRIDE_K, :]
+        total = block if total is None else total + block
+    return total
+
+
+def quantize_float(y: torch.Tensor, out_point: QuantPoint, activation: str | None) -> torch.Tensor:
+    """The end of a group ONNX Runtime runs in float (``qdebug.engine.arithmetic.in_float``): the
+    float32 result through the fused ReLU/ReLU6 in float (a Relu ORT's quantizer removed is its
+    QuantizeLinear's clamp at z = qmin: the same values), then its QuantizeLinear, which divides."""
+    if activation in ("relu", "relu6"):
+        y = y.clamp(0.0, 6.0) if activation == "relu6" else y.clamp(min=0.0)
+    return quantize_dividing(y, out_point.scale, out_point.zero_point, out_point.spec)
 
 
 def channel_shape(ndim: int, axis: int = 1) -> list[int]:

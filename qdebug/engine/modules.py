@@ -139,6 +139,7 @@ class _QWeighted(nn.Module):
         # Set per call by the engine's handler: the point the output lands on, fused activation.
         object.__setattr__(self, "_out_point", None)
         object.__setattr__(self, "_fused_activation", None)
+        object.__setattr__(self, "_in_float", False)  # the target computes this call in float
         self.integer_fallbacks = 0
 
     def attach_weight_point(self, point: QuantPoint | None) -> None:
@@ -263,6 +264,8 @@ class _QWeighted(nn.Module):
             return self._op(x, w, self.bias)
         if w_point.spec.group_size is not None:
             return tag(self._grouped_integer_forward(x, in_point, out_point), out_point)
+        if self._in_float:
+            return tag(self._float_kernel_forward(x, out_point), out_point)
         s_in = in_point.scale.detach().to(torch.float64)
         s_w = w_point.scale.detach().to(torch.float64)
         s_out = out_point.scale.detach().to(torch.float64)
@@ -278,6 +281,26 @@ class _QWeighted(nn.Module):
             multiplier = multiplier.reshape(shape)
         y = integer.requantize(acc, multiplier, out_point, self._fused_activation)
         return tag(y, out_point)
+
+    def _float_kernel_forward(self, x: torch.Tensor, out_point: QuantPoint) -> torch.Tensor:
+        """The layer as ONNX Runtime runs a QDQ group it does not fuse (``integer.quantize_float``):
+        its float Conv/Gemm on the dequantized input and weight, (q - z) s in float32 as its
+        DequantizeLinear computes them, then the bias added (the DequantizeLinear of an imported
+        int32 bias: the layer's ``bias``), then QuantizeLinear onto ``out_point``."""
+        scale = integer._broadcast_point(self.weight_point.scale.detach().float(), self.weight_point, self.weight.dim())
+        bias = self.bias.detach().float() if self.bias is not None else None
+        y = self._float_op(x.float(), self.weight_codes().float() * scale, bias)
+        return integer.quantize_float(y, out_point, self._fused_activation)
+
+    def _float_op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer in float32 as ONNX Runtime's float kernel sums it: torch's op, the bias added
+        after the sum (subclasses sum as MLAS's GEMM does where they can)."""
+        y = self._op(x, weight, None)
+        if bias is not None:
+            shape = [1] * y.dim()
+            shape[self.out_channel_axis] = -1
+            y = y + bias.reshape(shape)
+        return y
 
     def _grouped_integer_forward(self, x: torch.Tensor, in_point: QuantPoint, out_point: QuantPoint) -> torch.Tensor:
         """A grouped weight (W4A8-style, Linear only): per group j of g inputs, the integer partial
@@ -361,6 +384,20 @@ class QConv(_QWeighted):
             bias = bias.to(x.dtype)
         return fn(x, weight.to(x.dtype), bias, self.stride, padding, self.dilation, self.groups)
 
+    def _float_op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """ONNX Runtime's float Conv: im2col (K ordered channel, kernel row, column) and MLAS's GEMM
+        (``integer.float_gemm``), the bias added after; a grouped, padded-by-mode, 1-d or
+        own-forward conv as torch computes it."""
+        padding = self.padding
+        if (self.dims != 2 or self.groups != 1 or self._own_forward is not None or self.padding_mode != "zeros"
+                or not all(isinstance(p, int) for p in padding)):
+            return super()._float_op(x, weight, bias)
+        cols = F.unfold(x, self.kernel_size, self.dilation, padding, self.stride)  # [N, C kh kw, L]
+        height = (x.shape[2] + 2 * padding[0] - self.dilation[0] * (self.kernel_size[0] - 1) - 1) // self.stride[0] + 1
+        y = integer.float_gemm(weight.reshape(weight.shape[0], -1), cols)
+        y = y.reshape(x.shape[0], weight.shape[0], height, -1)
+        return y + bias.reshape(1, -1, 1, 1) if bias is not None else y
+
     def _run_own_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Instance attributes shadow the parameters (nn.Module looks those up only when
         # normal lookup fails): the layer's own forward reads the weight we give it.
@@ -400,6 +437,13 @@ class QLinear(_QWeighted):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         return F.linear(x, weight.to(x.dtype), bias)
+
+    def _float_op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """ONNX Runtime's float Gemm (a 2-d input): the bias broadcast into the output first, then
+        MLAS's GEMM adds the product to it (``integer.float_gemm``); else MatMul, then Add."""
+        if x.dim() == 2:
+            return integer.float_gemm(x, weight.t(), bias.expand(x.shape[0], -1) if bias is not None else None)
+        return super()._float_op(x, weight, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, stage={self.stage}"

@@ -67,6 +67,7 @@ class EngineState:
         self.qat_mode = qat_mode
         self.stage = "fake"  # "fake" (float/calibrated/qat) or "quantized" (integer simulation)
         self.arithmetic = "fixed_point"  # the quantized stage's requantization (qdebug.engine.integer)
+        self.float_kernels: set[str] = set()  # calls the target computes in float (qdebug.engine.arithmetic)
         self.table = table
         self.points: "OrderedDict[str, QuantPoint]" = OrderedDict()
         self.listeners: list = []

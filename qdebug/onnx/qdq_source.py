@@ -25,9 +25,12 @@ the file does not hold is refused (another architecture).
 
 The result is stage ``quantized``: ONNX Runtime's CPU execution provider fuses DQ -> Conv -> Q
 into QLinearConv (and Add, MatMul, pooling likewise) -- integer kernels, as torch's converted
-modules, which the converted import also makes the engine's integer stage.  ``import_qdq`` builds
-it and checks it against ONNX Runtime's own run of the file (``check_against_ort``: the outputs,
-and each activation row's codes against its QuantizeLinear's).
+modules, which the converted import also makes the engine's integer stage.  A group ORT does not
+fuse (on x86, a conv or add mixing int8 and uint8 codes) it runs in float32: ``mark_float_layers``
+reads those from ORT's optimized graph and marks their calls, which the stage then computes in
+float as ORT does (``qdebug.engine.arithmetic``).  ``import_qdq`` builds it and checks it against
+ONNX Runtime's own run of the file (``check_against_ort``: the outputs, and each activation row's
+codes against its QuantizeLinear's).
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ ONNX_TYPE_NAMES = {2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32"}
 _ARCHITECTURE_HINT = "pass --model the class (and --model-kwargs) the ONNX model was exported from"
 
 
-def read_qdq(model: Any, float_model: nn.Module, example_inputs: Any) -> tuple[SourceModel, Plan, list[dict]]:
+def read_qdq(model: Any, float_model: nn.Module, example_inputs: Any) -> tuple[SourceModel, Plan, list[dict], Any]:
     """The ``SourceModel`` (flow ``onnx-qdq``, stage quantized) of an ORT-quantized QDQ ``model``
     (a ModelProto from ``qdebug.onnx.model_file.read_onnx``), the engine plan of its float model,
-    and the report rows of ORT's int32 biases."""
+    the report rows of ORT's int32 biases, and the ``TensorMap`` of its tensors."""
     from qdebug.interop.eager import _set, trace_float
     from qdebug.onnx.names import graph_of, map_tensors, scope_path
 
@@ -87,7 +90,7 @@ def read_qdq(model: Any, float_model: nn.Module, example_inputs: Any) -> tuple[S
     reader.activations(tensors, plan)
     reader.leftover_dequantizers()
     reader.refuse_unread_parameters()
-    return source, plan, reader.bias_rows
+    return source, plan, reader.bias_rows, tensors
 
 
 def _constants(model: Any) -> dict[str, Any]:
@@ -376,22 +379,80 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
 
 def import_qdq(model: Any, float_model: nn.Module, example_inputs: Any, *, check: bool = True) -> nn.Module:
     """The engine model (quantized stage, ONNX Runtime's ``float32`` arithmetic) of an ORT-quantized
-    QDQ ``model``: ``read_qdq``, the interop builder, ``qdebug.engine.convert``; its report is ``qdebug.interop.import_report``.
+    QDQ ``model``: ``read_qdq``, the interop builder, ``qdebug.engine.convert``, the layers ORT runs
+    in float marked (``mark_float_layers``); its report is ``qdebug.interop.import_report``.
     ``check``: run ONNX Runtime on the file and the import on ``example_inputs`` and compare
     (``check_against_ort``; the result is ``qdebug.interop.import_check``)."""
     from qdebug.engine import convert, engine_state
     from qdebug.interop.build import REPORT_ATTR, build
 
-    source, plan, bias_rows = read_qdq(model, float_model, example_inputs)
+    source, plan, bias_rows, tensors = read_qdq(model, float_model, example_inputs)
     # ONNX Runtime's own arithmetic (float32 requantization, its add and pooling kernels): the
     # quantized stage computes what the file computes there, bit for bit where ORT fuses a layer.
     imported = convert(build(source, plan), arithmetic="float32")
     state = engine_state(imported)
     setattr(state, REPORT_ATTR, list(getattr(state, REPORT_ATTR, None) or []) + bias_rows)
+    mark_float_layers(model, imported, tensors)
     setattr(state, NODES_ATTR, tensor_nodes(model))
     if check:
         check_against_ort(model, imported, example_inputs)
     return imported
+
+
+FLOAT_LAYERS_ATTR = "ort_float_layers"  # on the engine state: {call: ONNX node} ORT runs in float
+UNMARKED_ATTR = "ort_float_unmarked"  # on the engine state: float ONNX nodes no single engine call computes
+
+
+def mark_float_layers(model: Any, imported: nn.Module, tensors: Any) -> dict[str, str]:
+    """Ask ONNX Runtime which of ``model``'s quantized layers it runs in float (its optimized graph,
+    ``qdebug.onnx.parity.ort_kernels``: on x86 a QDQ group mixing int8 and uint8 codes is not fused)
+    and mark their engine calls (``qdebug.engine.arithmetic.run_in_float``): the import computes
+    them in float32 as ORT does.  The activation row each one's output lands on says so in its note.
+    Returns ``{call: node}``; a float node that no single engine call computes (its call left
+    integer) is named in the note of its output's row and in the self-check's
+    ``ort_float_unmarked``."""
+    from qdebug.engine import engine_state
+    from qdebug.engine.arithmetic import run_in_float
+    from qdebug.interop.build import REPORT_ATTR
+    from qdebug.onnx.names import ONNX_CATEGORIES, graph_of, row_through_fusion
+    from qdebug.onnx.parity import session_and_kernels
+
+    try:
+        float_nodes = session_and_kernels(model)[3]
+    except QDebugError:  # ONNX Runtime cannot load the file: the self-check says so
+        return {}
+    state = engine_state(imported)
+    plan = state.plan
+    nodes = {node.name: node for node in graph_of(model).nodes}
+    rows = set(tensors.rows.values())
+    found: dict[str, str] = {}
+    unmarked: list[str] = []
+    notes: dict[str, str] = {}  # point -> the note of its row
+    for name in float_nodes:
+        node = nodes.get(name)
+        row = tensors.rows.get(node.output[0]) if node is not None and node.output else None
+        categories = ONNX_CATEGORIES.get(node.op_type, frozenset()) if node is not None else frozenset()
+        calls = [c.name for c in plan.calls.values()
+                 if row is not None and c.category in categories and row_through_fusion(plan, c.name, rows) == row]
+        if len(calls) == 1:
+            found[calls[0]] = name
+            point = plan.calls[calls[0]].output_point
+            note = (f"ONNX Runtime runs {name} in float (no int8 kernel in its optimized graph): computed in "
+                    "float32 as ORT does")
+        else:
+            unmarked.append(name)
+            point = plan.calls[row].output_point if row in plan.calls else None
+            note = (f"ONNX Runtime runs {name} in float, and {len(calls)} engine calls could compute it: "
+                    "computed with integer kernels")
+        if point is not None:
+            notes[point] = "; ".join(n for n in (notes.get(point), note) if n)
+    run_in_float(imported, found)
+    for report_row in getattr(state, REPORT_ATTR, None) or []:
+        if report_row["kind"] == "activation" and report_row["point"] in notes:
+            report_row["note"] = "; ".join(n for n in (report_row["note"], notes[report_row["point"]]) if n)
+    setattr(state, FLOAT_LAYERS_ATTR, dict(found))
+    setattr(state, UNMARKED_ATTR, unmarked)
+    return found
 
 
 NODES_ATTR = "onnx_nodes"  # on the engine state; ``qdebug import`` saves it as the checkpoint's meta["onnx_nodes"]
@@ -427,21 +488,14 @@ def ort_outputs(model: Any, example_inputs: Any, taps: list[str] | None = None) 
     the model's own)."""
     from qdebug.engine.context import split_inputs
     from qdebug.engine.ops import tensors_in
-    from qdebug.onnx.model_file import require
+    from qdebug.onnx.session import cpu_session, first_line
 
-    ort = require("onnxruntime")
     if taps:
         from onnx import helper
 
         model = copy.deepcopy(model)
         model.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in taps)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: its notes on unused initializers are not the user's concern
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT refuses the graph: say so in one line
-        raise QDebugError(f"ONNX Runtime cannot load the model: {str(exc).strip().splitlines()[0][:300]}",
-                          "check it runs: onnxruntime.InferenceSession(path)") from None
+    session = cpu_session(model, "the model", "check it runs: onnxruntime.InferenceSession(path)")
     args, kwargs = split_inputs(example_inputs)
     tensors = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)]
     names = [i.name for i in session.get_inputs()]
@@ -451,8 +505,7 @@ def ort_outputs(model: Any, example_inputs: Any, taps: list[str] | None = None) 
     try:
         outs = session.run(None, {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)})
     except Exception as exc:
-        raise QDebugError(f"ONNX Runtime cannot run the model on the example batch: "
-                          f"{str(exc).strip().splitlines()[0][:300]}",
+        raise QDebugError(f"ONNX Runtime cannot run the model on the example batch: {first_line(exc)}",
                           "pass --data with the inputs' shapes and dtypes the model was exported with") from None
     return [torch.from_numpy(o.copy()) for o in outs]
 
@@ -478,8 +531,9 @@ def output_scales(model: Any) -> list[float | None]:
 
 def _check_rows(model: Any, imported: nn.Module, example_inputs: Any, rows: list[dict]) -> dict[str, Any]:
     """Each activation row's integer codes against ORT's on the example batch: the output of its
-    QuantizeLinear (a graph output in a second session: ORT's fused kernels still write it) and
-    the engine's value at the row's point, on the file's grid.
+    QuantizeLinear (a graph output in a second session, tapped as the ONNX stage taps so that ORT
+    keeps the deployed model's kernels: ``qdebug.onnx.stage``) and the engine's value at the row's
+    point, on the file's grid.
 
     One layer's kernels agree exactly or by one code at a rounding tie, and such a code travels on
     through the layers after it (a random-weight ResNet with 8 residual blocks grows it to a few
@@ -489,6 +543,7 @@ def _check_rows(model: Any, imported: nn.Module, example_inputs: Any, rows: list
     has another shape than the row's point: not compared.  Returns the counts."""
     from qdebug.interop.check import _run_engine
     from qdebug.onnx.model_file import tensor_array
+    from qdebug.onnx.stage import TapIndex
 
     quantizers = {}
     for node in model.graph.node:
@@ -498,17 +553,24 @@ def _check_rows(model: Any, imported: nn.Module, example_inputs: Any, rows: list
                and r["status"] in ("exact", "moved")]
     if not checked:
         return {"rows_checked": 0, "rows_differing": []}
-    theirs = ort_outputs(model, example_inputs, [quantizers[r["source"]].output[0] for r in checked])
-    theirs = theirs[len(model.graph.output):]
+    # Tapped as the ONNX stage taps (``qdebug.onnx.stage``): a plain graph output on an int8 pair's codes
+    # stops ONNX Runtime's uint8 conversion on x86, and the layers after it would run in float.
+    index = TapIndex(model)
+    taps = {id(r): index.tap(quantizers[r["source"]].input[0]) for r in checked}
+    checked = [r for r in checked if taps[id(r)] is not None and taps[id(r)].how != "float"]
+    tapped = index.tapped_model([taps[id(r)] for r in checked])
+    by_name = dict(zip((o.name for o in tapped.graph.output), ort_outputs(tapped, example_inputs)))
+    theirs = [taps[id(r)].value(by_name[taps[id(r)].tensor].numpy()) for r in checked]
     values: dict[str, list[torch.Tensor]] = {}
     _run_engine(imported, example_inputs, values)
     constants = _constants(model)
     differing: list[str] = []
     compared, worst_mean, least_within = 0, 0.0, 1.0
-    for row, codes in zip(checked, theirs):
+    for row, dequantized in zip(checked, theirs):
         node = quantizers[row["source"]]
         scale = float(tensor_array(constants[node.input[1]]).reshape(-1)[0])
         zero = int(tensor_array(constants[node.input[2]]).reshape(-1)[0]) if len(node.input) > 2 else 0
+        codes = torch.round(dequantized.double() / scale) + zero
         ours = [v for v in values.get(row["point"], []) if v.numel() == codes.numel()]
         if not ours or not codes.numel():
             continue
@@ -576,6 +638,9 @@ def check_against_ort(model: Any, imported: nn.Module, example_inputs: Any) -> d
     state = engine_state(imported)
     rows = getattr(state, REPORT_ATTR, None) or []
     check.update(_check_rows(model, imported, example_inputs, rows))
+    check["ort_float_layers"] = sorted(getattr(state, FLOAT_LAYERS_ATTR, None) or {})  # the engine calls
+    if getattr(state, UNMARKED_ATTR, None):
+        check["ort_float_unmarked"] = list(state.ort_float_unmarked)  # ONNX nodes
     explained = any(r["status"] in ("unmapped", "approximate") for r in rows)
     if not within and not explained:
         raise QDebugError(f"the import does not compute what ONNX Runtime computes: outputs differ by up to "

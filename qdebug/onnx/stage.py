@@ -142,7 +142,7 @@ class OnnxStage(ReportsCalls, nn.Module):
                               "OnnxStage(proto, reference=model, example_inputs=batch)")
         plan, modules_of = _plan(self.reference, example_inputs)
         sources, unmatched = self._sources(plan, modules_of)
-        graph = _Index(self.proto)
+        graph = TapIndex(self.proto)
         taps: dict[str, Tap] = {}
         for row, tensor in sources.items():
             tap = graph.tap(tensor)
@@ -303,7 +303,7 @@ class OnnxStage(ReportsCalls, nn.Module):
 
 
 # -- the graph ----------------------------------------------------------------------------------
-class _Index:
+class TapIndex:
     """Who reads each tensor of the model's main graph, its initializers and outputs: where a
     row's value is tapped (module docstring)."""
 
