@@ -120,3 +120,13 @@ def test_an_int8_resnet_import_marks_the_float_layers_and_they_survive_save_and_
         torch.save({**saved, "float_kernels": damaged}, tmp_path / "damaged.pt")
         with pytest.raises(QDebugError, match=fragment):
             qdebug.load(tmp_path / "damaged.pt", model=ModelSpec(RESNET, SMALL_RESNET))
+
+
+def test_the_import_command_says_which_layers_ort_runs_in_float(cli, ties, tmp_path):
+    x = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    torch.save(x, tmp_path / "x.pt")
+    result = cli("import", ties, "--from", "onnx-qdq", "--model", f"{__name__}:Residual", "--data", tmp_path / "x.pt",
+                 "-o", tmp_path / "ort.pt")
+    assert result.code == 0, result.err
+    text = " ".join((result.out + result.err).split())
+    assert "ONNX Runtime runs 2 layer(s) in float, simulated so: add, conv" in text, text

@@ -27,6 +27,7 @@ from qdebug.cli.output import (
     prepare_out, print_table, say, table_width, with_out,
 )
 from qdebug.errors import QDebugError
+from qdebug.safe_text import escaped
 
 SOURCES = ("torch-ao", "onnx-qdq")
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")  # qdebug.interop.state_dict.BACKENDS, said before torch loads
@@ -332,6 +333,10 @@ def check_lines(check: dict) -> list[str]:
     if check.get("rows_checked"):
         lines.append(f"  {check['rows_checked']} row(s) checked against its codes: mean difference at most "
                      f"{check['rows_max_mean_codes']:g}")
+    floats = check.get("ort_float_layers") or []
+    if floats:  # ORT could not fuse them: simulated as it runs them (docs/onnx.md)
+        shown = ", ".join(escaped(c) for c in floats[:4]) + (" ..." if len(floats) > 4 else "")
+        lines.append(f"  ONNX Runtime runs {len(floats)} layer(s) in float, simulated so: {shown}")
     rows = check.get("rows_differing") or []
     if rows:
         theirs = "ONNX Runtime's" if check.get("compared_with") == "onnxruntime" else "torch's"
