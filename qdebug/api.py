@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -197,21 +198,37 @@ def _as_model(item: Any, index: int, cfg: Config) -> tuple[str, nn.Module, Any]:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], nn.Module):
         label, model = str(item[0]), item[1]
         return label, TorchStage(model) if is_converted(model) else model, None
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], (str, Path)) and _is_onnx(item[1]):
+        return str(item[0]), _onnx_stage(item[1]), None  # ("deployed", "model.onnx")
     if isinstance(item, nn.Module):
         # A model torch.ao converted runs as it is, by torch's kernels (``qdebug.interop.torch_stage``).
-        label = "onnx" if hasattr(type(item), "use_reference") else f"model{index}"  # an OnnxStage: "onnx"
+        label = "onnx" if _is_onnx_stage(item) else f"model{index}"
         return label, TorchStage(item) if is_converted(item) else item, None
     if isinstance(item, (str, Path)):
-        from qdebug.onnx.model_file import is_onnx_path
-
-        if is_onnx_path(item):  # run by ONNX Runtime (``qdebug.onnx.stage``), named after the reference
-            from qdebug.onnx.model_file import read_onnx
-            from qdebug.onnx.stage import OnnxStage
-
-            return "onnx", OnnxStage(read_onnx(item), source=str(item)), None
+        if _is_onnx(item):  # run by ONNX Runtime (``qdebug.onnx.stage``), named after the reference
+            return "onnx", _onnx_stage(item), None
         model, info = _load(item, cfg)
         return info.stage, model, info
     raise QDebugError(f"cannot compare a {type(item).__name__}", "pass checkpoint paths, models or (label, model) pairs")
+
+
+def _is_onnx(path: Any) -> bool:
+    from qdebug.onnx.model_file import is_onnx_path
+
+    return is_onnx_path(path)
+
+
+def _onnx_stage(path: Any) -> nn.Module:
+    from qdebug.onnx.model_file import read_onnx
+    from qdebug.onnx.stage import OnnxStage
+
+    return OnnxStage(read_onnx(path), source=str(path))
+
+
+def _is_onnx_stage(model: Any) -> bool:
+    """Whether ``model`` is a ``qdebug.onnx.stage.OnnxStage`` (without importing onnx to ask)."""
+    module = sys.modules.get("qdebug.onnx.stage")
+    return module is not None and isinstance(model, module.OnnxStage)
 
 
 def _name_torch_stages(models: list[nn.Module], reference: nn.Module) -> None:
@@ -222,7 +239,7 @@ def _name_torch_stages(models: list[nn.Module], reference: nn.Module) -> None:
     from qdebug.interop.torch_stage import TorchStage
 
     for model in models:
-        if hasattr(type(model), "use_reference") and model.reference is None:  # an ONNX model (qdebug.onnx.stage)
+        if _is_onnx_stage(model) and model.reference is None:  # an ONNX model: named after the reference
             if hasattr(type(reference), "qdebug_tap"):
                 raise QDebugError("an ONNX model is compared against a checkpoint or model of qdebug's, and the "
                                   "reference is not one", "pass the float model first (or ref= its index)")

@@ -236,3 +236,11 @@ def test_wrong_inputs_and_reference_are_one_error(cli, demo, stages, tmp_path):
     r.assert_error("the reference must be a checkpoint")
     r = cli("compare", demo.int8, demo.uint8, "--data", DEMO / "eval.pt")
     r.assert_error("an ONNX model cannot be the reference")
+
+
+def test_the_api_takes_an_onnx_path_under_a_label_of_the_users(demo):
+    frame = qdebug.compare(DEMO / "float.pt", ("deployed", demo.uint8), data=str(DEMO / "eval.pt"), batches=1,
+                           isolated=False, config=False)
+    rows = frame[(frame["target"] == "deployed") & frame["sqnr_db"].notna()]
+    assert len(rows) > 10 and "onnx" not in set(frame["target"])
+    assert "deployed" in frame.attrs["meta"]["stages"]
