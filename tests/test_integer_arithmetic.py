@@ -151,22 +151,28 @@ def _quantized_add(scales, zero_points):
     return convert(prepared, arithmetic="float32"), state
 
 
-def test_float32_add_is_onnx_runtimes_qlinearadd_ties_included():
-    # Scales and codes met in torchvision's MobileNetV2 (features.16.add): 136.5 plus one float32 ulp
-    # where a plain multiply-then-add gives exactly 136.5 and rounds to even, 136 -- ORT's fused
-    # multiply-adds give 137.
-    scales, zero_points = (0.0624510757625103, 0.04306953027844429, 0.07082371413707733), (137, 127, 132)
+@pytest.mark.parametrize("scales, zero_points, codes_ab, expected", [
+    # Met in torchvision's MobileNetV2 (features.16.add of qdebug's export): 136.5 plus one float32 ulp
+    # where a plain multiply-then-add gives exactly 136.5 and rounds to even, 136 -- ORT gives 137.
+    ((0.0624510757625103, 0.04306953027844429, 0.07082371413707733), (137, 127, 132), ((109, 175),), (137,)),
+    # Met in its ORT QUInt8 import (features.13.add): only z_y - fma(r_a, z_a, r_b z_b) gives ORT's 135,
+    # and only fma(q_a, r_a, fma(q_b, r_b, .)) -- b first -- its 93.
+    ((0.06617016345262527, 0.05502394214272499, 0.07904686778783798), (123, 140, 123), ((170, 100), (131, 88)),
+     (135, 93)),
+])
+def test_float32_add_is_onnx_runtimes_qlinearadd_ties_included(scales, zero_points, codes_ab, expected):
     quantized, _ = _quantized_add(scales, zero_points)
     rng = np.random.default_rng(0)
-    a = np.concatenate([[109], rng.integers(0, 256, 200_000)]).astype(np.uint8)
-    b = np.concatenate([[175], rng.integers(0, 256, 200_000)]).astype(np.uint8)
+    a = np.concatenate([[p[0] for p in codes_ab], rng.integers(0, 256, 200_000)]).astype(np.uint8)
+    b = np.concatenate([[p[1] for p in codes_ab], rng.integers(0, 256, 200_000)]).astype(np.uint8)
     values = [torch.from_numpy((v.astype(np.float32) - z) * np.float32(s)) for v, s, z in zip((a, b), scales, zero_points)]
     with torch.no_grad():
-        ours = torch.round(quantized(*values) / torch.tensor(scales[2], dtype=torch.float32)).to(torch.int64) + 132
+        ours = torch.round(quantized(*values) / torch.tensor(scales[2], dtype=torch.float32)).to(torch.int64)
+    ours = ours + zero_points[2]
     params = [("sa", scales[0], np.float32), ("za", zero_points[0], np.uint8), ("sb", scales[1], np.float32),
               ("zb", zero_points[1], np.uint8), ("sc", scales[2], np.float32), ("zc", zero_points[2], np.uint8)]
     theirs = _ort_node("QLinearAdd", [("a", a), ("b", b)], params, domain="com.microsoft")
-    assert int(theirs[0]) == 137 and int(ours[0]) == 137
+    assert tuple(int(v) for v in theirs[:len(expected)]) == expected
     assert (ours.numpy() == theirs).all()
 
 

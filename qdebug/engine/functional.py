@@ -300,20 +300,22 @@ def _float32_add(a: torch.Tensor, b: torch.Tensor, points: list[QuantPoint], out
                  activation: str | None) -> torch.Tensor:
     """ONNX Runtime's QLinearAdd on x86 (MLAS's AVX2 kernel): with r = s / s_y in float32 and the
     stored codes q (an asymmetric int8 tensor is stored as uint8, q + 128, as qdebug's export and
-    ORT's own conversion write it), q_y = rint(fma(q_b, r_b, fma(q_a, r_a, z_y - (r_a z_a + r_b z_b))))
+    ORT's own conversion write it), q_y = rint(fma(q_a, r_a, fma(q_b, r_b, z_y - fma(r_a, z_a, r_b z_b))))
     in float32, saturated to the stored type (tests/test_integer_arithmetic.py checks it against
     ORT's kernel, on values where a plain multiply-then-add rounds the other way)."""
     s_out = out_point.scale.detach().float()
     out_offset = _storage_offset(out_point)
     ratio_a, ratio_b = (p.scale.detach().float() / s_out for p in points)
     za, zb = (float(p.zero_point) + _storage_offset(p) for p in points)
-    fixed = torch.tensor(float(out_point.zero_point) + out_offset, dtype=torch.float32) - (ratio_a * za + ratio_b * zb)
+    # z_y - (r_a z_a + r_b z_b): ORT's compiled setup contracts r_a z_a + (r_b z_b) into one fma too.
+    zero_part = (ratio_a.double() * za + (ratio_b * zb).double()).float()
+    fixed = torch.tensor(float(out_point.zero_point) + out_offset, dtype=torch.float32) - zero_part
     stored_a, stored_b = (integer.codes(t, p, torch.float32) + (float(p.zero_point) + _storage_offset(p))
                           for t, p in zip((a, b), points))
     # Two fused multiply-adds (AVX2's vfmadd): one rounding each, emulated exactly in float64 (a
     # product of two float32 values is exact there).
-    inner = (stored_a.double() * ratio_a.double() + fixed.double()).float()
-    q = torch.round((stored_b.double() * ratio_b.double() + inner.double()).float()).to(torch.int64)
+    inner = (stored_b.double() * ratio_b.double() + fixed.double()).float()
+    q = torch.round((stored_a.double() * ratio_a.double() + inner.double()).float()).to(torch.int64)
     low, high = (0, 255) if out_offset else (out_point.spec.qmin, out_point.spec.qmax)
     q = q.clamp(low, high) - int(out_point.zero_point) - out_offset
     return integer.requantize_codes(q, out_point, activation)
