@@ -9,6 +9,7 @@ kernel, and the names of docs/onnx.md's conventions.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -207,6 +208,12 @@ def test_cli_exports_each_quantized_stage(cli, stages):
     text = " ".join(table.out.split())  # the summary is wrapped to the terminal's width
     assert table.code == 0, table.err
     assert "100 output values (2 batch(es)): 100.00% equal, 100.00% within 1 LSB, max 0 LSB" in text, text
+    # The next line runs as printed: the checkpoint and its export, side by side, on the same data.
+    command = table.out.splitlines()[-1].strip()
+    assert command.startswith("qdebug compare ") and "t.onnx" in command and "--batch-size 5" in command
+    rerun = cli(*shlex.split(command)[1:], "--format", "json")
+    assert rerun.code == 0, rerun.err
+    assert "onnx" in json.loads(rerun.out)["meta"]["targets"]
 
 
 def test_cli_float_stage_is_torchs_own_export(cli, stages):

@@ -10,7 +10,7 @@ import typer
 from qdebug.cli.app import app
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
-    check_data, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
+    RunOptions, check_data, command_line, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
 )
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, say, with_out,
@@ -92,9 +92,14 @@ def export(
             "ort_disabled_optimizers": parity["disabled_optimizers"] if parity else [],
             "ort_kernels": parity["kernels"] if parity else {}, "ort_float_layers": parity["float_kernels"] if parity else []}
     failed = parity is not None and parity["within_1_lsb"] < PARITY_GATE
+    # Runs as printed: the checkpoint (a stage of qdebug's) as the reference, the ONNX model beside it.
+    run = RunOptions(model=model, model_kwargs=model_kwargs, unsafe_load=unsafe_load, device=device, data=data,
+                     batches=batches, batch_size=batch_size)
+    meta["next"] = command_line("compare", path, output, options=[*run.data_options(), *run.model_options()]) \
+        if parity is not None else ""
 
     def render() -> None:
-        for line in _summary(row, parity, exported):
+        for line in _summary(row, parity, exported, meta["next"]):
             say(line)
 
     import pandas as pd
@@ -156,7 +161,7 @@ def _row(exported: dict, parity: Optional[dict], output: Path) -> dict:
     }
 
 
-def _summary(row: dict, parity: Optional[dict], exported: dict) -> list[str]:
+def _summary(row: dict, parity: Optional[dict], exported: dict, next_command: str = "") -> list[str]:
     lines = [f"exported {row['points']} quant points ({row['weights']} weights, {row['activations']} activations) "
              f"at opset {row['opset']} to {row['output']}"]
     if exported["float_points"]:
@@ -176,7 +181,8 @@ def _summary(row: dict, parity: Optional[dict], exported: dict) -> list[str]:
         lines.append(f"ONNX Runtime loads it only without its {', '.join(parity['disabled_optimizers'])} (an ONNX "
                      "Runtime bug at opset 21 with int8 points, docs/onnx.md): pass disabled_optimizers=[...] to "
                      "InferenceSession where you deploy it")
-    lines.append(f"next: qdebug compare FLOAT {row['output']} --data ... puts the deployed model beside the others")
+    if next_command:
+        lines += ["next: the deployed model beside the stage it came from, layer by layer:", f"  {next_command}"]
     return lines
 
 
