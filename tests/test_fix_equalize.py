@@ -168,15 +168,20 @@ def _weights_per_tensor_int8(model):
     return quantized
 
 
-def test_depthwise_per_tensor_int8_weights_gain():
+def _spread_depthwise_net() -> nn.Module:
+    """As in trained depthwise layers after BN folding: channel ranges spread over decades while the
+    next layer reads every channel at its own scale (a plant that keeps the function)."""
     torch.manual_seed(2)
     model = randomize_bn(DepthwiseNet(), 4).eval()
-    # As in trained depthwise layers after BN folding: channel ranges spread over decades while the
-    # next layer reads every channel at its own scale (a plant that keeps the function).
     spread = torch.exp(torch.randn(16) * 1.5)
     with torch.no_grad():
         model.dw.weight *= spread[:, None, None, None]
         model.pw.weight /= spread[None, :, None, None]
+    return model
+
+
+def test_depthwise_per_tensor_int8_weights_gain():
+    model = _spread_depthwise_net()
     x = torch.randn(8, 16, 12, 12)
     folded, _ = equalize(model, x, iterations=0)
     new, report = equalize(model, x)
@@ -191,12 +196,7 @@ def test_depthwise_per_tensor_int8_weights_gain():
 def test_equalized_model_prepares_and_calibrates_better_with_the_engine():
     """The engine's own per-tensor int8 weights (and int8 activations) on the depthwise network:
     the equalized float model is an ordinary float model to prepare and calibrate, and gains."""
-    torch.manual_seed(2)
-    model = randomize_bn(DepthwiseNet(), 4).eval()
-    spread = torch.exp(torch.randn(16) * 1.5)
-    with torch.no_grad():
-        model.dw.weight *= spread[:, None, None, None]
-        model.pw.weight /= spread[None, :, None, None]
+    model = _spread_depthwise_net()
     batches = [torch.randn(8, 16, 12, 12) for _ in range(3)]
     x = torch.randn(8, 16, 12, 12)
 
