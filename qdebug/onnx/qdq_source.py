@@ -26,11 +26,9 @@ the file does not hold is refused (another architecture).
 The result is stage ``quantized``: ONNX Runtime's CPU execution provider fuses DQ -> Conv -> Q
 into QLinearConv (and Add, MatMul, pooling likewise) -- integer kernels, as torch's converted
 modules, which the converted import also makes the engine's integer stage.  A group ORT does not
-fuse (on x86, a conv or add mixing int8 and uint8 codes) it runs in float32: ``mark_float_layers``
-reads those from ORT's optimized graph and marks their calls, which the stage then computes in
-float as ORT does (``qdebug.engine.arithmetic``).  ``import_qdq`` builds it and checks it against
-ONNX Runtime's own run of the file (``check_against_ort``: the outputs, and each activation row's
-codes against its QuantizeLinear's).
+fuse (on x86, a conv or add mixing int8 and uint8 codes) it runs in float32: ``import_qdq`` builds
+the model, marks those layers and checks it against ONNX Runtime's own run of the file
+(``qdebug.onnx.qdq_check``).
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ FLOW = "onnx-qdq"
 ZERO_POINT_TYPES = {2: ("quint8", 0, 255), 3: ("qint8", -128, 127), 4: ("quint16", 0, 65535),
                     5: ("qint16", -32768, 32767)}
 ONNX_TYPE_NAMES = {2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32"}
-_ARCHITECTURE_HINT = "pass --model the class (and --model-kwargs) the ONNX model was exported from"
+ARCHITECTURE_HINT = "pass --model the class (and --model-kwargs) the ONNX model was exported from"
 
 
 def read_qdq(model: Any, float_model: nn.Module, example_inputs: Any) -> tuple[SourceModel, Plan, list[dict], Any]:
@@ -66,7 +64,7 @@ def read_qdq(model: Any, float_model: nn.Module, example_inputs: Any) -> tuple[S
         raise QDebugError("the ONNX model holds no QuantizeLinear/DequantizeLinear node: it is a float model",
                           "quantize it first: onnxruntime.quantization.quantize_static(..., "
                           "quant_format=QuantFormat.QDQ), or compare it as a float model")
-    constants = _constants(model)
+    constants = constant_tensors(model)
     net = copy.deepcopy(float_model).eval()
     modules = {name for name, _ in net.named_modules() if name}
     with torch.no_grad():
@@ -93,7 +91,7 @@ def read_qdq(model: Any, float_model: nn.Module, example_inputs: Any) -> tuple[S
     return source, plan, reader.bias_rows, tensors
 
 
-def _constants(model: Any) -> dict[str, Any]:
+def constant_tensors(model: Any) -> dict[str, Any]:
     """Tensor name -> TensorProto of every initializer and Constant node's value."""
     found = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
@@ -189,7 +187,7 @@ class _Reader:
             if tensor is None:
                 raise QDebugError(f"the ONNX model has no weight for {path!r} ({type(module).__name__}), a layer of "
                                   "--model's forward: it was exported from another architecture",
-                                  _ARCHITECTURE_HINT)
+                                  ARCHITECTURE_HINT)
             weight_scale = self.load_weight(path, module, tensor, readers.get(tensor))
             self.load_bias(path, module, bias_of.get(path), readers.get(tensor), weight_scale)
             self.done_layers.add(path)
@@ -202,7 +200,7 @@ class _Reader:
         dq = self.dequantizer_of(tensor)
         if dq is not None and dq.input[0] in self.constants:
             codes = self.array(dq.input[0]).to(torch.int64)
-            q = self.quantizer(dq, "weight", path, _original_name(dq.input[0]))
+            q = self.quantizer(dq, "weight", path, original_name(dq.input[0]))
             weight = _dequantize(codes, q.scale, q.zero_point, q.ch_axis if q.per_channel else None)
             if transposed:
                 weight = weight.t()
@@ -217,7 +215,7 @@ class _Reader:
                               "export the model with torch.onnx.export(..., do_constant_folding=True)")
         if tuple(weight.shape) != tuple(module.weight.shape):
             raise QDebugError(f"{path}: --model's weight has shape {tuple(module.weight.shape)}, the ONNX model's "
-                              f"{tuple(weight.shape)}: it was exported from another architecture", _ARCHITECTURE_HINT)
+                              f"{tuple(weight.shape)}: it was exported from another architecture", ARCHITECTURE_HINT)
         module.weight = nn.Parameter(weight.contiguous())
         self.loaded.add(f"{path}.weight")
         return scale
@@ -243,7 +241,7 @@ class _Reader:
                               "export the model with torch.onnx.export(..., do_constant_folding=True)")
         if bias.numel() != module.weight.shape[0]:
             raise QDebugError(f"{path}: the ONNX model's bias has {bias.numel()} values for "
-                              f"{module.weight.shape[0]} output channels", _ARCHITECTURE_HINT)
+                              f"{module.weight.shape[0]} output channels", ARCHITECTURE_HINT)
         module.bias = nn.Parameter(bias.reshape(-1).contiguous())
 
     def bias_row(self, dq: Any, path: str, scale: torch.Tensor, node: Any, weight_scale: torch.Tensor | None) -> dict:
@@ -260,7 +258,7 @@ class _Reader:
                                                                          rtol=1e-6, atol=0.0):
                 status, note = "approximate", ("int32 on a scale other than s_in * s_w: the engine re-rounds it "
                                                "on s_x * s_w")
-        return {"source": _original_name(dq.input[0]), "kind": "bias", "point": f"{path}.bias", "status": status,
+        return {"source": original_name(dq.input[0]), "kind": "bias", "point": f"{path}.bias", "status": status,
                 "spec": "int32", "scale_min": float(scale.min()), "scale_max": float(scale.max()), "note": note}
 
     def load_norms(self, graph: Any, modules: set[str], normalized: set[str]) -> None:
@@ -280,7 +278,7 @@ class _Reader:
                     target = getattr(bn, attr, None)
                     if target is None or target.shape != value.shape:
                         raise QDebugError(f"{found[0]}: the ONNX model's BatchNormalization holds {tuple(value.shape)} "
-                                          f"values for {attr}", _ARCHITECTURE_HINT)
+                                          f"values for {attr}", ARCHITECTURE_HINT)
                     target.copy_(value)
                     self.loaded.add(f"{found[0]}.{attr}")
             bn.eps = float(_attribute(node, "epsilon", bn.eps))
@@ -304,7 +302,7 @@ class _Reader:
                 row = _source_row(self.graph, tensor, tensors.rows)
                 if row is not None:
                     note = f"{row!r}'s value after a {self.graph.producer[tensor].op_type}, quantized again by ORT"
-            q = self.quantizer(node, "activation", row, _original_name(tensor), note)
+            q = self.quantizer(node, "activation", row, original_name(tensor), note)
             if row is None:
                 why = next((w for t, w in tensors.unmatched if t == tensor), "no engine call computes this tensor")
                 q.note = f"ORT's QuantizeLinear {node.name}: {why}"
@@ -331,7 +329,7 @@ class _Reader:
                 readers = ", ".join(sorted({r.name for r in self.graph.readers.get(node.output[0], [])})) or "nothing"
                 kind = "weight" if node.input[0] in self.constants else "activation"
                 self.source.quantizers.append(self.quantizer(
-                    node, kind, None, _original_name(node.input[0]),
+                    node, kind, None, original_name(node.input[0]),
                     f"ORT's DequantizeLinear {node.name} (read by {readers}) maps to no engine point"))
 
     def refuse_unread_parameters(self) -> None:
@@ -343,7 +341,7 @@ class _Reader:
                 continue
             raise QDebugError(f"the ONNX model holds no value for --model's {name!r}: qdebug reads conv and linear "
                               "weights and BatchNorm statistics from the file",
-                              f"check that the file was exported from --model's class; {_ARCHITECTURE_HINT}")
+                              f"check that the file was exported from --model's class; {ARCHITECTURE_HINT}")
 
 
 def _removed_activation(tensor: str, producer: Any) -> str:
@@ -351,14 +349,14 @@ def _removed_activation(tensor: str, producer: Any) -> str:
     now makes it, and the QuantizeLinear's range (zero point at its low end) clamps as it did."""
     from qdebug.onnx.names import _OUTPUT_NAME
 
-    named = _OUTPUT_NAME.match(_original_name(tensor))
+    named = _OUTPUT_NAME.match(original_name(tensor))
     op = named.group("node").rsplit("/", 1)[-1].rstrip("_0123456789") if named else ""
     if producer is None or op not in ("Relu", "Clip") or producer.op_type in ("Relu", "Clip"):
         return ""
     return f"ORT removed this {op}: {producer.name}'s output is quantized on its grid, which clamps as the {op} did"
 
 
-def _original_name(name: str) -> str:
+def original_name(name: str) -> str:
     """The float model's name of a tensor ORT renamed: a weight's ``W_quantized`` is ``W``; a graph
     output it quantized, ``Y_QuantizeLinear_Input``, is ``Y`` -- the names quantize_static's
     options (TensorQuantOverrides, nodes_to_exclude) take."""
@@ -392,67 +390,13 @@ def import_qdq(model: Any, float_model: nn.Module, example_inputs: Any, *, check
     imported = convert(build(source, plan), arithmetic="float32")
     state = engine_state(imported)
     setattr(state, REPORT_ATTR, list(getattr(state, REPORT_ATTR, None) or []) + bias_rows)
+    from qdebug.onnx.qdq_check import check_against_ort, mark_float_layers
+
     mark_float_layers(model, imported, tensors)
     setattr(state, NODES_ATTR, tensor_nodes(model))
     if check:
         check_against_ort(model, imported, example_inputs)
     return imported
-
-
-FLOAT_LAYERS_ATTR = "ort_float_layers"  # on the engine state: {call: ONNX node} ORT runs in float
-UNMARKED_ATTR = "ort_float_unmarked"  # on the engine state: float ONNX nodes no single engine call computes
-
-
-def mark_float_layers(model: Any, imported: nn.Module, tensors: Any) -> dict[str, str]:
-    """Ask ONNX Runtime which of ``model``'s quantized layers it runs in float (its optimized graph,
-    ``qdebug.onnx.parity.ort_kernels``: on x86 a QDQ group mixing int8 and uint8 codes is not fused)
-    and mark their engine calls (``qdebug.engine.arithmetic.run_in_float``): the import computes
-    them in float32 as ORT does.  The activation row each one's output lands on says so in its note.
-    Returns ``{call: node}``; a float node that no single engine call computes (its call left
-    integer) is named in the note of its output's row and in the self-check's
-    ``ort_float_unmarked``."""
-    from qdebug.engine import engine_state
-    from qdebug.engine.arithmetic import run_in_float
-    from qdebug.interop.build import REPORT_ATTR
-    from qdebug.onnx.names import ONNX_CATEGORIES, graph_of, row_through_fusion
-    from qdebug.onnx.parity import session_and_kernels
-
-    try:
-        float_nodes = session_and_kernels(model)[3]
-    except QDebugError:  # ONNX Runtime cannot load the file: the self-check says so
-        return {}
-    state = engine_state(imported)
-    plan = state.plan
-    nodes = {node.name: node for node in graph_of(model).nodes}
-    rows = set(tensors.rows.values())
-    found: dict[str, str] = {}
-    unmarked: list[str] = []
-    notes: dict[str, str] = {}  # point -> the note of its row
-    for name in float_nodes:
-        node = nodes.get(name)
-        row = tensors.rows.get(node.output[0]) if node is not None and node.output else None
-        categories = ONNX_CATEGORIES.get(node.op_type, frozenset()) if node is not None else frozenset()
-        calls = [c.name for c in plan.calls.values()
-                 if row is not None and c.category in categories and row_through_fusion(plan, c.name, rows) == row]
-        if len(calls) == 1:
-            found[calls[0]] = name
-            point = plan.calls[calls[0]].output_point
-            note = (f"ONNX Runtime runs {name} in float (no int8 kernel in its optimized graph): computed in "
-                    "float32 as ORT does")
-        else:
-            unmarked.append(name)
-            point = plan.calls[row].output_point if row in plan.calls else None
-            note = (f"ONNX Runtime runs {name} in float, and {len(calls)} engine calls could compute it: "
-                    "computed with integer kernels")
-        if point is not None:
-            notes[point] = "; ".join(n for n in (notes.get(point), note) if n)
-    run_in_float(imported, found)
-    for report_row in getattr(state, REPORT_ATTR, None) or []:
-        if report_row["kind"] == "activation" and report_row["point"] in notes:
-            report_row["note"] = "; ".join(n for n in (report_row["note"], notes[report_row["point"]]) if n)
-    setattr(state, FLOAT_LAYERS_ATTR, dict(found))
-    setattr(state, UNMARKED_ATTR, unmarked)
-    return found
 
 
 NODES_ATTR = "onnx_nodes"  # on the engine state; ``qdebug import`` saves it as the checkpoint's meta["onnx_nodes"]
@@ -470,7 +414,7 @@ def tensor_nodes(model: Any) -> dict[str, list[str]]:
     for node in graph.nodes:
         if node.op_type != "QuantizeLinear":
             continue
-        tensor = _original_name(node.input[0])
+        tensor = original_name(node.input[0])
         named = _OUTPUT_NAME.match(tensor)
         producer = graph.producer.get(node.input[0])
         names = [named.group("node")] if named else [producer.name] if producer is not None else []
@@ -480,173 +424,3 @@ def tensor_nodes(model: Any) -> dict[str, list[str]]:
         found.setdefault(tensor, [])
         found[tensor] += [n for n in names if n and n not in found[tensor]]
     return found
-
-
-def ort_outputs(model: Any, example_inputs: Any, taps: list[str] | None = None) -> list[torch.Tensor]:
-    """ONNX Runtime's CPU execution provider (default graph optimizations: as deployed) on
-    ``example_inputs``, from the model's bytes; ``taps``: tensors added as graph outputs (after
-    the model's own)."""
-    from qdebug.engine.context import split_inputs
-    from qdebug.engine.ops import tensors_in
-    from qdebug.onnx.session import cpu_session, first_line
-
-    if taps:
-        from onnx import helper
-
-        model = copy.deepcopy(model)
-        model.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in taps)
-    session = cpu_session(model, "the model", "check it runs: onnxruntime.InferenceSession(path)")
-    args, kwargs = split_inputs(example_inputs)
-    tensors = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)]
-    names = [i.name for i in session.get_inputs()]
-    if len(names) != len(tensors):
-        raise QDebugError(f"the ONNX model takes {len(names)} input(s), the example batch holds {len(tensors)}",
-                          "pass --data with the inputs the model was exported with")
-    try:
-        outs = session.run(None, {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)})
-    except Exception as exc:
-        raise QDebugError(f"ONNX Runtime cannot run the model on the example batch: {first_line(exc)}",
-                          "pass --data with the inputs' shapes and dtypes the model was exported with") from None
-    return [torch.from_numpy(o.copy()) for o in outs]
-
-
-def output_scales(model: Any) -> list[float | None]:
-    """The per-tensor scale of each graph output's DequantizeLinear, None where it is float."""
-    from qdebug.onnx.names import graph_of
-
-    graph = graph_of(model)
-    constants = _constants(model)
-    scales = []
-    for output in model.graph.output:
-        node = graph.producer.get(output.name)
-        scale = None
-        if node is not None and node.op_type == "DequantizeLinear" and node.input[1] in constants:
-            from qdebug.onnx.model_file import tensor_array
-
-            values = tensor_array(constants[node.input[1]]).reshape(-1)
-            scale = float(values[0]) if values.size == 1 else None
-        scales.append(scale)
-    return scales
-
-
-def _check_rows(model: Any, imported: nn.Module, example_inputs: Any, rows: list[dict]) -> dict[str, Any]:
-    """Each activation row's integer codes against ORT's on the example batch: the output of its
-    QuantizeLinear (a graph output in a second session, tapped as the ONNX stage taps so that ORT
-    keeps the deployed model's kernels: ``qdebug.onnx.stage``) and the engine's value at the row's
-    point, on the file's grid.
-
-    One layer's kernels agree exactly or by one code at a rounding tie, and such a code travels on
-    through the layers after it (a random-weight ResNet with 8 residual blocks grows it to a few
-    codes on some 15% of its last rows' codes); a tensor read onto the wrong call is tens of codes
-    off.  So a row whose mean |code difference| exceeds ``ROW_MEAN_CODES`` is ``approximate``, with
-    the measured difference.  A tensor ORT quantizes again after a pooling view on its input's grid
-    has another shape than the row's point: not compared.  Returns the counts."""
-    from qdebug.interop.check import _run_engine
-    from qdebug.onnx.model_file import tensor_array
-    from qdebug.onnx.stage import TapIndex
-
-    quantizers = {}
-    for node in model.graph.node:
-        if node.op_type == "QuantizeLinear":
-            quantizers.setdefault(_original_name(node.input[0]), node)
-    checked = [r for r in rows if r["kind"] == "activation" and r["point"] and r["source"] in quantizers
-               and r["status"] in ("exact", "moved")]
-    if not checked:
-        return {"rows_checked": 0, "rows_differing": []}
-    # Tapped as the ONNX stage taps (``qdebug.onnx.stage``): a plain graph output on an int8 pair's codes
-    # stops ONNX Runtime's uint8 conversion on x86, and the layers after it would run in float.
-    index = TapIndex(model)
-    taps = {id(r): index.tap(quantizers[r["source"]].input[0]) for r in checked}
-    checked = [r for r in checked if taps[id(r)] is not None and taps[id(r)].how != "float"]
-    tapped = index.tapped_model([taps[id(r)] for r in checked])
-    by_name = dict(zip((o.name for o in tapped.graph.output), ort_outputs(tapped, example_inputs)))
-    theirs = [taps[id(r)].value(by_name[taps[id(r)].tensor].numpy()) for r in checked]
-    values: dict[str, list[torch.Tensor]] = {}
-    _run_engine(imported, example_inputs, values)
-    constants = _constants(model)
-    differing: list[str] = []
-    compared, worst_mean, least_within = 0, 0.0, 1.0
-    for row, dequantized in zip(checked, theirs):
-        node = quantizers[row["source"]]
-        scale = float(tensor_array(constants[node.input[1]]).reshape(-1)[0])
-        zero = int(tensor_array(constants[node.input[2]]).reshape(-1)[0]) if len(node.input) > 2 else 0
-        codes = torch.round(dequantized.double() / scale) + zero
-        ours = [v for v in values.get(row["point"], []) if v.numel() == codes.numel()]
-        if not ours or not codes.numel():
-            continue
-        mine = torch.round(ours[-1].double().flatten() / scale) + zero
-        codes = codes.double().flatten()
-        if row["status"] == "moved":  # ORT quantized before the ReLU (ReLU6) the engine's point follows
-            relu = codes.clamp(min=zero)
-            candidates = (relu, relu.clamp(max=zero + round(6 / scale)))
-        else:
-            candidates = (codes,)
-        gap = min(((mine - c).abs() for c in candidates), key=lambda g: float(g.mean()))
-        mean, within = float(gap.mean()), float((gap <= 1).double().mean())
-        compared += 1
-        worst_mean, least_within = max(worst_mean, mean), min(least_within, within)
-        if mean > ROW_MEAN_CODES:
-            row["status"] = "approximate"
-            measured = (f"checked on the example batch: its codes differ from ONNX Runtime's by {mean:.2f} on "
-                        f"average, up to {int(gap.max())} ({100 * within:.1f}% within 1)")
-            row["note"] = "; ".join(n for n in (row["note"], measured) if n)
-            differing.append(row["point"]) if row["point"] not in differing else None
-    return {"rows_checked": compared, "rows_differing": differing, "rows_max_mean_codes": round(worst_mean, 4),
-            "rows_min_within_1_code": round(least_within, 6)}
-
-
-LSB_SLACK = 1e-3  # "within 1 LSB": |difference| <= (1 + this) scale (float32 dequantization rounds)
-# A row's mean |code difference| from ORT's above this: approximate (the outputs' own tolerance,
-# qdebug.interop.check.MEAN_LSB: one-code ties travelling on stay far below, a wrong tensor is tens).
-ROW_MEAN_CODES = 4.0
-
-
-def check_against_ort(model: Any, imported: nn.Module, example_inputs: Any) -> dict[str, Any]:
-    """Compare the import with ONNX Runtime's own run of ``model`` on ``example_inputs``; refuse
-    an unexplained mismatch (as ``qdebug.interop.check`` does for torch's converted models)."""
-    from qdebug.engine import engine_state
-    from qdebug.engine.context import split_inputs
-    from qdebug.engine.ops import tensors_in
-    from qdebug.interop.build import REPORT_ATTR
-    from qdebug.interop.check import CHECK_ATTR, FLOAT_RELATIVE, MEAN_LSB
-
-    want = ort_outputs(model, example_inputs)
-    args, kwargs = split_inputs(example_inputs)
-    with torch.no_grad():
-        have = [t for t in tensors_in(imported(*args, **kwargs)) if torch.is_floating_point(t)]
-    if len(want) != len(have) or any(tuple(a.shape) != tuple(b.shape) for a, b in zip(want, have)):
-        raise QDebugError(f"the import's outputs ({[tuple(t.shape) for t in have]}) are not ONNX Runtime's "
-                          f"({[tuple(t.shape) for t in want]})", _ARCHITECTURE_HINT)
-    scales = output_scales(model)
-    check: dict[str, Any] = {"compared_with": "onnxruntime", "outputs": len(want)}
-    diffs = [(a.double() - b.double()).abs() for a, b in zip(want, have)]
-    check["max_abs_diff"] = max((float(d.max()) for d in diffs if d.numel()), default=0.0)
-    if all(s for s in scales):
-        steps = torch.cat([(d / s).flatten() for d, s in zip(diffs, scales)]) if diffs else torch.zeros(0)
-        mean = float(steps.mean()) if steps.numel() else 0.0
-        check.update(tolerance=f"mean |code difference| <= {MEAN_LSB:g} output LSB",
-                     max_lsb=round(float(steps.max()), 3) if steps.numel() else 0.0, mean_lsb=round(mean, 4),
-                     within_1_lsb=round(float((steps <= 1 + LSB_SLACK).double().mean()), 6) if steps.numel() else 1.0)
-        within = mean <= MEAN_LSB
-    else:
-        size = sum(float(a.double().abs().sum()) for a in want)
-        error = sum(float(d.sum()) for d in diffs)
-        check.update(tolerance=f"mean |difference| <= {FLOAT_RELATIVE:g} of the mean |output| (a float output)",
-                     max_lsb=None, relative_mean_diff=round(error / size, 6) if size else None)
-        within = error <= FLOAT_RELATIVE * size
-    check["within_tolerance"] = bool(within)
-    state = engine_state(imported)
-    rows = getattr(state, REPORT_ATTR, None) or []
-    check.update(_check_rows(model, imported, example_inputs, rows))
-    check["ort_float_layers"] = sorted(getattr(state, FLOAT_LAYERS_ATTR, None) or {})  # the engine calls
-    if getattr(state, UNMARKED_ATTR, None):
-        check["ort_float_unmarked"] = list(state.ort_float_unmarked)  # ONNX nodes
-    explained = any(r["status"] in ("unmapped", "approximate") for r in rows)
-    if not within and not explained:
-        raise QDebugError(f"the import does not compute what ONNX Runtime computes: outputs differ by up to "
-                          f"{check['max_abs_diff']:.3g} on the example batch (tolerance: {check['tolerance']}), and "
-                          "no row of the import report explains it",
-                          "report it to qdebug with the model, ONNX Runtime's version and the quantize_static "
-                          "options; qdebug.onnx.qdq_source.import_qdq(..., check=False) imports it unchecked")
-    setattr(state, CHECK_ATTR, check)
-    return check
