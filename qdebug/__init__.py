@@ -6,6 +6,7 @@ Python API (the CLI is a thin layer over the same functions):
     model, info = qdebug.load("qat.pt")          # any of the four stages, safely; reads qdebug.toml
     qdebug.save(model, "calibrated.pt", stage="calibrated")
     frame = qdebug.compare("float.pt", "qat.pt", data="eval.pt")   # per-layer DataFrame
+    fixed, report = qdebug.fix(model, batches)   # equalization, bias correction..., each proven
     steps = qdebug.step("float.pt", "calibrated.pt", mode="drill", metric="top1", data="eval.pt")
     with qdebug.nan_trace(model) as trace:       # your own loop: raises qdebug.NonFiniteError at the first NaN/Inf
         ...; trace.step(loss)
@@ -23,7 +24,7 @@ _LAZY = {"load": "qdebug.api", "save": "qdebug.checkpoint", "compare": "qdebug.a
          "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch",
          "from_torch_ao": "qdebug.interop"}
 
-__all__ = ["load", "save", "compare", "step", "suggest", "nan_trace", "NonFiniteError", "from_torch_ao", "QDebugError",
+__all__ = ["load", "save", "compare", "step", "suggest", "fix", "nan_trace", "NonFiniteError", "from_torch_ao", "QDebugError",
            "__version__"]
 
 
@@ -41,6 +42,8 @@ def __getattr__(name: str):
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value  # resolved once
         return value
+    if name == "fix":  # the package of the fixes, callable (qdebug/fix/__init__.py)
+        return import_module("qdebug.fix")
     if name == "__version__":
         globals()["__version__"] = value = _version()
         return value

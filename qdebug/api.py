@@ -383,6 +383,47 @@ def suggest(*checkpoints: Any, data: Any = None, batches: int | None = None, bat
     return frame
 
 
+@python_terms
+def fix(model: Any, data: Any = None, *, batches: int | None = None, batch_size: int | None = None,
+        qconfig: Any = None, mode: str | None = None, methods: Any = None, metric: Any = None,
+        config: Any = None) -> tuple[nn.Module, pd.DataFrame]:
+    """The float-side fixes, each proven on the data (docs/fix.md); ``(fixed_model, frame)``.
+
+    ``model``: the float model (an nn.Module or a float checkpoint's path); ``data``: its batches
+    (a list or iterable of batches, or a data spec), the last quarter held out from 4 batches on.
+    ``qconfig``: the ``QConfig`` (or its dict) it will be calibrated with; ``mode``: the QAT mode
+    (default the config's, else fuse_bn); ``methods``: a subset of ``qdebug.tools.fix.METHODS``.
+    ``frame`` has one row per method; ``attrs["changes"]`` every transform's rows (records),
+    ``attrs["summary"]`` and ``attrs["meta"]`` the rest.  The fixed model is the original's deep
+    copy when no method helped (``attrs["meta"]["kept"]`` is empty)."""
+    from qdebug.engine import QConfig
+    from qdebug.metrics import resolve_metric
+    from qdebug.tools.fix import fix as run
+
+    cfg = _config(config)
+    data, batches, batch_size, _ = _config_data(cfg, data, batches, batch_size, None)
+    _check_data_args(data, batches, batch_size)
+    _check_metric(metric := cfg.pick("metric", metric))
+    info = None
+    if not isinstance(model, nn.Module):
+        model, info = _load(model, cfg)
+        if info.stage != "float":
+            raise QDebugError(f"fix takes a float checkpoint, and this one is {info.stage}",
+                              "pass the float checkpoint (the one you calibrate or train from)")
+    if qconfig is None or isinstance(qconfig, dict):
+        qconfig = QConfig.from_dict(qconfig if qconfig is not None else cfg.get("qconfig") or {})
+    elif not isinstance(qconfig, QConfig):
+        raise QDebugError(f"qconfig must be a QConfig or a dict, got {shown(qconfig)}",
+                          "e.g. qconfig=QConfig(weight=QuantSpec(per_channel=False))")
+    metric_fn = resolve_metric(metric) if metric is not None else None
+    name = metric.rsplit(":", 1)[-1] if isinstance(metric, str) else getattr(metric_fn, "__name__", "metric")
+    result = run(model, _batches(data, batches, batch_size, info, whose="the model"), qconfig=qconfig,
+                 mode=mode or cfg.get("mode") or "fuse_bn", methods=methods, metric=metric_fn, metric_name=name)
+    frame = result.frame
+    frame.attrs.update(summary=result.summary, meta=result.meta, changes=result.changes.to_dict("records"))
+    return result.model, frame
+
+
 def _against_float(command: str, checkpoints: tuple, data: Any, batches: int | None, batch_size: int | None,
                    metric: Any, cfg: Config) -> tuple[nn.Module | None, nn.Module, BatchSource, Any, str]:
     """``[float,] model`` loaded, their batches, and the metric resolved with its task name

@@ -312,9 +312,12 @@ def test_planted_outlier_channel_is_flagged_outlier_channels(realistic, block):
     assert first is not None and first["layer"] == f"{block}.relu", result.flagged()
     assert first["diagnosis"] == "outlier_channels"
     assert first["channel_range_ratio"] > 8
+    assert result.meta["findings"]["calibrated"]["outlier_layers"] == [f"{block}.relu"]  # what qdebug fix may mend
     # the same layer in the unmodified model is fine
-    clean = _rows(compare([("float", fp), ("calibrated", realistic[1])], batches))[f"{block}.relu"]
+    clean_result = compare([("float", fp), ("calibrated", realistic[1])], batches)
+    clean = _rows(clean_result)[f"{block}.relu"]
     assert clean["diagnosis"] == "" and clean["channel_range_ratio"] < 8
+    assert "outlier_layers" not in clean_result.meta["findings"]["calibrated"]
 
 
 def test_planted_nan_weight_shows_as_nonfinite_where_it_starts(realistic):
@@ -695,6 +698,9 @@ def test_a_row_without_its_own_quantization_is_never_at_fault():
     frame = pd.DataFrame(rows)
     assert findings(frame)["q"]["at_fault"] == "bn"
     assert findings(frame, {"q": {"bn"}})["q"]["at_fault"] == "relu6"
+    # The layers a float-side fix (qdebug fix) may keep int8: those whose own range is wide.
+    assert findings(frame)["q"]["outlier_layers"] == ["bn", "relu6"]
+    assert findings(frame, {"q": {"bn"}})["q"]["outlier_layers"] == ["relu6"]
     # A conv + BN (weights quantized) whose output point is its ReLU6's: an activation range
     # problem there is the ReLU6's; rounding would be its own.
     assert findings(frame, {}, {"q": {"bn"}})["q"]["at_fault"] == "relu6"

@@ -254,7 +254,7 @@ def test_prepared_model_is_refused():
 def test_relu6_pairs_equalized_inside_the_clip_on_the_data():
     torch.manual_seed(4)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), nn.Conv2d(8, 4, 1)).eval()
-    _planted(model, model[0], model[2], channel=2, factor=4.0)  # still inside the clip
+    _planted(model, model[0], model[2], channel=2, factor=2.5)  # still inside the clip, with headroom
     with torch.no_grad():
         model[0].bias[5] = 10.0  # channel 5 always reaches the clip: its scale must stay 1
         model[2].weight[:, 0] *= 20  # channel 0 would shrink below the data's peak / 6: held there
@@ -264,13 +264,14 @@ def test_relu6_pairs_equalized_inside_the_clip_on_the_data():
     with torch.no_grad():
         peak = torch.stack([model[0](x).amax(dim=(0, 2, 3)) for x in batches]).amax(dim=0).double()
     r1, r2 = w1.abs().amax(dim=(1, 2, 3)), w2.abs().amax(dim=(0, 2, 3))
-    s = torch.where(peak > 6, torch.ones(8, dtype=torch.float64), torch.maximum(torch.sqrt(r1 / r2), peak / 6))
-    assert s[5] == 1 and s[2] > 1.5 and s[0] == peak[0] / 6 > torch.sqrt(r1 / r2)[0]
+    limit = 6 / 1.5  # the clip, with the documented headroom for unseen inputs
+    s = torch.where(peak > limit, torch.ones(8, dtype=torch.float64), torch.maximum(torch.sqrt(r1 / r2), peak / limit))
+    assert s[5] == 1 and s[2] > 1.5 and s[0] == peak[0] / limit > torch.sqrt(r1 / r2)[0]
     torch.testing.assert_close(new[0].weight.double(), w1 / s[:, None, None, None], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(new[0].bias.double(), b1 / s, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(new[2].weight.double(), w2 * s[None, :, None, None], rtol=1e-6, atol=1e-7)
     row = report.iloc[0]
-    assert bool(row.applied) and "1 channel(s) reach the clip" in row.reason
+    assert bool(row.applied) and "1 channel(s) come within 1.5x of the clip" in row.reason
     with torch.no_grad():
         for x in batches:
             assert sqnr_db(model(x), new(x)) >= 80

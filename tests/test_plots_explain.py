@@ -141,14 +141,35 @@ def _assert_lines_stay_whole(rows: pd.DataFrame, fig) -> None:
 
 def test_an_outlier_finding_leads_to_the_channels_then_to_step(cli, tmp_path, planted):
     """compare's next line for wide channels: the table sorted by channel SQNR, whose own next
-    line goes on (step's drill: which part costs the accuracy) instead of printing itself again."""
+    line goes on (step's drill: which part costs the accuracy) instead of printing itself again;
+    beside it, ``meta.fix``: the float-side fix (``qdebug fix``) on the float checkpoint and data."""
     d, _, _ = planted
-    first = json.loads(cli("compare", d / "float.pt", d / "calibrated.pt", "--data", d / "data.pt",
-                           "--format", "json").out)["meta"]["next"]
+    meta = json.loads(cli("compare", d / "float.pt", d / "calibrated.pt", "--data", d / "data.pt",
+                          "--format", "json").out)["meta"]
+    assert meta["findings"]["calibrated"]["outlier_layers"] == [OUTLIER_LAYER]
+    assert shlex.split(meta["fix"]) == ["qdebug", "fix", str(d / "float.pt"), "--data", str(d / "data.pt"),
+                                        "-o", "fixed_float.pt"]
+    first = meta["next"]
     assert first.endswith("--sort min_channel_sqnr_db"), first
     again = json.loads(cli(*shlex.split(first)[1:], "--format", "json").out)["meta"]["next"]
     assert again.startswith("qdebug step") and again.endswith("--drill"), again
     assert cli(*shlex.split(again)[1:], "--format", "json").code in (0, 1)  # it runs as printed
+
+
+def test_an_outlier_finding_prints_the_fix_command_on_the_users_float_and_data(cli, planted, monkeypatch):
+    """Under the summary of wide channels: ``qdebug fix`` (cross-layer equalization, docs/fix.md) on
+    the float checkpoint and the data options as typed, then the debug flow's next step."""
+    from qdebug.cli.common import console
+
+    monkeypatch.setattr(console, "_width", 80)
+    d, _, _ = planted
+    lines = cli("compare", d / "float.pt", d / "calibrated.pt", "--data", d / "data.pt",
+                "--batch-size", "4").out.splitlines()
+    at = lines.index("fix: cross-layer equalization may keep the wide channels int8 (docs/fix.md):")
+    assert shlex.split(lines[at + 1]) == ["qdebug", "fix", str(d / "float.pt"), "--data", str(d / "data.pt"),
+                                          "--batch-size", "4", "-o", "fixed_float.pt"]
+    assert lines[at + 2] == "next: see the channels:"
+    assert max(len(line) for line in lines[:at + 1]) <= 80  # the table, the summary and the fix line
 
 
 def test_no_outlier_plot_without_an_outlier_diagnosis_and_an_earlier_one_is_dropped(cli, tmp_path, planted, stages,
@@ -161,6 +182,7 @@ def test_no_outlier_plot_without_an_outlier_diagnosis_and_an_earlier_one_is_drop
     assert result.code == 0, result.err
     payload = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert "outlier_channels" not in {row["diagnosis"] for row in payload["rows"]}  # the premise
+    assert payload["meta"]["fix"] == "" and "fix:" not in result.out  # no wide channels: no float-side fix
     assert not list((tmp_path / "cmp").glob("outlier_*"))  # the earlier run's outlier is not this run's
     assert payload["meta"]["files"] == ["compare_along_network.png", "compare_worst_histograms.png"]
     assert sorted(figures) == sorted(payload["meta"]["files"])

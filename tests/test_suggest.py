@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import qdebug
 from qdebug.data import Batch
 from qdebug.engine import QConfig, calibrate, prepare, quant_points
 from qdebug.errors import QDebugError
-from qdebug.tools.suggest import candidates, diagnoses_of, suggest
+from qdebug.tools.suggest import candidates, diagnoses_of, suggest, summarize
 
 OUTLIER = 3  # the channel of layer1.0's BN output made 64x larger, compensated in layer1.0.conv2
 
@@ -68,6 +69,13 @@ def test_the_outlier_channel_needs_exactly_its_activation_and_the_next_weights(o
     assert frame.set_index("point").loc["layer1.0.relu", "diagnosis"] == "outlier_channels"
     assert frame["in_plan"].sum() == 2
     assert "plan: 2 point(s) at 16 bits" in result.summary
+    # The planted wide channel, not the next layer's rounding: a float-side fix may keep it int8.
+    assert plan["outlier_points"] == ["layer1.0.relu"]
+    assert ("wide channels (outlier_channels) at layer1.0.relu: cross-layer equalization of the float model "
+            "(qdebug fix, docs/fix.md) may keep them int8") in " ".join(result.summary.split())
+    assert all(len(line) <= 80 for line in result.summary.splitlines())
+    # The same plan without a wide channel among its points says nothing of it.
+    assert "qdebug fix" not in summarize({**result.meta, "plan": {**plan, "outlier_points": []}})
 
 
 def test_candidates_are_what_overrides_can_name(outlier):
@@ -106,6 +114,7 @@ def test_a_model_that_passes_gets_an_empty_plan(make_resnet, images):
     plan = result.meta["plan"]
     assert plan["passed"] and plan["points"] == [] and plan["evaluations"] == 0
     assert "already meets the target: no change needed" in result.summary
+    assert plan["outlier_points"] == [] and "qdebug fix" not in result.summary
     assert result.frame.empty and result.meta["ranking_evaluations"] == 1  # one run said it: no ranking
 
 
@@ -194,6 +203,11 @@ def test_cli_json_table_and_exit_codes(cli, outlier_files, monkeypatch):
     args = [d / "float.pt", d / "calibrated.pt", "--data", d / "eval.pt", "--batch-size", 16]
     data = json.loads(cli("suggest", *args, "--min-sqnr", 35, "--format", "json").out)
     assert set(data) == {"meta", "rows", "plan"}
+    # The plan raises the planted wide channel: qdebug fix on the float checkpoint and data as typed.
+    assert data["plan"]["outlier_points"] == ["layer1.0.relu"]
+    fix = ["qdebug", "fix", str(d / "float.pt"), "--data", str(d / "eval.pt"), "--batch-size", "16", "-o",
+           "fixed_float.pt"]
+    assert shlex.split(data["meta"]["fix"]) == fix
     for key in ("rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan"):
         assert key in data["rows"][0], key
     assert set(data["plan"]) >= {"points", "before", "after", "passed", "evaluations"}
@@ -204,8 +218,12 @@ def test_cli_json_table_and_exit_codes(cli, outlier_files, monkeypatch):
 
     head, body = table_lines(table.out)
     assert max(len(line) for line in head + body) <= 80
+    lines = table.out.splitlines()
+    at = lines.index("or equalize the float model first: fewer int16 points (docs/fix.md):")
+    assert shlex.split(lines[at + 1]) == fix
     unreachable = cli("suggest", *args, "--min-sqnr", 80)
     assert unreachable.code == 1 and "no plan at 16 bits reaches the target" in unreachable.out
+    assert "qdebug fix" not in unreachable.out  # no plan: no int16 point to spare
 
 
 def test_cli_bad_input_is_one_error_line(cli, outlier_files, tmp_path):

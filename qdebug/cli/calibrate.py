@@ -22,6 +22,15 @@ from qdebug.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 
 SAMPLE_INPUTS = 8  # samples of the first batch stored in the checkpoint for later tools
+# The qconfig's options: calibrate's, and every command that calibrates on the way (fix).
+OBSERVER_OPTION = typer.Option(None, "--observer", metavar="NAME",
+                               help=f"Activation observer: {', '.join(vocab.OBSERVERS)}.")
+PER_CHANNEL_OPTION = typer.Option(None, "--per-channel/--per-tensor", show_default=False,
+                                  help="Weight granularity (default per-channel).")
+BITS_OPTION = typer.Option(None, "--bits", metavar="N", help="Bit width of weights and activations (2-16).")
+QCONFIG_OPTION = typer.Option(None, "--qconfig", metavar="FILE",
+                              help="QConfig file (JSON or TOML: weight, activation, overrides).")
+MODE_OPTION = typer.Option(None, "--mode", metavar="MODE", help=f"QAT mode: {', '.join(vocab.QAT_MODES)}.")
 
 
 def merge_tables(base: dict, update: dict) -> dict:
@@ -48,6 +57,16 @@ def build_qconfig(qconfig_file: Optional[Path], observer: Optional[str], per_cha
     if bits is not None:
         qcfg = QConfig(qcfg.weight.replace(bits=bits), qcfg.activation.replace(bits=bits), qcfg.overrides)
     return qcfg
+
+
+def check_qconfig_options(observer: Optional[str], bits: Optional[int], mode: Optional[str]) -> None:
+    """The qconfig's command-line options, checked before torch loads (calibrate's, and fix's)."""
+    if observer is not None and observer not in vocab.OBSERVERS:
+        raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(vocab.OBSERVERS)}")
+    if bits is not None and not 2 <= bits <= 16:
+        raise QDebugError(f"--bits {bits} is outside 2-16", "e.g. --bits 8 (or 16 for int16)")
+    if mode is not None and mode not in vocab.QAT_MODES:
+        raise QDebugError(f"unknown QAT mode {mode!r}", f"choose one of {', '.join(vocab.QAT_MODES)}")
 
 
 def _check_mergeable(qcfg) -> None:
@@ -94,14 +113,11 @@ def calibrate(
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help="Calibration data. " + DATA_HELP),
     batches: Optional[int] = BATCHES_OPTION,
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
-    observer: Optional[str] = typer.Option(None, "--observer", metavar="NAME",
-                                           help=f"Activation observer: {', '.join(vocab.OBSERVERS)}."),
-    per_channel: Optional[bool] = typer.Option(None, "--per-channel/--per-tensor", show_default=False,
-                                               help="Weight granularity (default per-channel)."),
-    bits: Optional[int] = typer.Option(None, "--bits", metavar="N", help="Bit width of weights and activations (2-16)."),
-    qconfig: Optional[Path] = typer.Option(None, "--qconfig", metavar="FILE",
-                                           help="QConfig file (JSON or TOML: weight, activation, overrides)."),
-    mode: Optional[str] = typer.Option(None, "--mode", metavar="MODE", help=f"QAT mode: {', '.join(vocab.QAT_MODES)}."),
+    observer: Optional[str] = OBSERVER_OPTION,
+    per_channel: Optional[bool] = PER_CHANNEL_OPTION,
+    bits: Optional[int] = BITS_OPTION,
+    qconfig: Optional[Path] = QCONFIG_OPTION,
+    mode: Optional[str] = MODE_OPTION,
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
     out: Optional[Path] = OUT_OPTION,
@@ -113,12 +129,7 @@ def calibrate(
 ) -> None:
     fmt = output_format(fmt, as_json)
     check_data(data, batches, batch_size)
-    if observer is not None and observer not in vocab.OBSERVERS:  # before torch loads
-        raise QDebugError(f"unknown observer {observer!r}", f"choose one of {', '.join(vocab.OBSERVERS)}")
-    if bits is not None and not 2 <= bits <= 16:
-        raise QDebugError(f"--bits {bits} is outside 2-16", "e.g. --bits 8 (or 16 for int16)")
-    if mode is not None and mode not in vocab.QAT_MODES:
-        raise QDebugError(f"unknown QAT mode {mode!r}", f"choose one of {', '.join(vocab.QAT_MODES)}")
+    check_qconfig_options(observer, bits, mode)
     writable_file(output)
     out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")

@@ -171,6 +171,33 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
             command_line("baseline", paths[ref_index], paths[labels.index(target)]) + metric + options)
 
 
+FIXED_FLOAT = "fixed_float.pt"  # the fix command's output, as docs/fix.md names it
+
+
+def fix_command(float_path: str, run: RunOptions) -> str:
+    """``qdebug fix FLOAT --data SPEC -o fixed_float.pt`` (docs/fix.md) on the run's data and model
+    options as typed, shell-quoted as a ``next:`` command; ``--data DATA`` to fill in when the run
+    had no data of its own (a checkpoint's few stored samples prove no fix).  compare's and
+    suggest's pointer to the float-side fixes."""
+    data = "" if run.data or STATE.config().get("data") else " --data DATA"
+    return command_line("fix", float_path) + run.text() + data + f" -o {FIXED_FLOAT}"
+
+
+def _fix_next(result, paths: list[str], ref_index: int, run: RunOptions) -> str:
+    """The ``qdebug fix`` command for the float model when a compared model has layers diagnosed
+    outlier_channels (``findings``' ``outlier_layers``; not a model whose own float model differs:
+    its error is no quantization's), else "".  FLOAT: the reference when it is the float
+    checkpoint, else the config's ``float``, else ``FLOAT.pt`` to fill in."""
+    if not any(item.get("outlier_layers") and not item.get("float_differs")
+               for item in result.meta["findings"].values()):
+        return ""
+    if result.meta.get("reference_stage") == "float":
+        float_path = paths[ref_index]
+    else:
+        float_path = STATE.config().get("float") or "FLOAT.pt"
+    return fix_command(float_path, run)
+
+
 @app.command(
     short_help="Where does the error enter, and why: per-layer error of two or more checkpoints.",
     help=(
@@ -315,7 +342,9 @@ def compare(
                                       options=run.text(), sort=sort, skip=skip,
                                       model_options=option_text(run.model_options()), again=option_text(shaping),
                                       baseline_metric=baseline_metric)
-    meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command}
+    fix = _fix_next(result, paths, ref_index, run)  # wide channels: equalize the float model (docs/fix.md)
+    meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command,
+            "fix": fix}
     if warning:
         meta["warning"] = warning
     files = _plots(result, out, labels[ref_index]) if out is not None else []
@@ -335,6 +364,9 @@ def compare(
         print_table(render_compare(frame, columns, sort=sort, top=top, title=title, width=table_width(wide)))
         for line in result.summary.splitlines():
             say(line)
+        if fix:
+            say("fix: cross-layer equalization may keep the wide channels int8 (docs/fix.md):")
+            say(f"  {fix}")
         if next_command:
             say(f"next: {why}:")
             say(f"  {next_command}")

@@ -11,6 +11,7 @@ import typer
 
 from qdebug.cli.against_float import checkpoint_paths, load_against_float
 from qdebug.cli.app import app
+from qdebug.cli.compare import fix_command
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
@@ -240,7 +241,9 @@ def suggest(
         ("--ratio", ratio), ("--bits", bits if bits != 16 else None), ("--rank", rank if rank != "exact" else None),
         ("--confidence", confidence if confidence != 0.95 else None)])
     exact_command = f"{command_line('suggest', *given)}{options}{shaping} --apply -o fixed.pt"
-    meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary)
+    # Wide channels among the plan's points: equalizing the float model may keep them int8 (docs/fix.md).
+    fix = fix_command(float_path, run) if meta["plan"]["outlier_points"] else ""
+    meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary, fix=fix)
     files = []
     written_back = None
     plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
@@ -317,6 +320,9 @@ def suggest(
             if out is not None:
                 say(f"  or recalibrate the float model with {plan_path} on the data it was calibrated on:")
                 say(f"  {apply_command}")
+        if fix:
+            say("or equalize the float model first: fewer int16 points (docs/fix.md):")
+            say(f"  {fix}")
         if written_back is not None and to == "onnxruntime":
             say(f"onnxruntime: {written_back.attrs['meta']['expressible']} tensor(s) for quantize_static in "
                 f"{out.final / WRITE_BACK[to][0]} and {WRITE_BACK[to][1]}")

@@ -1195,6 +1195,11 @@ def findings(frame: pd.DataFrame, unquantized: dict[str, set[str]] | None = None
             cause = flagged[~flagged["diagnosis"].isin(["propagated", FLOAT_DIFFERS])
                             & ~flagged["layer"].isin(unquantized.get(target, set()))
                             & ~(range_problem & flagged["layer"].isin(unranged.get(target, set())))]
+            # Every layer whose own quantized range its wide channels stretch, in execution order (at
+            # fault or not): what a float-side fix (cross-layer equalization, ``qdebug.fix``) may keep int8.
+            wide = cause.loc[cause["diagnosis"] == "outlier_channels", "layer"]
+            if not wide.empty:
+                found["outlier_layers"] = list(dict.fromkeys(wide))
             if cause.empty:  # every flagged row only inherits its error: no single layer is to blame
                 found.update(at_fault=None, largest_own_error=worst["layer"],
                              largest_own_error_db=worst["isolated_sqnr_db"])

@@ -505,6 +505,10 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
     if plan.passed and plan.candidates and plan.final is not None and confidence is not None:
         plan.after.update(_interval(experiment, plan.final, rules, confidence))
     frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None, recalibrated)
+    plan_meta = _plan_meta(plan, bits)
+    # The plan's points whose wide channels stretch their range: a float-side fix may keep them int8.
+    plan_meta["outlier_points"] = [row.point for row in frame.itertuples()
+                                   if row.in_plan and row.diagnosis == "outlier_channels"]
     by_phase = forwards.totals()
     meta = {
         "bits": bits, "target": "metric" if metric is not None else f"sqnr_db >= {min_sqnr:g}",
@@ -517,7 +521,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         "rank": rank, "ranking_evaluations": 1 + len(extra) + (rank == "fast" and not done),
         "forwards": sum(by_phase.values()), "forwards_by_phase": by_phase,
         "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
-        "plan": _plan_meta(plan, bits),
+        "plan": plan_meta,
     }
     return SuggestResult(frame, plan, meta, summarize(meta))
 
@@ -728,6 +732,10 @@ def summarize(meta: Mapping[str, Any]) -> str:
             if f"{task}_ci_low" in plan["after"]:
                 lines.append(f"  {task} / float, {meta.get('confidence', 0.95):g} interval: "
                              f"[{plan['after'][task + '_ci_low']:.3f}, {plan['after'][task + '_ci_high']:.3f}]")
+        if plan.get("outlier_points"):  # the float-side fix that may spare these their int16 (docs/fix.md)
+            lines += textwrap.wrap(f"  wide channels (outlier_channels) at {', '.join(plan['outlier_points'])}: "
+                                   "cross-layer equalization of the float model (qdebug fix, docs/fix.md) may "
+                                   "keep them int8", width=80, subsequent_indent="    ", break_on_hyphens=False)
     if plan.get("confirm"):
         lines += _confirm_lines(plan["confirm"], plan.get("search_points") or [], meta)
     if not plan["passed"]:

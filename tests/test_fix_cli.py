@@ -1,0 +1,165 @@
+"""``qdebug fix`` and ``qdebug.fix``: the proof (same qconfig, held-out batches, against the
+original float outputs), what is kept and written, and the errors before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import qdebug
+from qdebug.engine import QConfig, QuantSpec, calibrate, prepare
+
+DEMO = Path(__file__).resolve().parent.parent / "fixtures" / "demo"
+
+
+def _spread_depthwise():
+    from test_fix_equalize import _spread_depthwise_net
+
+    return _spread_depthwise_net()
+
+
+def _sqnr(reference, other) -> float:
+    return (10 * torch.log10((reference.double() ** 2).sum() / ((reference - other).double() ** 2).sum())).item()
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The demo's float model with one channel of features.1's projection x64, compensated exactly in
+    features.2's expand conv (a linear pair: the float function is unchanged; per-tensor int8
+    activations of features.1 lose everything else to that channel)."""
+    model, info = qdebug.load(DEMO / "float.pt")
+    with torch.no_grad():
+        bn = model.features[1].conv.project_bn
+        bn.weight[3] *= 64
+        bn.bias[3] *= 64
+        model.features[2].conv.expand_conv.weight[:, 3] /= 64
+    path = tmp_path_factory.mktemp("planted") / "planted.pt"
+    qdebug.save(model, path, stage="float", model_spec=info.model, sample_inputs=info.sample_inputs)
+    return path
+
+
+def test_fix_keeps_equalization_proves_it_and_the_next_line_runs(cli, planted, tmp_path):
+    data = str(DEMO / "eval.pt")
+    result = cli("fix", planted, "--data", data, "--batches", 4, "--method", "equalize", "-o", "fixed.pt",
+                 "--out", "report")
+    assert result.code == 0, result.err
+    assert "kept: cross-layer equalization" in result.out
+    report = json.loads((tmp_path / "report" / "fix.json").read_text())
+    (row,) = report["rows"]
+    assert row["method"] == "equalize" and row["kept"] and row["changes"] >= 1
+    assert row["gain_db"] >= 10 and row["float_sqnr_db"] >= 80  # measured, not assumed: checked below
+    meta = report["meta"]
+    assert meta["held_out"] == 1 and meta["kept"] == ["equalize"]
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {"fix.json", "fix.csv", "fix_changes.csv", "fix.png"}
+    # The written model: the planted one's function, and quantized by hand as the proof says it was.
+    original, _ = qdebug.load(planted)
+    fixed, info = qdebug.load(tmp_path / "fixed.pt")
+    assert info.stage == "float" and type(fixed) is type(original)
+    assert set(fixed.state_dict()) == set(original.state_dict())
+    batches = [b.inputs for b in qdebug.api._batches(data, 4, None, None)]
+    with torch.no_grad():
+        assert _sqnr(original(batches[3]), fixed(batches[3])) >= 80
+
+        def quantized(model):
+            q = calibrate(prepare(model, QConfig(), example_inputs=batches[0]), batches[:3])
+            return _sqnr(original(batches[3]), q(batches[3]))
+
+        before, after = quantized(original), quantized(fixed)
+    assert math.isclose(before, row["sqnr_before_db"], abs_tol=1e-3)
+    assert math.isclose(after, row["sqnr_after_db"], abs_tol=1e-3)
+    # next: the calibrate command, as printed
+    line = result.out.split("next: calibrate the fixed float model with the same qconfig:")[1].split("\n")[1]
+    args = line.split()[1:]
+    assert args[:2] == ["calibrate", "fixed.pt"]
+    assert cli(*args).code == 0 and (tmp_path / "calibrated.pt").exists()
+
+
+def test_nothing_to_change_is_one_error_line_before_any_calibration(cli, tmp_path):
+    """No norm -> Linear in the demo: SmoothQuant alone has nothing to change -- an input error,
+    said in one line with each method's reason, before any calibration; nothing written."""
+    result = cli("fix", DEMO / "float.pt", "--data", DEMO / "eval.pt", "--batches", 2, "--method", "smooth",
+                 "-o", "fixed.pt")
+    result.assert_error("nothing to fix in this model: smooth: nothing to change: the model has no LayerNorm")
+    assert not (tmp_path / "fixed.pt").exists()
+
+
+def test_rows_that_change_nothing_carry_the_model_they_were_tried_on():
+    """Methods run in METHODS order whatever the order asked; one that changes nothing says why
+    and carries the SQNR of the model it was tried on: the baseline before the first change (no
+    calibration is spent on it), the model kept so far after it.  Plain tensors as batches."""
+    from qdebug.tools.fix import fix
+
+    model = _spread_depthwise()
+    batches = [torch.randn(4, 16, 12, 12) for _ in range(4)]
+    per_tensor = QConfig(weight=QuantSpec(per_channel=False))
+    result = fix(model, batches, qconfig=per_tensor, methods=["smooth", "absorb", "equalize"])
+    rows = result.frame.to_dict("records")
+    assert [r["method"] for r in rows] == ["equalize", "absorb", "smooth"]
+    equalize, absorb, smooth = rows
+    assert equalize["kept"] and equalize["gain_db"] >= 6
+    assert absorb["sqnr_before_db"] == equalize["sqnr_after_db"]
+    assert smooth["changes"] == 0 and smooth["reason"].startswith("nothing to change") and not smooth["kept"]
+    assert smooth["sqnr_before_db"] == result.meta["fixed_sqnr_db"] and math.isnan(smooth["sqnr_after_db"])
+    result = fix(model, batches, qconfig=per_tensor, methods=["smooth", "bias_correction"])
+    smooth, corrected = result.frame.to_dict("records")
+    assert smooth["changes"] == 0 and corrected["changes"] >= 1
+    assert smooth["sqnr_before_db"] == corrected["sqnr_before_db"] == result.meta["baseline_sqnr_db"]
+
+
+def test_a_function_preserving_method_that_moves_the_float_output_is_dropped():
+    """ReLU6 pairs are equalized inside the peaks measured on the calibration part; a held-out
+    batch 10x larger goes past them, the float output moves, and the proof drops the method
+    whatever its quantized gain -- never a gain it did not measure on data it had not seen."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU6(), torch.nn.Conv2d(8, 4, 1)).eval()
+    with torch.no_grad():
+        model[0].weight[2] *= 8  # an outlier channel that equalization would pull in
+        model[2].weight[:, 2] /= 8
+    batches = [0.2 * torch.randn(2, 3, 8, 8) for _ in range(3)] + [10 * torch.randn(2, 3, 8, 8)]
+    _, frame = qdebug.fix(model, batches, methods=["equalize"])
+    (row,) = frame.to_dict("records")
+    assert row["changes"] == 1 and row["float_sqnr_db"] < 80 and not row["kept"]
+    assert "the float output moved" in row["reason"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "cle"], "unknown fix method 'cle'"),
+    (["--method", ","], "--method names no method"),
+    (["--bits", "1"], "--bits 1 is outside 2-16"),
+    (["--observer", "median"], "unknown observer 'median'"),
+])
+def test_bad_options_are_refused_before_loading(cli, args, message):
+    result = cli("fix", DEMO / "float.pt", "-o", "fixed.pt", *args)
+    result.assert_error(message)
+
+
+def test_a_calibrated_checkpoint_is_refused(cli):
+    result = cli("fix", DEMO / "calibrated.pt", "-o", "fixed.pt")
+    result.assert_error("fix expects a float checkpoint")
+
+
+def test_a_metric_that_raises_is_one_error_line(cli, tmp_path):
+    (tmp_path / "badmetric.py").write_text("def metric(model, batches):\n    raise ValueError('boom')\n")
+    result = cli("fix", DEMO / "float.pt", "--data", DEMO / "eval.pt", "--batches", 2,
+                 "--method", "equalize", "--metric", "badmetric:metric", "-o", "fixed.pt")
+    result.assert_error("metric metric raised ValueError: boom")
+    assert not (tmp_path / "fixed.pt").exists()
+
+
+def test_python_api_is_the_package_called():
+    """``qdebug.fix(model, batches)``: the package of the transforms, called, runs the proof."""
+    model, _ = qdebug.load(DEMO / "float.pt")
+    batches = [b.inputs for b in qdebug.api._batches(str(DEMO / "eval.pt"), 2, None, None)]
+    fixed, frame = qdebug.fix(model, batches, qconfig=QConfig(weight=QuantSpec(per_channel=False)),
+                              methods=["equalize"])
+    assert list(frame["method"]) == ["equalize"] and frame.attrs["meta"]["held_out"] == 0
+    assert "calibration batch(es)" in frame.attrs["summary"]
+    assert fixed is not model and frame.attrs["changes"][0]["method"] == "equalize"
+    with pytest.raises(qdebug.QDebugError, match="unknown fix method 'cle'"):
+        qdebug.fix(model, batches, methods=["cle"])
+    with pytest.raises(qdebug.QDebugError, match="qconfig must be a QConfig or a dict"):
+        qdebug.fix(model, batches, qconfig="per-tensor")
