@@ -163,3 +163,40 @@ def test_python_api_is_the_package_called():
         qdebug.fix(model, batches, methods=["cle"])
     with pytest.raises(qdebug.QDebugError, match="qconfig must be a QConfig or a dict"):
         qdebug.fix(model, batches, qconfig="per-tensor")
+
+
+def test_suggest_on_the_fixed_model_needs_fewer_int16_points():
+    """Must-have 3: the fixed float model, calibrated with the same qconfig, is what suggest
+    searches (against the ORIGINAL float model): per-tensor weights on the spread depthwise
+    network need three int16 points as given and none once fixed."""
+    model = _spread_depthwise()
+    torch.manual_seed(3)
+    batches = [torch.randn(4, 16, 12, 12) for _ in range(4)]
+    per_tensor = QConfig(weight=QuantSpec(per_channel=False))
+    fixed, frame = qdebug.fix(model, batches, qconfig=per_tensor)
+    assert frame.attrs["meta"]["kept"][0] == "equalize"
+    plans = []
+    for float_model in (model, fixed):
+        calibrated = calibrate(prepare(float_model, per_tensor, example_inputs=batches[0]), batches)
+        plans.append(qdebug.suggest(model, calibrated, data=batches, min_sqnr=30).attrs["plan"])
+    assert len(plans[0]["points"]) >= 2 and plans[0]["passed"]
+    assert plans[1]["points"] == [] and plans[1]["passed"]
+
+
+def test_like_takes_a_checkpoints_qconfig_and_mode_and_the_options_refine_it(cli, tmp_path):
+    """``--like CKPT`` (calibrate and fix): the qconfig and QAT mode the diagnosed checkpoint was
+    made with, refined by the qconfig options; compare and suggest print it in their fix line."""
+    like_model, like = qdebug.load(DEMO / "calibrated.pt")
+    assert like.qat_mode == "with_bn_reverse_fold" and like.qconfig.weight.per_channel
+    result = cli("calibrate", DEMO / "float.pt", "--like", DEMO / "calibrated.pt", "--per-tensor", "--data",
+                 DEMO / "eval.pt", "--batches", 1, "-o", "again.pt", "--format", "json")
+    assert result.code == 0, result.err
+    meta = json.loads(result.out)["meta"]
+    expected = like.qconfig.to_dict()
+    expected["weight"]["per_channel"] = False
+    assert meta["qconfig"] == expected and meta["qat_mode"] == "with_bn_reverse_fold"
+    report = json.loads(cli("fix", DEMO / "float.pt", "--like", DEMO / "calibrated.pt", "--data", DEMO / "eval.pt",
+                            "--batches", 2, "--method", "equalize", "--format", "json", "-o", "f.pt").out)
+    assert report["meta"]["mode"] == "with_bn_reverse_fold" and report["meta"]["qconfig"] == like.qconfig.to_dict()
+    cli("fix", DEMO / "float.pt", "--like", DEMO / "float.pt", "-o", "f.pt").assert_error(
+        "fix --like expects a calibrated or qat or quantized checkpoint")

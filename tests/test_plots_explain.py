@@ -147,8 +147,11 @@ def test_an_outlier_finding_leads_to_the_channels_then_to_step(cli, tmp_path, pl
     meta = json.loads(cli("compare", d / "float.pt", d / "calibrated.pt", "--data", d / "data.pt",
                           "--format", "json").out)["meta"]
     assert meta["findings"]["calibrated"]["outlier_layers"] == [OUTLIER_LAYER]
-    assert shlex.split(meta["fix"]) == ["qdebug", "fix", str(d / "float.pt"), "--data", str(d / "data.pt"),
-                                        "-o", "fixed_float.pt"]
+    assert shlex.split(meta["fix"]) == ["qdebug", "fix", str(d / "float.pt"), "--like", str(d / "calibrated.pt"),
+                                        "--data", str(d / "data.pt"), "-o", "fixed_float.pt"]
+    fixed = cli(*shlex.split(meta["fix"])[1:], "--format", "json")  # it runs as printed, and equalization pays
+    assert fixed.code == 0, fixed.err
+    assert "equalize" in json.loads(fixed.out)["meta"]["kept"]
     first = meta["next"]
     assert first.endswith("--sort min_channel_sqnr_db"), first
     again = json.loads(cli(*shlex.split(first)[1:], "--format", "json").out)["meta"]["next"]
@@ -166,8 +169,8 @@ def test_an_outlier_finding_prints_the_fix_command_on_the_users_float_and_data(c
     lines = cli("compare", d / "float.pt", d / "calibrated.pt", "--data", d / "data.pt",
                 "--batch-size", "4").out.splitlines()
     at = lines.index("fix: cross-layer equalization may keep the wide channels int8 (docs/fix.md):")
-    assert shlex.split(lines[at + 1]) == ["qdebug", "fix", str(d / "float.pt"), "--data", str(d / "data.pt"),
-                                          "--batch-size", "4", "-o", "fixed_float.pt"]
+    assert shlex.split(lines[at + 1]) == ["qdebug", "fix", str(d / "float.pt"), "--like", str(d / "calibrated.pt"),
+                                          "--data", str(d / "data.pt"), "--batch-size", "4", "-o", "fixed_float.pt"]
     assert lines[at + 2] == "next: see the channels:"
     assert max(len(line) for line in lines[:at + 1]) <= 80  # the table, the summary and the fix line
 

@@ -205,8 +205,8 @@ def test_cli_json_table_and_exit_codes(cli, outlier_files, monkeypatch):
     assert set(data) == {"meta", "rows", "plan"}
     # The plan raises the planted wide channel: qdebug fix on the float checkpoint and data as typed.
     assert data["plan"]["outlier_points"] == ["layer1.0.relu"]
-    fix = ["qdebug", "fix", str(d / "float.pt"), "--data", str(d / "eval.pt"), "--batch-size", "16", "-o",
-           "fixed_float.pt"]
+    fix = ["qdebug", "fix", str(d / "float.pt"), "--like", str(d / "calibrated.pt"), "--data", str(d / "eval.pt"),
+           "--batch-size", "16", "-o", "fixed_float.pt"]
     assert shlex.split(data["meta"]["fix"]) == fix
     for key in ("rank", "point", "layer", "kind", "bits", "diagnosis", "gain_db", "macs_share", "act_share", "in_plan"):
         assert key in data["rows"][0], key

@@ -31,6 +31,21 @@ BITS_OPTION = typer.Option(None, "--bits", metavar="N", help="Bit width of weigh
 QCONFIG_OPTION = typer.Option(None, "--qconfig", metavar="FILE",
                               help="QConfig file (JSON or TOML: weight, activation, overrides).")
 MODE_OPTION = typer.Option(None, "--mode", metavar="MODE", help=f"QAT mode: {', '.join(vocab.QAT_MODES)}.")
+LIKE_OPTION = typer.Option(None, "--like", metavar="CKPT",
+                           help="Start from the qconfig and QAT mode of this calibrated, QAT or quantized checkpoint "
+                                "(the other qconfig options refine it).")
+
+
+def like_settings(like: Optional[str], *, model: Optional[str], unsafe: bool, command: str):
+    """(qconfig dict, QAT mode) of the --like checkpoint, or (None, None) without one."""
+    if like is None:
+        return None, None
+    _, info = load_checkpoint(like, model=model, unsafe=unsafe, expect=("calibrated", "qat", "quantized"),
+                              command=f"{command} --like")
+    if info.qconfig is None:
+        raise QDebugError(f"{like} holds no qconfig (not written by qdebug calibrate, convert or import)",
+                          "give a checkpoint qdebug wrote, or the qconfig options (--qconfig, --per-tensor...)")
+    return info.qconfig.to_dict(), info.qat_mode
 
 
 def merge_tables(base: dict, update: dict) -> dict:
@@ -45,10 +60,13 @@ def merge_tables(base: dict, update: dict) -> dict:
 
 
 def build_qconfig(qconfig_file: Optional[Path], observer: Optional[str], per_channel: Optional[bool],
-                  bits: Optional[int]):
+                  bits: Optional[int], like: Optional[dict] = None):
+    """The qconfig of a run: ``like`` (a checkpoint's, --like) or the config's ``qconfig``, refined
+    by the --qconfig file, then by --observer, --per-channel/--per-tensor and --bits."""
     from qdebug.engine import QConfig
 
-    data = merge_tables(STATE.config().get("qconfig") or {}, load_qconfig_file(qconfig_file))
+    base = like if like is not None else STATE.config().get("qconfig") or {}
+    data = merge_tables(base, load_qconfig_file(qconfig_file))
     qcfg = QConfig.from_dict(data)
     if observer is not None:  # checked by the command before any loading
         qcfg = QConfig(qcfg.weight, qcfg.activation.replace(observer=observer), qcfg.overrides)
@@ -104,7 +122,9 @@ def _first_samples(inputs):
         "Example: qdebug calibrate fixtures/demo/float.pt --data fixtures/demo/eval.pt --batches 8 "
         "--observer percentile -o calibrated.pt\n\n"
         "Example: qdebug calibrate fixtures/demo/float.pt --data fixtures/demo/eval.pt --device cuda -o "
-        "calibrated.pt (the file holds CPU tensors, whatever the device)"
+        "calibrated.pt (the file holds CPU tensors, whatever the device)\n\n"
+        "Example: qdebug calibrate fixed_float.pt --like fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
+        "-o calibrated_fixed.pt (the demo's qconfig and QAT mode)"
     )
 )
 def calibrate(
@@ -118,6 +138,7 @@ def calibrate(
     bits: Optional[int] = BITS_OPTION,
     qconfig: Optional[Path] = QCONFIG_OPTION,
     mode: Optional[str] = MODE_OPTION,
+    like: Optional[str] = LIKE_OPTION,
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
     out: Optional[Path] = OUT_OPTION,
@@ -133,11 +154,12 @@ def calibrate(
     writable_file(output)
     out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")
-    qcfg = build_qconfig(qconfig, observer, per_channel, bits)  # a bad --qconfig or config qconfig: before loading
+    like_qconfig, like_mode = like_settings(like, model=model, unsafe=unsafe_load, command="calibrate")
+    qcfg = build_qconfig(qconfig, observer, per_channel, bits, like_qconfig)  # a bad --qconfig: before loading
     _check_mergeable(qcfg)
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="calibrate")
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
-    qat_mode = mode or STATE.config().get("mode") or "fuse_bn"
+    qat_mode = mode or like_mode or STATE.config().get("mode") or "fuse_bn"
 
     from qdebug.checkpoint import save
     from qdebug.engine import calibrate as run_calibration, prepare

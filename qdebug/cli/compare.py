@@ -174,28 +174,34 @@ def _next_command(result, labels: list[str], paths: list[str], ref_index: int, *
 FIXED_FLOAT = "fixed_float.pt"  # the fix command's output, as docs/fix.md names it
 
 
-def fix_command(float_path: str, run: RunOptions) -> str:
-    """``qdebug fix FLOAT --data SPEC -o fixed_float.pt`` (docs/fix.md) on the run's data and model
-    options as typed, shell-quoted as a ``next:`` command; ``--data DATA`` to fill in when the run
-    had no data of its own (a checkpoint's few stored samples prove no fix).  compare's and
-    suggest's pointer to the float-side fixes."""
+def fix_command(float_path: str, run: RunOptions, like: str | None = None) -> str:
+    """``qdebug fix FLOAT --like CKPT --data SPEC -o fixed_float.pt`` (docs/fix.md) on the run's data
+    and model options as typed, shell-quoted as a ``next:`` command; ``--like`` the diagnosed
+    checkpoint (a stage qdebug wrote), so that the fix is proven with its qconfig; ``--data DATA``
+    to fill in when the run had no data of its own (a checkpoint's few stored samples prove no
+    fix).  compare's and suggest's pointer to the float-side fixes."""
     data = "" if run.data or STATE.config().get("data") else " --data DATA"
-    return command_line("fix", float_path) + run.text() + data + f" -o {FIXED_FLOAT}"
+    return (command_line("fix", float_path) + option_text([("--like", like)]) + run.text() + data
+            + f" -o {FIXED_FLOAT}")
 
 
-def _fix_next(result, paths: list[str], ref_index: int, run: RunOptions) -> str:
+def _fix_next(result, paths: list[str], labels: list[str], infos: list, ref_index: int, run: RunOptions) -> str:
     """The ``qdebug fix`` command for the float model when a compared model has layers diagnosed
     outlier_channels (``findings``' ``outlier_layers``; not a model whose own float model differs:
     its error is no quantization's), else "".  FLOAT: the reference when it is the float
-    checkpoint, else the config's ``float``, else ``FLOAT.pt`` to fill in."""
-    if not any(item.get("outlier_layers") and not item.get("float_differs")
-               for item in result.meta["findings"].values()):
+    checkpoint, else the config's ``float``, else ``FLOAT.pt`` to fill in; ``--like`` the first
+    such model when its checkpoint holds a qconfig."""
+    flagged = [label for label, item in result.meta["findings"].items()
+               if item.get("outlier_layers") and not item.get("float_differs")]
+    if not flagged:
         return ""
     if result.meta.get("reference_stage") == "float":
         float_path = paths[ref_index]
     else:
         float_path = STATE.config().get("float") or "FLOAT.pt"
-    return fix_command(float_path, run)
+    index = labels.index(flagged[0]) if flagged[0] in labels else None
+    like = paths[index] if index is not None and getattr(infos[index], "qconfig", None) is not None else None
+    return fix_command(float_path, run, like)
 
 
 @app.command(
@@ -342,7 +348,7 @@ def compare(
                                       options=run.text(), sort=sort, skip=skip,
                                       model_options=option_text(run.model_options()), again=option_text(shaping),
                                       baseline_metric=baseline_metric)
-    fix = _fix_next(result, paths, ref_index, run)  # wide channels: equalize the float model (docs/fix.md)
+    fix = _fix_next(result, paths, labels, infos, ref_index, run)  # wide channels: equalize the float model (docs/fix.md)
     meta = {**result.meta, "checkpoints": dict(zip(labels, paths)), "summary": result.summary, "next": next_command,
             "fix": fix}
     if warning:

@@ -9,7 +9,8 @@ import typer
 
 from qdebug.cli.app import app
 from qdebug.cli.calibrate import (
-    BITS_OPTION, MODE_OPTION, OBSERVER_OPTION, PER_CHANNEL_OPTION, QCONFIG_OPTION, build_qconfig, check_qconfig_options,
+    BITS_OPTION, LIKE_OPTION, MODE_OPTION, OBSERVER_OPTION, PER_CHANNEL_OPTION, QCONFIG_OPTION, build_qconfig,
+    check_qconfig_options, like_settings,
 )
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
@@ -70,7 +71,9 @@ def _methods(given: Optional[List[str]]) -> Optional[List[str]]:
         "Example: qdebug fix fixtures/demo/float.pt --data fixtures/demo/eval.pt --batches 8 --per-tensor "
         "-o fixed_float.pt\n\n"
         "Example: qdebug fix float.pt --model mypkg.models:Net --data mypkg.data:calib --metric top1 "
-        "--method equalize,bias_correction --out fix_report -o fixed_float.pt"
+        "--method equalize,bias_correction --out fix_report -o fixed_float.pt\n\n"
+        "Example: qdebug fix fixtures/demo/float.pt --like fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
+        "-o fixed_float.pt (the qconfig and QAT mode the calibrated checkpoint was made with)"
     )
 )
 def fix(
@@ -90,6 +93,7 @@ def fix(
     bits: Optional[int] = BITS_OPTION,
     qconfig: Optional[Path] = QCONFIG_OPTION,
     mode: Optional[str] = MODE_OPTION,
+    like: Optional[str] = LIKE_OPTION,
     fmt: Optional[str] = FORMAT_OPTION,
     as_json: bool = JSON_OPTION,
     out: Optional[Path] = OUT_OPTION,
@@ -106,7 +110,8 @@ def fix(
     writable_file(output)
     out = prepare_out(out)
     path = stage_path(checkpoint, "float", what="float")
-    qcfg = build_qconfig(qconfig, observer, per_channel, bits)
+    like_qconfig, like_mode = like_settings(like, model=model, unsafe=unsafe_load, command="fix")
+    qcfg = build_qconfig(qconfig, observer, per_channel, bits, like_qconfig)
     spec = metric or STATE.config().get("metric")
 
     from qdebug.metrics import resolve_metric
@@ -114,7 +119,7 @@ def fix(
     metric_fn = resolve_metric(spec) if spec else None
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="fix")
     batch_list = resolve_batches(data, batches, info, batch_size=batch_size)
-    qat_mode = mode or STATE.config().get("mode") or "fuse_bn"
+    qat_mode = mode or like_mode or STATE.config().get("mode") or "fuse_bn"
     task = spec.rsplit(":", 1)[-1] if spec else "metric"
 
     from qdebug.checkpoint import save
@@ -127,7 +132,7 @@ def fix(
     meta.update(source=str(path), output=str(output) if result.kept else None, summary=result.summary)
     run = RunOptions(model=model, model_kwargs=model_kwargs, unsafe_load=unsafe_load, device=device, data=data,
                      batches=batches, batch_size=batch_size)
-    shaping = option_text([("--observer", observer), ("--per-channel" if per_channel else "--per-tensor",
+    shaping = option_text([("--like", like), ("--observer", observer), ("--per-channel" if per_channel else "--per-tensor",
                                                        per_channel is not None), ("--bits", bits),
                            ("--qconfig", qconfig), ("--mode", mode)])
     meta["next"] = (command_line("calibrate", output) + run.text() + shaping + " -o calibrated.pt"

@@ -242,7 +242,8 @@ def suggest(
         ("--confidence", confidence if confidence != 0.95 else None)])
     exact_command = f"{command_line('suggest', *given)}{options}{shaping} --apply -o fixed.pt"
     # Wide channels among the plan's points: equalizing the float model may keep them int8 (docs/fix.md).
-    fix = fix_command(float_path, run) if meta["plan"]["outlier_points"] else ""
+    like = paths[-1] if found.info.qconfig is not None else None  # the fix is proven with this checkpoint's qconfig
+    fix = fix_command(float_path, run, like) if meta["plan"]["outlier_points"] else ""
     meta.update(checkpoints=paths, ratio=default_ratio, summary=result.summary, fix=fix)
     files = []
     written_back = None
