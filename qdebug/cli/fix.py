@@ -132,9 +132,9 @@ def fix(
     meta.update(source=str(path), output=str(output) if result.kept else None, summary=result.summary)
     run = RunOptions(model=model, model_kwargs=model_kwargs, unsafe_load=unsafe_load, device=device, data=data,
                      batches=batches, batch_size=batch_size)
-    shaping = option_text([("--like", like), ("--observer", observer), ("--per-channel" if per_channel else "--per-tensor",
-                                                       per_channel is not None), ("--bits", bits),
-                           ("--qconfig", qconfig), ("--mode", mode)])
+    granularity = ("--per-channel" if per_channel else "--per-tensor", per_channel is not None)
+    shaping = option_text([("--like", like), ("--observer", observer), granularity, ("--bits", bits),
+                           ("--qconfig", qconfig), ("--mode", mode)])  # the next calibrate: the same qconfig
     meta["next"] = (command_line("calibrate", output) + run.text() + shaping + " -o calibrated.pt"
                     if result.kept else None)
     files = []

@@ -169,7 +169,7 @@ def module_category(module: nn.Module) -> str | None:
             if isinstance(module, base):
                 category = cat
                 break
-    if category is None and _is_rms_norm_by_name(module):
+    if category is None and is_rms_norm_by_name(module):
         category = "activation"
     if category == "upsample":
         return "passthrough" if getattr(module, "mode", "nearest") == "nearest" else "activation"
@@ -178,7 +178,7 @@ def module_category(module: nn.Module) -> str | None:
     return category
 
 
-def _is_rms_norm_by_name(module: nn.Module) -> bool:
+def is_rms_norm_by_name(module: nn.Module) -> bool:
     """A model library's own RMSNorm (transformers' ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``T5LayerNorm``,
     ...): written with pow/mean/rsqrt, one norm to a deployment -- ONNX's RMSNormalization, a fused
     NPU kernel -- so one op here too, quantized at its output like ``nn.RMSNorm``.  Recognised by

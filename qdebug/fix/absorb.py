@@ -4,7 +4,7 @@ and Bias Correction", sec. 4.1; AIMET's "high bias fold"), on a float model.
 ``absorb_high_bias(model, batches)`` works on a deep copy of a float model, after folding its BNs
 as ``qdebug.fix.equalize`` does (same pairs, same state_dict keys):
 
-1. Pairs: L1 -> [its folded BN] -> ReLU (or ReLU6) -> L2, found by equalize's ``_find_pairs``.
+1. Pairs: L1 -> [its folded BN] -> ReLU (or ReLU6) -> L2, found by ``qdebug.fix.pairs.find_pairs`` (equalization's).
 2. Per channel i of the ReLU's input z_i (L1's pre-activation), the minimum m_i and maximum M_i
    over every position of every batch, and c_i = m_i - margin (M_i - m_i), ``margin`` (0.3) of
    the channel's range below its minimum: the minimum of a few batches is a sample minimum that
@@ -42,16 +42,9 @@ import torch.nn as nn
 
 from qdebug.engine.plan import Plan, trace_plan
 from qdebug.errors import QDebugError
-from qdebug.fix.equalize import (
-    _CONVS,
-    RELU6_CLIP,
-    _activation_input,
-    _channel_axis,
-    _channel_extrema,
-    _check_float_model,
-    _find_pairs,
-    _fold_all,
-    _grouped_view,
+from qdebug.fix.observe import channel_extrema
+from qdebug.fix.pairs import (
+    CONVS, RELU6_CLIP, activation_input, channel_axis, check_float_model, find_pairs, fold_all, grouped_view,
 )
 
 COLUMNS = ["layer1", "layer2", "through", "channels_absorbed", "absorbed_max", "range_before", "range_after",
@@ -70,7 +63,7 @@ def absorb_high_bias(model: nn.Module, batches: Any, *, example_inputs: Any = No
     fraction of each channel's measured range (max - min) kept below its minimum (module docstring)."""
     import pandas as pd
 
-    _check_float_model(model, "absorb_high_bias")
+    check_float_model(model, "absorb_high_bias")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
         raise QDebugError(f"margin must be a non-negative number, got {margin!r}", f"e.g. margin={MARGIN}")
     batches = _reiterable(batches)
@@ -89,20 +82,20 @@ def absorb_high_bias(model: nn.Module, batches: Any, *, example_inputs: Any = No
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
         bn_statistics = {bn: _gamma_beta(modules[bn]) for _, bn in plan.pairs}  # before folding
-        biases = _fold_all(plan, modules)
-        pairs, skipped = _find_pairs(new, plan, modules, relu6=True)
+        biases = fold_all(plan, modules)
+        pairs, skipped = find_pairs(new, plan, modules, relu6=True)
         candidates = []
         for pair in pairs:
             activation = _activation(plan, pair.through)
-            source = _activation_input(plan, pair.layer1, pair.through)
+            source = activation_input(plan, pair.layer1, pair.through)
             reason = _refusal(plan, modules, biases, pair.layer1, pair.layer2, source, activation, batches is None)
             row = {"layer1": pair.layer1, "layer2": pair.layer2, "through": " > ".join(pair.through),
                    "applied": False, "reason": reason}
             rows.append(row)
             if not reason:
                 candidates.append((row, source, activation))
-        extrema = {} if batches is None else _channel_extrema(
-            new, modules, {source: _channel_axis(modules[row["layer1"]]) for row, source, _ in candidates}, batches)
+        extrema = {} if batches is None else channel_extrema(
+            new, modules, {source: channel_axis(modules[row["layer1"]]) for row, source, _ in candidates}, batches)
         for row, source, activation in candidates:
             if batches is None:
                 absorbed, note = _data_free_offsets(*bn_statistics[source]), "data-free: c = beta - 3|gamma|"
@@ -161,7 +154,7 @@ def _refusal(plan: Plan, modules: dict[str, nn.Module], biases: dict[str, torch.
     if _bias_holder(plan, modules, biases, layer2) is None:
         return f"{layer2} has no bias (nor a folded BN) to hold W2 c"
     second = modules[layer2]
-    if isinstance(second, _CONVS) and second.padding_mode == "zeros" and _padded(second):
+    if isinstance(second, CONVS) and second.padding_mode == "zeros" and _padded(second):
         return f"{layer2} pads with zeros: at the border it reads 0, not the shifted activation (not exact)"
     return ""
 
@@ -236,7 +229,7 @@ def _response(layer: nn.Module, constant: torch.Tensor) -> torch.Tensor:
     weight = layer.weight.detach().double()
     if isinstance(layer, nn.Linear):
         return weight @ constant
-    grouped = _grouped_view(layer, weight).sum(dim=3)  # [groups, out/groups, in/groups]
+    grouped = grouped_view(layer, weight).sum(dim=3)  # [groups, out/groups, in/groups]
     return (grouped * constant.reshape(grouped.shape[0], 1, grouped.shape[2])).sum(dim=2).reshape(-1)
 
 

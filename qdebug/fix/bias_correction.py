@@ -56,11 +56,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from qdebug.engine import QConfig, calibrate, engine_state, is_prepared, prepare
+from qdebug.engine import QConfig, calibrate, engine_state, prepare
 from qdebug.engine.context import run_model
 from qdebug.engine.modules import bn_scale_factor
 from qdebug.errors import QDebugError
-from qdebug.fix.equalize import _own_weight, _tied_weights
+from qdebug.fix.pairs import check_float_model, own_weight, tied_weights
 
 COLUMNS = ["layer", "channels", "shift_max", "shift_rms", "output_std", "held_by", "applied", "reason"]
 BATCH_HINT = "check that every batch matches the model's input (the batches are run as model(*args, **kwargs))"
@@ -124,11 +124,7 @@ def correct_bias(model: nn.Module, batches: Any, qconfig: QConfig | dict | None 
     purpose: calibrate the result again before measuring it."""
     import pandas as pd
 
-    if not isinstance(model, nn.Module):
-        raise QDebugError(f"correct_bias takes a float nn.Module, not a {type(model).__name__}", "pass the float model")
-    if is_prepared(model):
-        raise QDebugError("correct_bias takes a float model, and this one is prepared by qdebug",
-                          "correct the float model's biases first, then prepare (or calibrate) the result")
+    check_float_model(model, "correct_bias")
     batches = [getattr(batch, "inputs", batch) for batch in batches]
     if not batches:
         raise QDebugError("correct_bias got no batches", "pass the calibration batches: the shift is measured on them")
@@ -195,7 +191,7 @@ def _candidates(new: nn.Module, prepared: nn.Module, mode: str) -> tuple[dict[st
     modules = dict(new.named_modules())
     prepared_modules = dict(prepared.named_modules())
     bn_of = dict(plan.pairs)
-    tied = _tied_weights(new)
+    tied = tied_weights(new)
     layers: dict[str, _Layer] = {}
     rows: list[_Row] = []
     seen: set[str] = set()
@@ -235,7 +231,7 @@ def _refusal(plan, path: str, module: nn.Module | None, prepared_layer: nn.Modul
         return f"the weight of {path} is shared with another module"
     if not hasattr(prepared_layer, "weight_point"):
         return f"the engine does not quantize the weight of a {type(module).__name__}"
-    if module is None or not _own_weight(module):
+    if module is None or not own_weight(module):
         return f"the weight of {path} is computed (weight norm or a parametrization), not a Parameter"
     if prepared_layer.weight_point is None:
         return f"the weight of {path} is not quantized by this qconfig: no shift to correct"

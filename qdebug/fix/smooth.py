@@ -41,12 +41,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qdebug.engine.ops import _is_rms_norm_by_name
+from qdebug.engine.ops import is_rms_norm_by_name
 from qdebug.engine.plan import Plan, TraceHandler, trace_plan
-from qdebug.engine.prepare import is_prepared
 from qdebug.engine.spec import QConfig, QuantSpec, qparams_from_range
 from qdebug.errors import QDebugError, shown
-from qdebug.fix.equalize import _own_weight, _tied_weights
+from qdebug.fix.pairs import check_float_model, own_weight, tied_weights
+from qdebug.fix.observe import run_hooked
 
 COLUMNS = ["norm", "readers", "channels", "alpha", "act_ratio_before", "act_ratio_after", "local_sqnr_before_db",
            "local_sqnr_after_db", "applied", "reason"]
@@ -83,11 +83,7 @@ def smooth(model: nn.Module, batches: Any, *, alpha: float | None = None, qconfi
     ``example_inputs``: for tracing, default the first batch."""
     import pandas as pd
 
-    if not isinstance(model, nn.Module):
-        raise QDebugError(f"smooth takes a float nn.Module, not a {type(model).__name__}", "pass the float model")
-    if is_prepared(model):
-        raise QDebugError("smooth takes a float model, and this one is prepared by qdebug",
-                          "smooth the float model first, then prepare (or calibrate) the result")
+    check_float_model(model, "smooth")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
                               or not 0.0 <= alpha <= 1.0):
         raise QDebugError(f"alpha must be a number in [0, 1] or None, got {shown(alpha)}",
@@ -133,14 +129,14 @@ def _row(norm: str, readers: list[str], channels: int | None, *, alpha: float = 
 
 # -- which norms ---------------------------------------------------------------------------------
 def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or _is_rms_norm_by_name(module)
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or is_rms_norm_by_name(module)
 
 
 def _find_groups(model: nn.Module, plan: Plan, records: dict, modules: dict[str, nn.Module]):
     """Every norm call of the plan, in order: a ``_Group`` where it may be smoothed, else (norm,
     readers, reason)."""
     found: list[_Group | tuple[str, list[str], str]] = []
-    tied = _tied_weights(model)
+    tied = tied_weights(model)
     for rec in plan.calls.values():
         path = rec.name.split("#")[0]
         if not rec.is_module or path not in modules or not _is_norm(modules[path]):
@@ -204,7 +200,7 @@ def _norm_refusal(plan: Plan, modules: dict[str, nn.Module], path: str, tied: se
         return f"module {path} is called {plan.call_counts.get(path, 0)} times in one forward (shared)"
     if getattr(norm, "weight", None) is None:
         return f"{type(norm).__name__} without elementwise affine: no weight to divide by s"
-    if not _own_weight(norm) or (getattr(norm, "bias", None) is not None and not isinstance(norm.bias, nn.Parameter)):
+    if not own_weight(norm) or (getattr(norm, "bias", None) is not None and not isinstance(norm.bias, nn.Parameter)):
         return f"the weight of {path} is computed (a parametrization), not a Parameter"
     if norm.weight.dim() != 1:
         return f"{path} normalizes over several dimensions (weight {tuple(norm.weight.shape)}); a Linear reads one"
@@ -224,7 +220,7 @@ def _reader_refusal(plan: Plan, modules: dict[str, nn.Module], path: str, reader
             return f"module {reader} is called {plan.call_counts.get(reader, 0)} times in one forward (shared)"
         if reader in tied:
             return f"the weight of {reader} is shared with another module"
-        if not _own_weight(layer):
+        if not own_weight(layer):
             return f"the weight of {reader} is computed (weight norm or a parametrization), not a Parameter"
         if layer.weight.shape[1] != channels:
             return f"{reader} reads {layer.weight.shape[1]} features and {path} has {channels} channels"
@@ -235,8 +231,6 @@ def _reader_refusal(plan: Plan, modules: dict[str, nn.Module], path: str, reader
 def _capture(model: nn.Module, modules: dict[str, nn.Module], groups: list[_Group], batches: list) -> None:
     """Each group's per-channel range of the norm's output over ``batches``, a sample of its rows
     for the proxy, and the first call's input and output (to verify the scaling)."""
-    from qdebug.engine.context import run_model
-
     per_batch = max(1, PROXY_ROWS // len(batches))
 
     def keep(group: _Group):
@@ -252,16 +246,7 @@ def _capture(model: nn.Module, modules: dict[str, nn.Module], groups: list[_Grou
                                     output.detach().clone())
         return hook
 
-    handles = [modules[g.norm].register_forward_hook(keep(g), with_kwargs=True) for g in groups]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in batches:
-            run_model(model, getattr(batch, "inputs", batch))
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, batches, [(modules[g.norm], keep(g)) for g in groups], with_kwargs=True)
     for group in groups:
         if group.low is not None:
             group.amax = torch.maximum(group.low.abs(), group.high.abs())
