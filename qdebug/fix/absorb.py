@@ -44,7 +44,8 @@ from qdebug.engine.plan import Plan, trace_plan
 from qdebug.errors import QDebugError
 from qdebug.fix.observe import channel_extrema
 from qdebug.fix.pairs import (
-    CONVS, RELU6_CLIP, activation_input, channel_axis, check_float_model, find_pairs, fold_all, grouped_view,
+    CONVS, RELU6_CLIP, activation_input, bn_output_distribution, channel_axis, check_float_model, find_pairs, fold_all,
+    folded_bn, grouped_view,
 )
 
 COLUMNS = ["layer1", "layer2", "through", "channels_absorbed", "absorbed_max", "range_before", "range_after",
@@ -81,26 +82,27 @@ def absorb_high_bias(model: nn.Module, batches: Any, *, example_inputs: Any = No
     modules = dict(new.named_modules())
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
-        bn_statistics = {bn: _gamma_beta(modules[bn]) for _, bn in plan.pairs}  # before folding
+        bn_statistics = {bn: bn_output_distribution(modules[bn]) for _, bn in plan.pairs}  # before folding
         biases = fold_all(plan, modules)
         pairs, skipped = find_pairs(new, plan, modules, relu6=True)
         candidates = []
         for pair in pairs:
             activation = _activation(plan, pair.through)
             source = activation_input(plan, pair.layer1, pair.through)
-            reason = _refusal(plan, modules, biases, pair.layer1, pair.layer2, source, activation, batches is None)
+            bn = folded_bn(plan, pair.through)
+            reason = _refusal(plan, modules, biases, pair.layer1, pair.layer2, bn, activation, batches is None)
             row = {"layer1": pair.layer1, "layer2": pair.layer2, "through": " > ".join(pair.through),
                    "applied": False, "reason": reason}
             rows.append(row)
             if not reason:
-                candidates.append((row, source, activation))
+                candidates.append((row, source, bn, activation))
         extrema = {} if batches is None else channel_extrema(
-            new, modules, {source: channel_axis(modules[row["layer1"]]) for row, source, _ in candidates}, batches)
-        for row, source, activation in candidates:
+            new, modules, {source: channel_axis(modules[row["layer1"]]) for row, source, _, _ in candidates}, batches)
+        for row, source, bn, activation in candidates:
             if batches is None:
-                absorbed, note = _data_free_offsets(*bn_statistics[source]), "data-free: c = beta - 3|gamma|"
+                absorbed, note = _data_free_offsets(*bn_statistics[bn]), "data-free: c = beta - 3|gamma|"
             elif source not in extrema:
-                row["reason"] = f"{source} did not run on the batches"
+                row["reason"] = f"{source.path} did not run on the batches"
                 continue
             else:
                 absorbed, note = _measured_offsets(row, *extrema[source], float(margin),
@@ -141,13 +143,13 @@ def _activation(plan: Plan, through: list[str]) -> str:
 
 
 def _refusal(plan: Plan, modules: dict[str, nn.Module], biases: dict[str, torch.Tensor], layer1: str, layer2: str,
-             source: str, activation: str, data_free: bool) -> str:
-    """Why (layer1, layer2) cannot absorb a bias, or "".  ``source``: the activation's input."""
+             bn: str, activation: str, data_free: bool) -> str:
+    """Why (layer1, layer2) cannot absorb a bias, or "".  ``bn``: L1's folded BN ("" when none)."""
     if not activation:
         return "no ReLU between them: absorption moves what a ReLU never clips"
     if data_free and activation == "relu6":
         return "ReLU6 needs the data's maximum (relu6(z - c) = relu6(z) - c only below the clip): pass batches"
-    if data_free and source == layer1:
+    if data_free and not bn:
         return f"{layer1} has no folded BN: the data-free variant needs its statistics (pass batches)"
     if _bias_holder(plan, modules, biases, layer1) is None:
         return f"{layer1} has no bias (nor a folded BN) to lower"
@@ -163,14 +165,6 @@ def _padded(conv: nn.Module) -> bool:
     if isinstance(conv.padding, str):  # "valid", or "same": dilation (k - 1) in total
         return conv.padding == "same" and any(k > 1 for k in conv.kernel_size)
     return any(p != 0 for p in conv.padding)
-
-
-def _gamma_beta(bn: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """The BN's output distribution N(beta, gamma^2) (gamma 1, beta 0 without affine), float64."""
-    channels = bn.running_mean.shape[0] if bn.running_mean is not None else bn.num_features
-    gamma = bn.weight.detach().double().clone() if bn.weight is not None else torch.ones(channels, dtype=torch.float64)
-    beta = bn.bias.detach().double().clone() if bn.bias is not None else torch.zeros(channels, dtype=torch.float64)
-    return gamma, beta
 
 
 def _data_free_offsets(gamma: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ Equalization and Bias Correction"), on a float model, without the engine's quant
    ReLU6 is not: s relu6(z / s) = clip(z, 0, 6 s), so its clip would move.  Without ``batches``
    such pairs are skipped with that reason; with them, the pre-activation's per-channel maximum
    m_i is measured on every batch and s_i is kept where the rescaled channel stays inside the
-   clip on the data with headroom h = ``RELU6_HEADROOM`` (1.5): a channel reaching 6 / h (m_i > 4)
+   clip on the data (m_i: the activation's input peak, no lower than beta + 6 |gamma| of a folded
+   BN) with headroom h = ``RELU6_HEADROOM`` (1.5): a channel reaching 6 / h (m_i > 4)
    keeps s_i = 1, the others get s_i >= m_i h / 6 (exact on those batches, and on unseen ones
    whose peaks stay within h times the ones measured).  Grouped
    convs (depthwise included) are handled per group: L2's input channel i is column i % (in/g) of
@@ -45,7 +46,8 @@ from qdebug.engine.plan import trace_plan
 from qdebug.errors import QDebugError
 from qdebug.fix.observe import channel_extrema
 from qdebug.fix.pairs import (
-    RELU6_CLIP, Pair, channel_axis, check_float_model, find_pairs, fold_all, grouped_view,
+    RELU6_CLIP, Pair, bn_output_distribution, channel_axis, check_float_model, find_pairs, fold_all, folded_bn,
+    grouped_view,
 )
 
 COLUMNS = ["layer1", "layer2", "through", "channels", "range_ratio_before", "range_ratio_after", "applied",
@@ -56,6 +58,11 @@ COLUMNS = ["layer1", "layer2", "through", "channels", "range_ratio_before", "ran
 # moved to 44 dB from the original, with 1.5 it stays above 120 dB).
 RELU6_HEADROOM = 1.5
 _RELU6_LIMIT = RELU6_CLIP / RELU6_HEADROOM
+# A channel whose pre-activation is almost always below zero has a measured peak that is an
+# extreme-value statistic of a few batches: new inputs exceed it by 100x and more (a random-BN
+# EfficientNet-Lite0: 2300x on one channel).  Through a folded BN the peak used is no lower than
+# beta + BN_SIGMAS |gamma|, the BN's own statistics of the channel.
+BN_SIGMAS = 6.0
 
 
 def _applied_note(pair: Pair) -> str:
@@ -83,11 +90,16 @@ def equalize(model: nn.Module, example_inputs: Any, *, iterations: int = 20, tol
     plan = trace_plan(new, example_inputs)
     modules = dict(new.named_modules())
     with torch.no_grad():
+        bn_bounds = {bn: _bn_peak_bound(modules[bn]) for _, bn in plan.pairs}  # before folding
         biases = fold_all(plan, modules)
         pairs, skipped = find_pairs(new, plan, modules, relu6=batches is not None)
         clipped = [p for p in pairs if p.clip_input]
         if clipped:
             _measure_clip_inputs(new, modules, clipped, batches)
+            for pair in clipped:  # a peak no lower than the BN's own statistics allow
+                bound = bn_bounds.get(folded_bn(plan, pair.through))
+                if bound is not None:
+                    pair.peak = torch.maximum(pair.peak, bound)
         for pair in pairs:
             pair.ratio_before = _range_ratio(modules[pair.layer1], modules[pair.layer2])
         for _ in range(iterations):
@@ -144,6 +156,12 @@ def _scale_pair(first: nn.Module, second: nn.Module, folded_bias: torch.Tensor |
     column = scale.reshape(grouped.shape[0], 1, grouped.shape[2], 1)
     w2.copy_((grouped * column).reshape(w2.shape).to(w2.dtype))
     return (scale - 1).abs().max().item() if scale.numel() else 0.0
+
+
+def _bn_peak_bound(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
+    """beta + BN_SIGMAS |gamma| per channel: the peak of the BN's output distribution N(beta, gamma^2)."""
+    gamma, beta = bn_output_distribution(bn)
+    return beta + BN_SIGMAS * gamma.abs()
 
 
 def _measure_clip_inputs(model: nn.Module, modules: dict[str, nn.Module], pairs: list[Pair], batches: Any) -> None:

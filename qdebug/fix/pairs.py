@@ -31,13 +31,22 @@ RELU6_REASON = "ReLU6 is not positively homogeneous (its clip at 6 would move)"
 RELU6_CLIP = 6.0
 
 
+@dataclass(frozen=True)
+class Tap:
+    """Where a value is read in the forward: the output of module ``path`` or, ``reads_input``, its
+    first input."""
+
+    path: str
+    reads_input: bool = False
+
+
 @dataclass
 class Pair:
     layer1: str
     layer2: str
     through: list[str] = field(default_factory=list)
     ratio_before: float = float("nan")
-    clip_input: str = ""  # through a ReLU6: the module whose output is the clip's input
+    clip_input: Tap | None = None  # through a ReLU6: where the clip's input is read
     peak: torch.Tensor | None = None  # its per-channel maximum on the batches, as L1 is rescaled
 
 
@@ -94,16 +103,26 @@ def find_pairs(model: nn.Module, plan: Plan, modules: dict[str, nn.Module], relu
         if reason:
             skipped.append((rec.name, found.name if found is not None else "", reason))
         else:
-            clip_input = ""
+            clip_input = None
             if any(plan.calls[t].category == "relu6" for t in through):
                 clip_input = activation_input(plan, layer1, through)
             pairs.append(Pair(layer1, layer2, through, clip_input=clip_input))
     return pairs, skipped
 
 
-def activation_input(plan: Plan, layer1: str, through: list[str]) -> str:
-    """The module whose output is the activation's input on the way from L1: its folded BN, else L1."""
-    return ([t for t in through if plan.calls[t].category == "bn"] or [layer1])[0]
+def activation_input(plan: Plan, layer1: str, through: list[str]) -> Tap:
+    """Where the activation's input is read on the way from L1: the activation module's own input
+    when it is a module -- also when it sits inside a BN+activation module (timm's BatchNormAct2d,
+    whose output is the activation's, not the BN's) --, else the output of L1's folded BN, else of L1."""
+    for name in through:
+        if plan.calls[name].category in ("relu", "relu6") and plan.calls[name].is_module:
+            return Tap(name.split("#")[0], reads_input=True)
+    return Tap(([t for t in through if plan.calls[t].category == "bn"] or [layer1])[0])
+
+
+def folded_bn(plan: Plan, through: list[str]) -> str:
+    """The folded BN on the way from L1 ("" when none)."""
+    return next((t for t in through if plan.calls[t].category == "bn"), "")
 
 
 def follow(plan: Plan, rec: CallRecord, relu6: bool = False) -> tuple[CallRecord | None, list[str], str]:
@@ -193,3 +212,13 @@ def in_channels(layer: nn.Module) -> int:
 def channel_axis(layer: nn.Module) -> int:
     """The channel axis of a layer's output: 1 for a conv, the last for a linear."""
     return -1 if isinstance(layer, nn.Linear) else 1
+
+
+def bn_output_distribution(bn: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gamma, beta) of a BN, float64: its output per channel is distributed as N(beta, gamma^2)
+    under its own running statistics (gamma 1, beta 0 without affine parameters).  Read before
+    folding: the folded BN is an identity."""
+    channels = bn.running_mean.shape[0] if bn.running_mean is not None else bn.num_features
+    gamma = bn.weight.detach().double().clone() if bn.weight is not None else torch.ones(channels, dtype=torch.float64)
+    beta = bn.bias.detach().double().clone() if bn.bias is not None else torch.zeros(channels, dtype=torch.float64)
+    return gamma, beta
