@@ -200,3 +200,17 @@ def test_like_takes_a_checkpoints_qconfig_and_mode_and_the_options_refine_it(cli
     assert report["meta"]["mode"] == "with_bn_reverse_fold" and report["meta"]["qconfig"] == like.qconfig.to_dict()
     cli("fix", DEMO / "float.pt", "--like", DEMO / "float.pt", "-o", "f.pt").assert_error(
         "fix --like expects a calibrated or qat or quantized checkpoint")
+
+
+def test_smoothquant_is_kept_on_a_transformer_block_with_outlier_channels():
+    """The pipeline on a pre-LN transformer MLP block with planted activation outliers (LayerNorm
+    gammas x30..x100, the readers' columns compensating): SmoothQuant is the method that pays, the
+    float function is kept, and bias correction, if kept, says it changed the function."""
+    from test_fix_smooth import MLPBlock, _batches, _block
+
+    model = _block(MLPBlock, ["fc1"])
+    fixed, frame = qdebug.fix(model, _batches(8))
+    rows = {row["method"]: row for row in frame.to_dict("records")}
+    assert rows["smooth"]["kept"] and rows["smooth"]["gain_db"] >= 10 and rows["smooth"]["float_sqnr_db"] >= 80
+    assert rows["equalize"]["changes"] == 0  # LayerNorm -> Linear is no conv/linear pair
+    assert frame.attrs["meta"]["fixed_sqnr_db"] >= frame.attrs["meta"]["baseline_sqnr_db"] + 10
