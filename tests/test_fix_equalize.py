@@ -312,3 +312,30 @@ def test_timm_efficientnet_lite0_keeps_its_function_on_unseen_inputs():
     x = torch.randn(8, 3, 32, 32)
     with torch.no_grad():
         assert sqnr_db(model(x), new(x)) >= 80
+
+
+class SharedActivation(nn.Module):
+    """One ReLU6 module applied after every BN, as efficientnet_lite_pytorch's ``_swish``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 12, 1), nn.BatchNorm2d(12)
+        self.conv3 = nn.Conv2d(12, 4, 1)
+        self.act = nn.ReLU6()
+
+    def forward(self, x):
+        return self.conv3(self.act(self.bn2(self.conv2(self.act(self.bn1(self.conv1(x)))))))
+
+
+def test_one_activation_module_applied_twice_is_measured_at_its_bn():
+    """A stateless activation module called at several places is not a shared layer: both pairs are
+    equalized, measured at each BN's output (a hook on the activation would mix its calls)."""
+    torch.manual_seed(6)
+    model = randomize_bn(SharedActivation(), 3).eval()
+    batches = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    new, report = equalize(model, batches[0], batches=batches)
+    assert report[report.applied].layer1.tolist() == ["conv1", "conv2"]
+    with torch.no_grad():
+        for x in batches:
+            assert sqnr_db(model(x), new(x)) >= 80

@@ -135,7 +135,7 @@ def fix(
     granularity = ("--per-channel" if per_channel else "--per-tensor", per_channel is not None)
     shaping = option_text([("--like", like), ("--observer", observer), granularity, ("--bits", bits),
                            ("--qconfig", qconfig), ("--mode", mode)])  # the next calibrate: the same qconfig
-    meta["next"] = (command_line("calibrate", output) + run.text() + shaping + " -o calibrated.pt"
+    meta["next"] = (command_line("calibrate", output) + run.text() + shaping + " -o calibrated_fixed.pt"
                     if result.kept else None)
     files = []
     if out is not None:

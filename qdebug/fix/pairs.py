@@ -113,10 +113,14 @@ def find_pairs(model: nn.Module, plan: Plan, modules: dict[str, nn.Module], relu
 def activation_input(plan: Plan, layer1: str, through: list[str]) -> Tap:
     """Where the activation's input is read on the way from L1: the activation module's own input
     when it is a module -- also when it sits inside a BN+activation module (timm's BatchNormAct2d,
-    whose output is the activation's, not the BN's) --, else the output of L1's folded BN, else of L1."""
+    whose output is the activation's, not the BN's) and called once (one ReLU6 module applied all
+    over a network, as efficientnet_lite_pytorch's ``_swish``, is hooked at every call) --, else the
+    output of L1's folded BN, else of L1."""
     for name in through:
-        if plan.calls[name].category in ("relu", "relu6") and plan.calls[name].is_module:
-            return Tap(name.split("#")[0], reads_input=True)
+        path = name.split("#")[0]
+        if (plan.calls[name].category in ("relu", "relu6") and plan.calls[name].is_module
+                and plan.call_counts.get(path) == 1):
+            return Tap(path, reads_input=True)
     return Tap(([t for t in through if plan.calls[t].category == "bn"] or [layer1])[0])
 
 

@@ -260,7 +260,7 @@ def _nothing_changed(report: Any) -> str:
         return "nothing to change"
     common = max(reasons, key=reasons.count)  # the first of the most frequent, in the report's order
     others = len(reasons) - reasons.count(common)
-    return f"nothing to change: {common}" + (f" (and {others} row(s) with other reasons)" if others else "")
+    return f"nothing to change: {common}" + (f" (+{others} other reason(s))" if others else "")
 
 
 def _copy(model: nn.Module) -> nn.Module:
