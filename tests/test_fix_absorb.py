@@ -272,3 +272,35 @@ def test_planted_outlier_fixed_to_the_unplanted_sqnr(per_channel_weights):
     # measured (CPU): per-channel weights 44.4 / 30.5 / 45.0 dB, per-tensor 44.3 / 32.1 / 44.7 dB
     assert planted_sqnr <= clean_sqnr - 10, (clean_sqnr, planted_sqnr)
     assert fixed_sqnr >= clean_sqnr - 1, (clean_sqnr, fixed_sqnr)
+
+
+class StaticSamePaddingConv(nn.Conv2d):
+    """As efficientnet_lite_pytorch's Conv2dStaticSamePadding: ``padding=0``, a ZeroPad2d child
+    applied in its own forward (TF's SAME padding for a fixed image size)."""
+
+    def __init__(self, channels_in, channels_out, kernel):
+        super().__init__(channels_in, channels_out, kernel)
+        pad = (kernel - 1) // 2
+        self.static_padding = nn.ZeroPad2d(pad) if pad else nn.Identity()
+
+    def forward(self, x):
+        return super().forward(self.static_padding(x))
+
+
+def test_a_conv_that_pads_in_its_own_forward_is_found_by_running_it():
+    """``padding=0`` says nothing of a ZeroPad2d child: the 3x3 such conv reads zeros at the border
+    and is skipped, the 1x1 one (an Identity child) absorbs; the function is kept on the batches."""
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Conv2d(3, 6, 1), nn.BatchNorm2d(6), nn.ReLU(), StaticSamePaddingConv(6, 6, 3),
+                          nn.BatchNorm2d(6), nn.ReLU(), StaticSamePaddingConv(6, 4, 1)).eval()
+    with torch.no_grad():
+        for bn in (model[1], model[4]):
+            bn.bias.fill_(3.0)  # every pre-activation stays well above 0: all channels absorbable
+    batches = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+    new, report = absorb_high_bias(model, batches)
+    rows = {row.layer2: row for row in report.itertuples()}
+    assert not rows["3"].applied and "pads inside its own forward" in rows["3"].reason
+    assert rows["6"].applied and rows["6"].channels_absorbed >= 3
+    with torch.no_grad():
+        for x in batches:
+            assert sqnr_db(model(x), new(x)) >= 80

@@ -75,7 +75,7 @@ def test_fix_keeps_equalization_proves_it_and_the_next_line_runs(cli, planted, t
     line = result.out.split("next: calibrate the fixed float model with the same qconfig:")[1].split("\n")[1]
     args = line.split()[1:]
     assert args[:2] == ["calibrate", "fixed.pt"]
-    assert cli(*args).code == 0 and (tmp_path / "calibrated.pt").exists()
+    assert cli(*args).code == 0 and (tmp_path / "calibrated_fixed.pt").exists()
 
 
 def test_nothing_to_change_is_one_error_line_before_any_calibration(cli, tmp_path):
@@ -214,3 +214,27 @@ def test_smoothquant_is_kept_on_a_transformer_block_with_outlier_channels():
     assert rows["smooth"]["kept"] and rows["smooth"]["gain_db"] >= 10 and rows["smooth"]["float_sqnr_db"] >= 80
     assert rows["equalize"]["changes"] == 0  # LayerNorm -> Linear is no conv/linear pair
     assert frame.attrs["meta"]["fixed_sqnr_db"] >= frame.attrs["meta"]["baseline_sqnr_db"] + 10
+
+
+def test_equalization_whose_relu6_pairs_move_the_float_output_falls_back_to_its_exact_pairs():
+    """A ReLU6 pair measured on the calibration part breaks on a held-out batch with a spike; the
+    linear pair after it (conv -> BN -> conv) needs no data.  fix sees the float output move and
+    measures the exact variant (ReLU6 pairs skipped) instead: the row's changes, float SQNR and
+    verdict are that variant's, its reason says why."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU6(), torch.nn.Conv2d(8, 8, 1),
+                                torch.nn.BatchNorm2d(8), torch.nn.Conv2d(8, 4, 1)).eval()
+    with torch.no_grad():
+        model[0].weight[2] *= 8
+        model[2].weight[:, 2] /= 8
+        model[3].weight[5] *= 64
+        model[3].bias[5] *= 64
+        model[4].weight[:, 5] /= 64
+    held = 0.5 * torch.randn(2, 3, 8, 8)
+    held[:, :, 4, 4] = 20.0
+    _, frame = qdebug.fix(model, [0.5 * torch.randn(2, 3, 8, 8) for _ in range(3)] + [held], methods=["equalize"])
+    (row,) = frame.to_dict("records")
+    assert row["reason"].startswith("with ReLU6 pairs the float output moved to") and "without them:" in row["reason"]
+    assert row["changes"] == 1 and row["float_sqnr_db"] >= 80 and math.isfinite(row["sqnr_after_db"])
+    (applied,) = [r for r in frame.attrs["changes"] if r["applied"]]
+    assert (applied["layer1"], applied["layer2"]) == ("2", "4")

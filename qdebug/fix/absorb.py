@@ -113,6 +113,10 @@ def absorb_high_bias(model: nn.Module, batches: Any, *, example_inputs: Any = No
                 where = "on the batches (margin included)" if batches is not None else "by 3 sigmas"
                 row["reason"] = _joined(f"no channel's pre-activation stays above 0 {where}", note)
                 continue
+            if not _adds_its_response(modules[row["layer2"]], absorbed):
+                row["reason"] = (f"{row['layer2']} does not add W2 c at every position of a constant input (it pads "
+                                 "inside its own forward, as TF-style SAME convs do): not exact at the border")
+                continue
             first, second = (_bias_holder(plan, modules, biases, row[side]) for side in ("layer1", "layer2"))
             _absorb(first, second, modules[row["layer2"]], absorbed)
             row.update(applied=True, reason=note)
@@ -225,6 +229,21 @@ def _response(layer: nn.Module, constant: torch.Tensor) -> torch.Tensor:
         return weight @ constant
     grouped = grouped_view(layer, weight).sum(dim=3)  # [groups, out/groups, in/groups]
     return (grouped * constant.reshape(grouped.shape[0], 1, grouped.shape[2])).sum(dim=2).reshape(-1)
+
+
+def _adds_its_response(layer: nn.Module, constant: torch.Tensor) -> bool:
+    """Whether ``layer`` maps an input of ``constant[i]`` on channel i to its zero-input output plus
+    ``_response`` at EVERY position, checked by running it (a conv whose own forward pads -- a
+    ZeroPad2d child, ``padding=0`` -- reads zeros at the border, which its attributes do not say)."""
+    if isinstance(layer, nn.Linear):
+        return True
+    size = [2 * k + 5 for k in layer.kernel_size]  # border and interior positions, whatever the stride
+    param = layer.weight
+    shifted = constant.to(param.dtype).reshape(1, -1, *[1] * len(size)).expand(1, constant.numel(), *size)
+    change = (layer(shifted) - layer(torch.zeros_like(shifted))).double()
+    expected = _response(layer, constant).reshape(1, -1, *[1] * len(size))
+    scale = expected.abs().max().item() + 1e-12
+    return bool(((change - expected).abs().max() <= 1e-4 * scale).item())
 
 
 def _joined(*parts: str) -> str:

@@ -26,7 +26,9 @@ measured the way it will be used:
 held-out part (prepared in float mode: BN folding included).  A function-preserving method is
 dropped below ``FLOAT_PRESERVED_DB`` (80 dB): its data-based parts (a ReLU6 pair's peaks, an absorbed
 bias's minimum) did not hold on inputs it had not seen.  Bias correction moves it on purpose and
-the summary says by how much.
+the summary says by how much.  Equalization that moved the float output is tried again without its
+ReLU6 pairs (``EXACT_FALLBACK``: every remaining pair is exact on any input), and that variant is
+measured and judged instead; the row says so.
 
 Why this order: equalization and absorption reshape ranges without changing the function; SmoothQuant
 moves activation outliers into weights (also function preserving); bias correction last, because it
@@ -51,6 +53,18 @@ MIN_GAIN_DB = 0.1  # a kept method must raise the output SQNR by this much (or i
 # method (a ReLU6 pair, an absorbed bias) can fail it on inputs beyond the batches it measured.
 FLOAT_PRESERVED_DB = 80.0
 CHANGES_FUNCTION = ("bias_correction",)  # on purpose: the float output moves, and the row says so
+
+
+def _equalize_exact(model: nn.Module, example: Any):
+    """Equalization without the data: ReLU6 pairs skipped, every pair exact on any input."""
+    from qdebug.fix.equalize import equalize
+
+    return equalize(model, example)
+
+
+# method -> its variant without data-based parts, tried when the method moved the float output on
+# the held-out part: equalization's ReLU6 pairs rest on the peaks the calibration part showed.
+EXACT_FALLBACK: dict[str, Callable] = {"equalize": _equalize_exact}
 COLUMNS = ["method", "kept", "changes", "float_sqnr_db", "sqnr_before_db", "sqnr_after_db", "gain_db", "reason"]
 WHAT = {  # one line per method, for the summary and docs/fix.md
     "equalize": "cross-layer equalization (Nagel et al. 2019)",
@@ -169,11 +183,24 @@ def fix(model: nn.Module, batches: Any, *, qconfig: Any = None, mode: str = "fus
             continue
         before = before or proof.measure(original)
         after = proof.measure(candidate)
-        row.update(sqnr_before_db=before.sqnr_db, float_sqnr_db=after.float_sqnr_db, sqnr_after_db=after.sqnr_db,
-                   gain_db=after.sqnr_db - before.sqnr_db)
+        row["kept"], row["reason"] = _verdict(method, before, after)
+        if method in EXACT_FALLBACK and not row["kept"] and after.float_sqnr_db < FLOAT_PRESERVED_DB:
+            # Its data-based part did not hold on the held-out part: the exact variant instead.
+            exact, exact_report = EXACT_FALLBACK[method](current, example)
+            advanced()
+            exact_changes = int(exact_report["applied"].astype(bool).sum())
+            moved = f"with ReLU6 pairs the float output moved to {after.float_sqnr_db:.1f} dB on held-out data"
+            if exact_changes:
+                candidate, after, changes = exact, proof.measure(exact), exact_changes
+                details[-1] = exact_report.assign(method=method)
+                row["kept"], row["reason"] = _verdict(method, before, after)
+                row["reason"] = f"{moved}; without them: {row['reason']}"
+            else:
+                row["reason"] = f"{moved}; without them nothing to change"
+        row.update(changes=changes, sqnr_before_db=before.sqnr_db, float_sqnr_db=after.float_sqnr_db,
+                   sqnr_after_db=after.sqnr_db, gain_db=after.sqnr_db - before.sqnr_db)
         row.update({f"{task}_before": value for task, value in before.metric.items()})
         row.update({f"{task}_after": value for task, value in after.metric.items()})
-        row["kept"], row["reason"] = _verdict(method, before, after)
         if row["kept"]:
             current, before = candidate, after
     if before is None:
