@@ -238,35 +238,46 @@ def plot_suggest(frame: pd.DataFrame, meta: dict, path: str | Path, *, top: int 
 
 def plot_fix(frame: pd.DataFrame, changes: pd.DataFrame, meta: dict, path: str | Path) -> Path:
     """Left: the quantized model's output SQNR against float, as given and after each method
-    tried (``qdebug.tools.fix``): kept in green, tried and dropped in grey, a method that changed
-    nothing without a bar. Right: cross-layer equalization's effect on each pair's weight range
-    ratio (max/mean channel range), before and after, when it changed any pair."""
+    tried (``qdebug.tools.fix``): kept in green, tried and dropped in grey (the tick says why: its
+    float output moved, or the gain was too small), a method that changed nothing without a bar;
+    under each measured method, how far its float model is from the original's. Right: cross-layer
+    equalization's effect on each pair's weight range ratio (the worse of the pair's two layers,
+    max/mean channel range), before and after, when it changed any pair."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     pairs = changes[(changes["method"] == "equalize") & changes["applied"].astype(bool)] \
         if "range_ratio_before" in changes else changes.iloc[:0]
-    fig, axes = plt.subplots(1, 2 if len(pairs) else 1, figsize=(12 if len(pairs) else 6, 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if len(pairs) else 1, figsize=(12 if len(pairs) else 6, 4.8), squeeze=False)
     ax = axes[0][0]
     labels, values, colours = ["as given"], [meta["baseline_sqnr_db"]], ["tab:blue"]
     for row in frame.to_dict("records"):
-        labels.append(_text(row["method"]) + ("" if row["kept"] else " (dropped)" if not math.isnan(row["sqnr_after_db"])
-                                               else " (no change)"))
+        if math.isnan(row["sqnr_after_db"]):
+            labels.append(f"{_text(row['method'])}\n(no change)")
+        else:
+            float_db = row["float_sqnr_db"]
+            verdict = "kept" if row["kept"] else "dropped: float moved" if float_db < 80 and \
+                row["method"] != "bias_correction" else "dropped"
+            labels.append(f"{_text(row['method'])}\n({verdict};\nfloat {float_db:.0f} dB)")
         values.append(row["sqnr_after_db"])
         colours.append("tab:green" if row["kept"] else "tab:gray")
     xs = list(range(len(labels)))
     shown = [v for v in values if math.isfinite(v)]
-    low = min(shown, default=0.0) - 3.0  # the differences are what matters: the axis starts near them
+    # From 0 where every value is positive (a 0.2 dB gain looks as small as it is), else below the lowest.
+    low = 0.0 if min(shown, default=0.0) > 0 else min(shown) - 3.0
     ax.bar(xs, [v - low if math.isfinite(v) else 0.0 for v in values], bottom=low, color=colours)
     for x, v in zip(xs, values):
         if math.isfinite(v):
-            ax.annotate(f"{v:.1f}", (x, v), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+            ax.annotate(f"{v:.2f}", (x, v), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
     ax.axhline(meta["fixed_sqnr_db"], color="tab:green", linestyle="--", linewidth=1,
                label=f"fixed: {meta['fixed_sqnr_db']:.2f} dB")
+    ax.set_ylim(low, max(shown, default=1.0) * 1.3 if low == 0 else max(shown) + 6)  # room for the legend
     ax.set_xticks(xs)
-    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("quantized output SQNR vs float (dB)")
     held = f"{meta['held_out']} held-out batch(es)" if meta["held_out"] else f"{meta['batches']} batch(es)"
-    ax.set_title(f"each method, calibrated alike\n(measured on {held})", fontsize=9)
+    ax.set_title(f"each method, calibrated alike (measured on {held})", fontsize=9)
     ax.legend(handles=[Patch(color="tab:green", label="kept"), Patch(color="tab:gray", label="dropped"),
-                       *ax.get_legend_handles_labels()[0]], fontsize=8)
+                       *ax.get_legend_handles_labels()[0]], fontsize=7, loc="upper left", ncol=3)
     ax.grid(alpha=0.3, axis="y")
     if len(pairs):
         right = axes[0][1]
@@ -276,12 +287,16 @@ def plot_fix(frame: pd.DataFrame, changes: pd.DataFrame, meta: dict, path: str |
         for y, (a, b) in enumerate(zip(pairs["range_ratio_before"], pairs["range_ratio_after"])):
             right.plot([a, b], [y, y], color="tab:gray", linewidth=0.8)
         right.set_xscale("log")
+        right.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        right.xaxis.set_minor_formatter(NullFormatter())  # 1.3x10^0, 1.4x10^0... overlapped
         right.set_yticks(ys)
         right.set_yticklabels([f"{_text(a)} > {_text(b)}" for a, b in zip(pairs["layer1"], pairs["layer2"])],
                               fontsize=6 if len(pairs) > 20 else 8)
         right.invert_yaxis()
-        right.set_xlabel("weight range ratio: max / mean channel (1: balanced)")
-        right.set_title("cross-layer equalization, per pair", fontsize=9)
+        right.set_xlabel("weight range ratio, max / mean channel\n(the pair's worse layer; 1: balanced)", fontsize=8)
+        kept = bool(frame.loc[frame["method"] == "equalize", "kept"].any())
+        right.set_title("cross-layer equalization, per pair" + ("" if kept else " (tried; dropped: not in the model written)"),
+                        fontsize=9)
         right.legend(fontsize=8)
         right.grid(alpha=0.3, axis="x")
     fig.tight_layout()
