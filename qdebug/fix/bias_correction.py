@@ -17,8 +17,8 @@ Measurement, one pass for every layer (per-layer error):
    call of the traced plan (``qdebug.tap``) the quantized call's output before its output point
    (``Event.raw``: conv(x_q, W_q) + b, with mode "fuse_bn" and a folded BN W = W_bn f,
    b = (b - mu) f + beta, i.e. the BN is part of the call) is compared with the float layer
-   (and, when folded, its BN in eval) computed in float64 on the SAME input x_q the quantized
-   call received:
+   (and, when folded, its BN in eval, applied in float64) computed on the SAME input x_q the
+   quantized call received (the layer in its own dtype, the differences summed in float64):
 
        delta_c = mean over the batches and every other axis of  y_q[c] - y_float(x_q)[c]
 
@@ -68,13 +68,13 @@ BATCH_HINT = "check that every batch matches the model's input (the batches are 
 
 @dataclass
 class _Layer:
-    """One conv/linear call to measure: its float64 reference and the per-channel sums."""
+    """One conv/linear call to measure: its float reference and the per-channel float64 sums."""
 
     path: str
     bn: str  # the BN paired with it in the plan ("" when none)
     folded: bool  # the prepared call's output includes that BN (mode "fuse_bn")
     axis: int  # the output's channel axis
-    reference: nn.Module  # the float layer, float64
+    reference: nn.Module  # the float layer, in its own dtype
     fold: tuple[torch.Tensor, torch.Tensor] | None = None  # (f, beta - mu f) when folded, float64
     error_sum: torch.Tensor | None = None  # sum of y_q - y_float per channel
     float_sum: torch.Tensor | None = None
@@ -83,7 +83,9 @@ class _Layer:
 
     def add(self, quantized: torch.Tensor, x: torch.Tensor) -> None:
         with torch.no_grad():
-            ref = self.reference(x.detach().double())
+            # The reference in the layer's own dtype (float64 convs cost 3x on CPU); its rounding,
+            # ~1e-7 of the output, is far below the quantization error measured; sums in float64.
+            ref = self.reference(x.detach()).double()
             if self.fold is not None:
                 shape = [1] * ref.dim()
                 shape[self.axis] = -1
@@ -212,7 +214,7 @@ def _candidates(new: nn.Module, prepared: nn.Module, mode: str) -> tuple[dict[st
         row.channels = int(module.weight.shape[0])
         layer = _Layer(path, bn, folded=bool(bn) and mode == "fuse_bn",
                        axis=-1 if isinstance(module, nn.Linear) else 1,
-                       reference=copy.deepcopy(module).double().eval())
+                       reference=copy.deepcopy(module).eval())
         if layer.folded:
             f = bn_scale_factor(modules[bn]).detach().double()
             beta = modules[bn].bias.detach().double() if modules[bn].bias is not None else torch.zeros_like(f)
