@@ -114,6 +114,29 @@ def test_suggests_one_point_plan_recalibrated_as_its_next_line_says_passes_basel
     assert here("baseline", "float.pt", fixed).code == 0
 
 
+def test_fix_keeps_int8_the_fixed_float_recalibrated_as_printed_passes_baseline(here, tmp_path):
+    """The quickstart's "keep int8" path: compare's fix line (its --like), equalization kept (it pulls
+    the planted channel back), the printed calibrate command, and baseline passes with no int16."""
+    compare = _json(here("compare", "float.pt", "calibrated.pt", "--batches", "1", "--format", "json"))
+    assert compare["meta"]["fix"] == "qdebug fix float.pt --like calibrated.pt --batches 1 -o fixed_float.pt"
+    fixed = tmp_path / "fixed_float.pt"
+    result = here("fix", "float.pt", "--like", "calibrated.pt", "--batches", "4", "--method", "equalize",
+                  "-o", fixed, "--format", "json")
+    assert result.code == 0, result.err
+    report = _json(result)
+    (row,) = report["rows"]
+    assert row["kept"] and row["gain_db"] >= 20 and row["float_sqnr_db"] >= 80
+    pairs = {(r["layer1"], r["layer2"]): r for r in report["changes"] if r["applied"]}
+    planted = pairs[(PLANTED.OUTLIER_LAYER.replace("project_bn", "project_conv"), PLANTED.NEXT_CONV)]
+    assert planted["range_ratio_before"] > 20 and planted["range_ratio_after"] < 2
+    calibrated = tmp_path / "calibrated_fixed.pt"
+    next_line = report["meta"]["next"].split()
+    assert next_line[:5] == ["qdebug", "calibrate", str(fixed), "--batches", "4"] and "--like" in next_line
+    result = here(*next_line[1:-2], "--batches", "2", "-o", calibrated)
+    assert result.code == 0, result.err
+    assert here("baseline", "float.pt", calibrated).code == 0
+
+
 def test_nan_trace_names_the_learned_scale_the_lr_drove_negative(here):
     result = here("nan-trace", "qat.pt", "--steps", "5", "--lr", "10", "--batches", "2", "--batch-size", "64",
                   "--format", "json")
