@@ -238,3 +238,16 @@ def test_equalization_whose_relu6_pairs_move_the_float_output_falls_back_to_its_
     assert row["changes"] == 1 and row["float_sqnr_db"] >= 80 and math.isfinite(row["sqnr_after_db"])
     (applied,) = [r for r in frame.attrs["changes"] if r["applied"]]
     assert (applied["layer1"], applied["layer2"]) == ("2", "4")
+
+
+def test_a_model_whose_only_pairs_are_shared_is_one_error_line():
+    """Bad input for fix: every pair runs through a module called twice -- nothing to equalize or
+    absorb -- is one QDebugError naming each method's reason, before any calibration."""
+    from test_fix_equalize import SharedConv
+
+    torch.manual_seed(0)
+    with pytest.raises(qdebug.QDebugError) as raised:
+        qdebug.fix(SharedConv().eval(), [torch.randn(2, 3, 8, 8) for _ in range(2)], methods=["equalize", "absorb"])
+    message = str(raised.value)
+    assert message.startswith("nothing to fix in this model: equalize: nothing to change: module shared is called 2 "
+                              "times in one forward (shared)") and "; absorb: nothing to change" in message
