@@ -255,9 +255,9 @@ def plot_fix(frame: pd.DataFrame, changes: pd.DataFrame, meta: dict, path: str |
             labels.append(f"{_text(row['method'])}\n(no change)")
         else:
             float_db = row["float_sqnr_db"]
-            verdict = "kept" if row["kept"] else "dropped: float moved" if float_db < 80 and \
+            verdict = "kept" if row["kept"] else "dropped:\nfloat moved" if float_db < 80 and \
                 row["method"] != "bias_correction" else "dropped"
-            labels.append(f"{_text(row['method'])}\n({verdict};\nfloat {float_db:.0f} dB)")
+            labels.append(f"{_text(row['method'])}\n{verdict}\n(float {float_db:.0f} dB)")
         values.append(row["sqnr_after_db"])
         colours.append("tab:green" if row["kept"] else "tab:gray")
     xs = list(range(len(labels)))
@@ -287,6 +287,10 @@ def plot_fix(frame: pd.DataFrame, changes: pd.DataFrame, meta: dict, path: str |
         for y, (a, b) in enumerate(zip(pairs["range_ratio_before"], pairs["range_ratio_after"])):
             right.plot([a, b], [y, y], color="tab:gray", linewidth=0.8)
         right.set_xscale("log")
+        ratios = [v for v in (*pairs["range_ratio_before"], *pairs["range_ratio_after"]) if math.isfinite(v)]
+        # Round ticks inside the range drawn: a log axis spanning less than a decade has no label of its own.
+        nice = [m * 10 ** e for e in range(0, 7) for m in (1, 1.5, 2, 3, 5, 7)]
+        right.set_xticks([t for t in nice if min(ratios, default=1) / 1.1 <= t <= max(ratios, default=1) * 1.1])
         right.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         right.xaxis.set_minor_formatter(NullFormatter())  # 1.3x10^0, 1.4x10^0... overlapped
         right.set_yticks(ys)
