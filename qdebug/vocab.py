@@ -14,6 +14,8 @@ OBSERVERS = ("minmax", "ema", "percentile", "mse", "kl")
 QAT_MODES = ("fuse_bn", "with_bn", "with_bn_reverse_fold")
 # The quantized stage's requantization (qdebug.engine.integer): TFLite's fixed point, ONNX Runtime's float32.
 ARITHMETICS = ("fixed_point", "float32")
+# qdebug fix's methods, in the order they are applied (qdebug.tools.fix, docs/fix.md).
+FIX_METHODS = ("equalize", "absorb", "smooth", "bias_correction")
 
 # compare's metric columns, in display order (docs/compare.md defines each).
 COMPARE_METRICS = (

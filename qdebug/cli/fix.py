@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
+from qdebug import vocab
 from qdebug.cli.app import app
 from qdebug.cli.calibrate import (
     BITS_OPTION, LIKE_OPTION, MODE_OPTION, OBSERVER_OPTION, PER_CHANNEL_OPTION, QCONFIG_OPTION, build_qconfig,
@@ -26,8 +27,6 @@ from qdebug.errors import QDebugError
 
 if TYPE_CHECKING:
     import pandas as pd
-
-METHOD_NAMES = ("equalize", "absorb", "smooth", "bias_correction")  # qdebug.tools.fix.METHODS, without torch
 
 
 def render_fix(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None):
@@ -54,10 +53,10 @@ def _methods(given: Optional[List[str]]) -> Optional[List[str]]:
     if not given:
         return None
     names = [n.strip() for item in given for n in item.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHOD_NAMES]
+    unknown = [n for n in names if n not in vocab.FIX_METHODS]
     if unknown or not names:
         raise QDebugError(f"unknown fix method {unknown[0]!r}" if unknown else "--method names no method",
-                          f"choose from {', '.join(METHOD_NAMES)}, e.g. --method equalize,bias_correction")
+                          f"choose from {', '.join(vocab.FIX_METHODS)}, e.g. --method equalize,bias_correction")
     return names
 
 
@@ -86,7 +85,7 @@ def fix(
     batch_size: Optional[int] = BATCH_SIZE_OPTION,
     method: Optional[List[str]] = typer.Option(None, "--method", metavar="NAME",
                                                help=f"Methods to try (default all, in this order): "
-                                                    f"{', '.join(METHOD_NAMES)}; repeat or comma-separate."),
+                                                    f"{', '.join(vocab.FIX_METHODS)}; repeat or comma-separate."),
     metric: Optional[str] = METRIC_OPTION,
     observer: Optional[str] = OBSERVER_OPTION,
     per_channel: Optional[bool] = PER_CHANNEL_OPTION,

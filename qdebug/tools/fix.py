@@ -43,10 +43,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch.nn as nn
 
+from qdebug import vocab
 from qdebug.batch_source import BatchSource, as_source
 from qdebug.errors import QDebugError
 
-METHODS = ("equalize", "absorb", "smooth", "bias_correction")
+METHODS = vocab.FIX_METHODS
 MIN_GAIN_DB = 0.1  # a kept method must raise the output SQNR by this much (or improve the metric)
 # A function-preserving method must leave the float output this close to the original's on the
 # held-out part (the bar for CLE; float32 rounding alone gives 120-140 dB); a data-based
