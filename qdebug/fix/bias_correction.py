@@ -83,7 +83,7 @@ class _Layer:
 
     def add(self, quantized: torch.Tensor, x: torch.Tensor) -> None:
         with torch.no_grad():
-            # The reference in the layer's own dtype (float64 convs cost 3x on CPU); its rounding,
+            # The reference in the layer's own dtype (float64 convs are slow on CPU); its rounding,
             # ~1e-7 of the output, is far below the quantization error measured; sums in float64.
             ref = self.reference(x.detach()).double()
             if self.fold is not None:
