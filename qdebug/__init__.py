@@ -10,6 +10,8 @@ Python API (the CLI is a thin layer over the same functions):
     steps = qdebug.step("float.pt", "calibrated.pt", mode="drill", metric="top1", data="eval.pt")
     with qdebug.nan_trace(model) as trace:       # your own loop: raises qdebug.NonFiniteError at the first NaN/Inf
         ...; trace.step(loss)
+    with qdebug.watch(model, float_model=fm) as w:   # a QAT run's timeline: w.findings (oscillation, BN drift...)
+        ...; w.step(loss)
 
 ``import qdebug`` is cheap: torch and pandas load when one of these names is first used.
 """
@@ -22,10 +24,10 @@ from qdebug.errors import QDebugError
 
 _LAZY = {"load": "qdebug.api", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api",
          "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch",
-         "from_torch_ao": "qdebug.interop"}
+         "from_torch_ao": "qdebug.interop", "watch": "qdebug.tools.qat_watch"}
 
-__all__ = ["load", "save", "compare", "step", "suggest", "fix", "nan_trace", "NonFiniteError", "from_torch_ao", "QDebugError",
-           "__version__"]
+__all__ = ["load", "save", "compare", "step", "suggest", "fix", "nan_trace", "NonFiniteError", "from_torch_ao", "watch",
+           "QDebugError", "__version__"]
 
 
 def _version() -> str:
