@@ -514,6 +514,22 @@ def test_cli_all_finite_exits_0_with_a_timeline(cli, stages):
     assert result.code == 0, result.err
     assert "all finite: 3 step(s)" in result.out and "float check" in result.out
     assert "nan-trace timeline" in result.out
+    assert "looks dead" not in result.out and json.loads(cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 3,
+                                                             "--batch-size", 4, "--json").out)["meta"]["dead_run"] is None
+
+
+def test_cli_all_finite_but_dead_points_to_watch(cli, stages):
+    """lr 1e4: every value stays finite, yet the weights blow past the ranges, the points saturate
+    and the clipped straight-through estimator passes no gradient: the summary says so."""
+    result = cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 6, "--batch-size", 4, "--lr", 1e4, "--json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    dead = report["meta"]["dead_run"]
+    assert report["first"] is None and dead["rule"] == "dead_run" and dead["from_step"] >= 1, dead
+    timeline = report["timeline"]
+    assert timeline[0]["grad_norm"] > 0 and timeline[-1]["grad_norm"] <= 1e-3 * timeline[0]["grad_norm"]
+    shown = cli("nan-trace", stages.qat, "--data", stages.data, "--steps", 6, "--batch-size", 4, "--lr", 1e4).out
+    assert "all finite: 6 step(s)" in shown and "looks dead (qdebug.watch's dead_run, docs/watch.md)" in shown
 
 
 def test_cli_forward_only_and_json(cli, stages):

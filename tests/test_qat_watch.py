@@ -158,7 +158,10 @@ def test_timeline_matches_values_computed_by_hand():
         ours, theirs = qm(held).double(), fm(held).double()
     sqnr = 10 * math.log10(float((theirs ** 2).sum() / ((ours - theirs) ** 2).sum()))
     assert value(4, "model", "", "output_sqnr_db") == pytest.approx(sqnr, rel=1e-6)
-    assert findings(tl).empty
+    # The MSE target (all ones) pulls the output past its calibrated range (max 0.87), which stays frozen.
+    found = findings(tl)
+    assert list(found.rule) == ["range_frozen_early"] and list(found.name) == ["0"], found.to_string()
+    assert value(2, "point", "0", "range_max") < 1 < value(2, "point", "0", "data_max")
 
 
 # -- the rules -------------------------------------------------------------------------------------
@@ -244,6 +247,55 @@ def test_a_huge_learning_rate_is_a_dead_run(make_resnet):
     assert list(found.rule) == ["dead_run"] and found.from_step.iloc[0] == 5, found.to_string()
     grads = w.timeline.query("kind == 'model' and metric == 'grad_norm'").value
     assert grads.iloc[0] > 0 and (grads.iloc[1:] == 0).all()
+
+
+def test_weight_decay_on_learned_scales_is_scale_collapse(make_resnet):
+    """LSQ activation scales with weight decay 25 at lr 0.01: each step multiplies them by 0.75
+    (against LSQ's own gradient), so the points the loss does not hold up fall 10x by step 10."""
+    qm = qat_model(make_resnet(0), QuantSpec(estimator="lsq"))
+    scales = [p for n, p in qm.named_parameters() if n.endswith(".scale")]
+    others = [p for n, p in qm.named_parameters() if not n.endswith(".scale")]
+    assert scales
+    opt = torch.optim.SGD([{"params": others}, {"params": scales, "weight_decay": 25.0}], lr=0.01)
+    with qdebug.watch(qm, every=5) as w:
+        for x, y in batches(16, 32):
+            loss = F.cross_entropy(qm(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    found = w.findings
+    assert set(found.rule) == {"scale_collapse"} and "avgpool" in set(found.name), found.to_string()
+    scale = w.timeline.query("kind == 'point' and name == 'avgpool' and metric == 'scale'").set_index("step").value
+    assert scale[10] < scale[0] / 10 and found.from_step.min() == 10 and "weight_decay=0" in found.fix.iloc[0]
+
+
+def test_an_lr_far_below_the_grid_is_grid_too_coarse_for_lr(make_resnet):
+    """lr = 1e-5: every layer's weights move about 1e-4 of a grid step a step and no code changes;
+    at lr 0 (nothing moves at all) the rule stays silent."""
+    w = train(qat_model(make_resnet(0)), batches(11, 32), lr=1e-5, every=5)
+    found = w.findings
+    layers = set(w.timeline.query("kind == 'layer'").name)
+    assert list(set(found.rule)) == ["grid_too_coarse_for_lr"] and set(found.name) == layers, found.to_string()
+    assert (found.from_step == 0).all() and "raise the learning rate" in found.fix.iloc[0]
+    assert w.timeline.query("metric == 'update_to_step'").value.max() < 1e-3
+    assert train(qat_model(make_resnet(0)), batches(6, 32), lr=0.0, every=5).findings.empty
+
+
+def test_a_frozen_range_outgrown_by_its_data_is_range_frozen_early(make_resnet):
+    """Calibrated ranges frozen (QAT's default), inputs growing 20% a step: the input point
+    saturates more and more; with the observers running (observe=True) nothing is reported."""
+    data = [(x * (1 + 0.2 * i), y) for i, (x, y) in enumerate(batches(16, 32))]
+    found = {}
+    for observe in (False, True):
+        qm = prepare(make_resnet(0), QConfig(), example_inputs=PROTOTYPES[:4])
+        calibrate(qm, [x for x, _ in batches(2, 32, seed=3)])
+        set_mode(qm, "fake", observe=observe)
+        found[observe] = train(qm.train(), data, lr=0.01, every=5).findings
+    frozen = found[False].set_index("name")
+    assert set(frozen.rule) == {"range_frozen_early"} and frozen.loc["input", "from_step"] == 5, frozen.to_string()
+    assert "observe=True" in frozen.loc["input", "fix"]
+    assert found[True].empty, found[True].to_string()
 
 
 def test_steps_between_looks_run_without_hooks(make_resnet):

@@ -74,7 +74,7 @@ def _global(
 def _register() -> None:
     # Commands register themselves on import; --help lists them in this order (the debug flow's).
     from qdebug.cli import (  # noqa: F401
-        baseline, compare, step, suggest, fix, nan_trace, inspect, calibrate, convert, export, import_, init,
+        baseline, compare, step, suggest, fix, nan_trace, watch, inspect, calibrate, convert, export, import_, init,
     )
 
 

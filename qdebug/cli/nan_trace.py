@@ -15,6 +15,9 @@ from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     check_data, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path,
 )
+from qdebug.cli.training import (
+    FLOAT32_MAX, LOSS_OPTION, LR_OPTION, OPTIMIZER_OPTION, SEED_OPTION, TRAIN_OPTION, check_training, trainer as _trainer,
+)
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
     say, table_width,
@@ -28,7 +31,6 @@ if TYPE_CHECKING:
 
 SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV and JSON have them all
 BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = None,
@@ -124,32 +126,6 @@ def float_check_line(check: dict | None, first: dict | None) -> str:
             f"{f['layer']}): {verdict}")
 
 
-def _trainer(spec: Optional[str]):
-    """The user's ``--train package.module:function`` (their trusted code), wrapped so that its
-    own errors become one clear line."""
-    if not spec:
-        return None
-    from qdebug.modelspec import resolve
-    from qdebug.usercode import first_line, raised_by_user_code, where_raised
-
-    fn = resolve(spec, from_user=True, what="train function")
-    if not callable(fn):
-        raise QDebugError(f"--train {spec} is not callable", "name a function: def step(model, batch): ... return loss")
-
-    def train(model, batch):
-        try:
-            return fn(model, batch)
-        except BaseException as exc:  # SystemExit too: a training step has no business ending qdebug
-            if not raised_by_user_code(exc):  # Ctrl-C, a NonFiniteError, a QDebugError
-                raise
-            where = where_raised(exc)
-            raise QDebugError(f"the --train function {spec} raised {type(exc).__name__}: {first_line(exc)}"
-                              + (f", at {where}" if where else ""),
-                              "it is called as function(model, batch) and returns the loss; --debug shows the "
-                              "traceback") from exc
-    return train
-
-
 def _float_model(net, info, float_path: Optional[str], model: Optional[str], unsafe: bool):
     """The plain float architecture with the checkpoint's weights (``--float`` names another
     architecture, e.g. the float class of a user's own QAT module)."""
@@ -224,15 +200,11 @@ def nan_trace(
     data: Optional[str] = typer.Option(None, "--data", metavar="SPEC", help=DATA_HELP),
     steps: int = typer.Option(100, "--steps", metavar="N",
                               help="Training steps (0: forward passes only, one per batch)."),
-    lr: Optional[float] = typer.Option(None, "--lr", metavar="LR", help="Learning rate (default 0.01)."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", metavar="sgd|adam",
-                                            help="The optimizer (default sgd, momentum 0.9)."),
-    loss: Optional[str] = typer.Option(None, "--loss", metavar="auto|ce|mse|distill",
-                                       help="auto: cross-entropy for class targets, MSE for float targets, "
-                                            "distillation to the float-mode output without targets."),
-    train: Optional[str] = typer.Option(None, "--train", metavar="PKG.MODULE:FUNCTION",
-                                        help="Your training step, called as function(model, batch) -> loss."),
-    seed: Optional[int] = typer.Option(None, "--seed", metavar="N", help="Seed of the run (default 0)."),
+    lr: Optional[float] = LR_OPTION,
+    optimizer: Optional[str] = OPTIMIZER_OPTION,
+    loss: Optional[str] = LOSS_OPTION,
+    train: Optional[str] = TRAIN_OPTION,
+    seed: Optional[int] = SEED_OPTION,
     float_check: bool = typer.Option(False, "--float-check",
                                      help="Run the same steps on the plain float architecture: is quantization "
                                           "to blame at all?"),
@@ -253,22 +225,11 @@ def nan_trace(
     fmt = output_format(fmt, as_json)
     if steps < 0:
         raise QDebugError(f"--steps must be >= 0, got {steps}", "e.g. --steps 500, or --steps 0 for forward passes")
-    if lr is not None and not 0 <= lr <= FLOAT32_MAX:
-        raise QDebugError(f"--lr must be a number from 0 to 3.4e38 (float32's largest), got {lr}", "e.g. --lr 0.01")
-    if optimizer is not None and optimizer not in ("sgd", "adam"):
-        raise QDebugError(f"--optimizer {optimizer!r} is not sgd or adam", "e.g. --optimizer adam")
-    if loss is not None and loss not in ("auto", "ce", "mse", "distill"):
-        raise QDebugError(f"--loss {loss!r} is not one of auto, ce, mse, distill", "e.g. --loss mse")
-    if train and loss is not None:
-        raise QDebugError("--train computes the loss itself: --loss does not apply", "give one of --train and --loss")
+    check_training(lr=lr, optimizer=optimizer, loss=loss, train=train, seed=seed)
     if train and steps == 0:
         raise QDebugError("--train runs training steps: it does nothing with --steps 0", "give --steps N (N >= 1)")
     if float_path and not float_check:
         raise QDebugError("--float only names the architecture of --float-check", "add --float-check")
-    if seed is not None:
-        from qdebug.data import check_seed
-
-        check_seed(seed, "--seed", "e.g. --seed 1")
     check_data(data, batches, batch_size)
     path = stage_path(checkpoint, "qat", "calibrated", "float", what="")
     out = prepare_out(out)
@@ -318,6 +279,8 @@ def nan_trace(
             out.drop_stale("before.pt", "batch.pt")
         files.append(plot_nan_timeline(result.frame, out.file("nan_trace.png"), first=first))
     meta["repro"] = repro
+    collapse = result.collapse() if steps else None
+    meta["dead_run"] = collapse
     extra: dict[str, Any] = {"first": first, "float_check": result.float_check}
 
     def render() -> None:
@@ -327,6 +290,9 @@ def nan_trace(
         else:
             what = f"{result.steps_run} step(s)" if steps else f"{result.steps_run} forward pass(es)"
             say(f"all finite: {what} without a NaN or Inf (forward{', backward and update' if steps else ''})")
+            if collapse:  # finite is not healthy: the timeline says the run can no longer train
+                say(f"but the run looks dead (qdebug.watch's dead_run, docs/watch.md): {collapse['evidence']}")
+                say(f"fix: {collapse['fix']}")
             if run:  # a replay that does not reproduce its run says so, never silently
                 say(f"note: the run that wrote this bundle found {run['cause']} at {run['layer']} ({run['phase']} of "
                     f"its step {run['step']}); this replay stayed finite: the step does not reproduce here "

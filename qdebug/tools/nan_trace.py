@@ -77,6 +77,26 @@ class TraceResult:
         columns = list(StepStats(0, 0).row())
         return pd.DataFrame([s.row() for s in self.timeline], columns=columns)
 
+    def collapse(self) -> dict | None:
+        """When every step stayed finite but the timeline shows a dead run -- the gradient norm
+        gone to 0, the points saturating, the loss no lower (``qdebug.tools.qat_rules.dead_run``,
+        each step a look) -- that finding (``rule``, ``name``, ``from_step``, ``evidence``,
+        ``fix``); else None."""
+        import pandas as pd
+
+        from qdebug.tools.qat_rules import FINDING_COLUMNS, dead_run
+        from qdebug.tools.qat_watch import COLUMNS
+
+        if self.first is not None:
+            return None
+        rows = []
+        for s in self.timeline:
+            rows += [(s.step, "model", "", metric, value) for metric, value in (("loss", s.loss), ("grad_norm", s.grad_norm))
+                     if value is not None]
+            rows += [(s.step, "point", name, "saturation", value) for name, value in s.saturation.items()]
+        found = dead_run(pd.DataFrame(rows, columns=COLUMNS))
+        return dict(zip(FINDING_COLUMNS, found[0])) if found else None
+
 
 # What a repro bundle keeps of the run's finding (``run_record``): where, why, and the steps of
 # history the diagnosis had.
@@ -254,9 +274,11 @@ def trace_steps(model: nn.Module, batches: Iterable[Batch], *, steps: int, loss:
                 lr: float = 0.01, seed: int = 0, train: Callable | None = None,
                 optimizer_state: dict | None = None, rng_state: torch.Tensor | None = None,
                 float_model: nn.Module | None = None, float_kind: str = "plain",
-                progress: Callable[[int, int], None] | None = None) -> TraceResult:
+                progress: Callable[[int, int], None] | None = None,
+                on_step: Callable[[float], None] | None = None) -> TraceResult:
     """Run ``steps`` steps (0: forward passes only) until the first non-finite value (module docstring).
-    ``batches``: a list or a ``BatchSource``, read lazily, pass after pass while the steps cycle."""
+    ``batches``: a list or a ``BatchSource``, read lazily, pass after pass while the steps cycle.
+    ``on_step(loss)``: called after each finite step's update (``qdebug watch`` looks at the run there)."""
     batches = as_source(batches)
     if loss not in LOSSES:
         raise QDebugError(f"unknown loss {loss!r}", f"choose one of {', '.join(LOSSES)}")
@@ -271,7 +293,7 @@ def trace_steps(model: nn.Module, batches: Iterable[Batch], *, steps: int, loss:
         except (ValueError, KeyError, TypeError) as exc:
             raise QDebugError(f"the saved optimizer state does not fit --optimizer {optimizer}: {exc}",
                               "use the optimizer the bundle was made with") from None
-    finding = run.go(progress)
+    finding = run.go(progress, on_step)
     contained = [{"phase": k[0], "layer": k[1], "what": k[2], "step": step} for k, step in run.contained.items()]
     result = TraceResult(None, run.history, run.steps_run, meta={
         "steps": steps, "loss": run.loss_kind, "optimizer": optimizer if steps else None,
@@ -347,7 +369,8 @@ class _Run:
             if not self.steps or not self._seen:
                 return
 
-    def go(self, progress: Callable[[int, int], None] | None) -> Finding | None:
+    def go(self, progress: Callable[[int, int], None] | None,
+           on_step: Callable[[float], None] | None = None) -> Finding | None:
         total = self.steps if self.steps else self.batches.count
         if self.steps:
             self.model.train()
@@ -357,6 +380,8 @@ class _Run:
             for step, (batch_index, batch) in enumerate(self._schedule()):
                 found = self._one(step, batch_index, batch)
                 self.steps_run = step + 1
+                if found is None and on_step is not None:
+                    on_step(self.history[-1].loss)
                 if progress is not None:
                     progress(step + 1, total)
                 if found is not None:

@@ -14,7 +14,12 @@ run is a bug.
   batch covers about all of a batch's data (a healthy run's first looks: 0.85 and up).
 - ``oscillation`` (Nagel et al., "Overcoming Oscillations in Quantization-Aware Training",
   2022): more than ``OSCILLATION_FRACTION`` of a layer's sampled weights flip back to the
-  integer code they had two steps before, in at least ``PERSISTENT_LOOKS`` looks.  Such
+  integer code they had two steps before, and at least ``OSCILLATION_REPEAT`` of those flipped
+  back at the previous look too (``oscillation_repeat``), in at least ``PERSISTENT_LOOKS`` looks.
+  The repeat is what tells oscillation from noise: an 8-bit QAT run at its usual lr (the demo's,
+  0.002 with momentum) flips 10-15% of its depthwise weights back at a look, but the same weights
+  again mostly by chance (1-4% of all: 12-22% of the flips, 31% at one look of one layer);
+  weights planted on their boundaries repeat 35-53% of theirs, look after look.  Such
   weights sit on a rounding boundary and the optimizer pushes them across it and back every
   step; the quantized network the run ends on is a coin toss between two codes each, and BN
   statistics are estimated on a network that keeps changing.  A healthy 8-bit run flips back
@@ -30,13 +35,40 @@ run is a bug.
 - ``dead_run``: a run alive at its first look (gradient norm > 0) whose gradient norm falls
   below ``DEAD_GRAD_RATIO`` of that first one, in at least ``PERSISTENT_LOOKS`` looks, while
   the median activation point saturates more than ``DEAD_SATURATION`` of its input and the
-  loss is no lower than at the first look.  With clipped straight-through estimators nothing
+  loss is no lower than ``DEAD_LOSS_FRACTION`` of the first look's (the batches differ, and a
+  dead network's constant output can score a little below a live one's first loss; a run
+  whose gradient vanished because it converged has a loss far below that).  With clipped straight-through estimators nothing
   outside a range passes a gradient: every value past the ranges (weights blown up by too
   large a learning rate) leaves the run unable to move again, though every value stays finite
   (nan-trace reports nothing).  ``DEAD_SATURATION`` is 0.25, not near 1: a point after a
   ReLU keeps its zeros inside the range, so it saturates at most about half its values.
 
-Not yet: ``scale_collapse``, ``grid_too_coarse_for_lr``, ``range_frozen_early``.
+- ``scale_collapse``: a point's or layer's scale (a learned one: lsq, qte) falls below
+  ``1 / COLLAPSE_FACTOR`` of its first look's in at least ``PERSISTENT_LOOKS`` looks -- for an
+  activation point, also relative to the data's range it received, so a scale following
+  data that shrinks is no collapse (nor is a fixed scale that data outgrow:
+  ``range_frozen_early``).  A scale heading to 0 leaves every value past a few grid
+  steps clipped (all of them past ``qmax * s``): the layer's output degenerates to a few
+  levels, and with LSQ the scale's own gradient shrinks with it.  Weight decay on the scale
+  parameters (a step ``s *= 1 - lr * wd`` every step) or too large a learning rate for them are
+  the usual causes.  ``COLLAPSE_FACTOR`` = 10: a calibrated or running range moves by tens of
+  percent in a run (the small zoo ResNet's healthy run: under 10%), a 10x smaller step is 3.3
+  bits of the grid's range gone.
+- ``grid_too_coarse_for_lr``: at every look (at least ``PERSISTENT_LOOKS``) a layer's weights
+  get a gradient and move (``update_to_step`` > 0), yet by less than ``GRID_UPDATE`` of a grid
+  step a step and with no more than ``CODE_STILL`` of them changing integer code.  Latent
+  weights sit a quarter step from a rounding boundary on average: at ``GRID_UPDATE`` = 0.001
+  a weight needs 250 steps of updates of one sign to change code (a random walk, 250^2):
+  training does nothing to the quantized weights.  The small zoo ResNet at lr 0.01 moves its
+  weights 0.007-0.15 of a step a step.  A layer that does not move at all (lr 0, frozen) is
+  not this rule's.
+- ``range_frozen_early``: an activation point's tracked range stays where the first look saw
+  it (each end within ``RANGE_STILL`` of its width) while the data it receives grows past it:
+  its saturation rises at least ``SATURATION_RISE`` above the first look's and the data's
+  range spans at least ``RANGE_OUTGROWN`` times the tracked one, in at least
+  ``PERSISTENT_LOOKS`` looks.  A range frozen after calibration (or an observer disabled too
+  early) cannot follow activations that QAT makes grow; every value past it is clipped.  Not
+  reported on a dead run, whose saturation is its symptom (``dead_run`` says so).
 """
 
 from __future__ import annotations
@@ -48,10 +80,18 @@ FINDING_COLUMNS = ["rule", "name", "from_step", "evidence", "fix"]
 EARLY_LOOKS = 2  # ema_startup_bias: the first looks judged (one may be an outlier batch)
 RANGE_INSIDE_DATA = 0.5  # tracked range / data range below which the range is "far inside" the data
 OSCILLATION_FRACTION = 0.1  # a layer's weights flipping back per step (Nagel 2022 saw 10-20% in depthwise layers)
+OSCILLATION_REPEAT = 0.3  # share of a look's flip-backs that flipped back at the previous look too: stuck weights
 PERSISTENT_LOOKS = 2  # looks a rate must exceed its threshold in: one noisy step is no finding
 BN_DRIFT = 0.05  # a normalisation's relative error: -26 dB, past int8's own noise
 DEAD_GRAD_RATIO = 1e-3  # gradient norm fallen this far below the first look's: nothing trains
 DEAD_SATURATION = 0.25  # median point's saturated fraction (a ReLU's point saturates at most ~half)
+DEAD_LOSS_FRACTION = 0.5  # a dead run's loss stays above this fraction of the first look's
+COLLAPSE_FACTOR = 10.0  # a scale this many times below its first look's (relative to its data): collapsed
+GRID_UPDATE = 1e-3  # a step's mean update in grid steps below which codes take >= 250 steps to move
+CODE_STILL = 1e-3  # fraction of sampled weights changing code: none, below ~1000 sampled weights
+RANGE_STILL = 1e-3  # a tracked range end's move (in the range's width) counted as not moving
+SATURATION_RISE = 0.02  # saturated fraction above the first look's: values are being clipped
+RANGE_OUTGROWN = 1.25  # data range / tracked range: the data outgrew the range
 
 
 def findings(timeline):
@@ -60,8 +100,10 @@ def findings(timeline):
     import pandas as pd
 
     rows = []
-    for rule in (ema_startup_bias, oscillation, bn_drift, dead_run):
+    for rule in (ema_startup_bias, oscillation, bn_drift, dead_run, scale_collapse, grid_too_coarse_for_lr):
         rows += rule(timeline)
+    if not any(row[0] == "dead_run" for row in rows):  # a dead run's saturation is its symptom
+        rows += range_frozen_early(timeline)
     return pd.DataFrame(rows, columns=FINDING_COLUMNS)
 
 
@@ -111,14 +153,21 @@ def oscillation(timeline) -> list[list]:
     found = []
     for name, rows in layers.groupby(level="name"):
         rows = rows.droplevel("name").dropna(subset=["oscillation"])
-        over = rows[rows["oscillation"] > OSCILLATION_FRACTION]
+        if "oscillation_repeat" not in rows:
+            continue
+        # Stuck weights flip back at look after look; a noisy update's flips mostly do not repeat
+        # (by chance only the previous look's fraction of them does: 1-4% on the demo's QAT run).
+        over = rows[(rows["oscillation"] > OSCILLATION_FRACTION)
+                    & (rows["oscillation_repeat"] >= OSCILLATION_REPEAT * rows["oscillation"])]
         if len(over) < PERSISTENT_LOOKS:
             continue
         distance = rows["boundary_distance"].median() if "boundary_distance" in rows else math.nan
         found.append(["oscillation", name, int(over.index[0]),
                       f"{len(over)} of {len(rows)} looks with more than {OSCILLATION_FRACTION:.0%} of the weights "
                       f"flipping back to their code of two steps before (median {rows['oscillation'].median():.1%}, "
-                      f"max {rows['oscillation'].max():.1%}); mean distance to a rounding boundary "
+                      f"max {rows['oscillation'].max():.1%}), the same weights again at "
+                      f"{(over['oscillation_repeat'] / over['oscillation']).median():.0%} of them; mean distance to a "
+                      f"rounding boundary "
                       f"{distance:.3f} steps (0.25 when spread evenly)",
                       f"freeze {name}'s oscillating weights at their most frequent code, or dampen them (a loss "
                       "term pulling latent weights toward their grid points), as Nagel et al. 2022 do; or lower "
@@ -158,7 +207,7 @@ def dead_run(timeline) -> list[list]:
         return []  # never alive, or unknown: nothing died
     first_grad, first_loss = model["grad_norm"].iloc[0], model["loss"].iloc[0]
     saturation = points["saturation"].groupby(level="step").median()
-    dead = model[(model["grad_norm"] <= DEAD_GRAD_RATIO * first_grad) & (model["loss"] >= first_loss)]
+    dead = model[(model["grad_norm"] <= DEAD_GRAD_RATIO * first_grad) & (model["loss"] >= DEAD_LOSS_FRACTION * first_loss)]
     dead = dead[saturation.reindex(dead.index).fillna(0) > DEAD_SATURATION]
     if len(dead) < PERSISTENT_LOOKS:
         return []
@@ -170,3 +219,113 @@ def dead_run(timeline) -> list[list]:
              "straight-through estimator passes no gradient outside the ranges, so the run cannot recover",
              "restart from a checkpoint before the step with a learning rate 10-1000x lower (or gradient "
              "clipping); qdebug nan-trace finds nothing here, as every value stays finite"]]
+
+
+def _collapsed(scale, first: float):
+    """Looks where ``scale`` is below ``1 / COLLAPSE_FACTOR`` of ``first`` (a positive number)."""
+    return scale[scale < first / COLLAPSE_FACTOR] if first > 0 else scale.iloc[:0]
+
+
+def scale_collapse(timeline) -> list[list]:
+    found = []
+    points = _wide(timeline, "point")
+    if _has(points, "scale", "data_min", "data_max"):
+        for name, rows in points.groupby(level="name"):
+            rows = rows.droplevel("name").dropna(subset=["scale", "data_min", "data_max"])
+            rows = rows[rows["data_max"] > rows["data_min"]]
+            if rows.empty:
+                continue
+            relative = rows["scale"] / (rows["data_max"] - rows["data_min"])  # per unit of the data's range
+            over = _collapsed(relative, relative.iloc[0])  # shrinking, and not with its data ...
+            over = over[over.index.isin(_collapsed(rows["scale"], rows["scale"].iloc[0]).index)]  # ... nor a fixed one outgrown
+            if len(over) < PERSISTENT_LOOKS:
+                continue
+            step = int(over.index[0])
+            sat = rows["saturation"].get(step, math.nan) if "saturation" in rows else math.nan
+            found.append(["scale_collapse", name, step,
+                          f"scale {rows['scale'].iloc[0]:.4g} -> {rows.loc[step, 'scale']:.4g} at step {step} (last "
+                          f"{rows['scale'].iloc[-1]:.4g}): {_times_smaller(rows['scale'].iloc[0], rows.loc[step, 'scale'])}, "
+                          f"while the data's range went {rows['data_max'].iloc[0] - rows['data_min'].iloc[0]:.4g} -> "
+                          f"{rows.loc[step, 'data_max'] - rows.loc[step, 'data_min']:.4g}; {len(over)} looks"
+                          + (f"; saturating {sat:.0%}" if not math.isnan(sat) else ""),
+                          _COLLAPSE_FIX])
+    layers = _wide(timeline, "layer")
+    if _has(layers, "scale"):
+        for name, rows in layers.groupby(level="name"):
+            scale = rows.droplevel("name")["scale"].dropna()
+            if scale.empty:
+                continue
+            over = _collapsed(scale, scale.iloc[0])
+            if len(over) < PERSISTENT_LOOKS:
+                continue
+            step = int(over.index[0])
+            found.append(["scale_collapse", name, step,
+                          f"weight scale {scale.iloc[0]:.4g} -> {scale[step]:.4g} at step {step} (last {scale.iloc[-1]:.4g}): "
+                          f"{_times_smaller(scale.iloc[0], scale[step])}, {len(over)} looks", _COLLAPSE_FIX])
+    return sorted(found, key=lambda f: f[2])
+
+
+def _times_smaller(first: float, now: float) -> str:
+    return f"{first / now:.0f}x smaller" if now > 0 else "down to 0 or below (an invalid scale)"
+
+
+_COLLAPSE_FIX = ("exclude the scale parameters from weight decay (an optimizer parameter group with weight_decay=0), "
+                 "give them a lower learning rate, or start them from calibration; restart from before the collapse")
+
+
+def grid_too_coarse_for_lr(timeline) -> list[list]:
+    layers = _wide(timeline, "layer")
+    if not _has(layers, "update_to_step", "code_change", "grad_norm"):
+        return []
+    found = []
+    for name, rows in layers.groupby(level="name"):
+        rows = rows.droplevel("name").dropna(subset=["update_to_step", "code_change", "grad_norm"])
+        if len(rows) < PERSISTENT_LOOKS:
+            continue
+        still = (rows["grad_norm"] > 0) & (rows["update_to_step"] > 0) & (rows["update_to_step"] < GRID_UPDATE) \
+            & (rows["code_change"] <= CODE_STILL)
+        if not bool(still.all()):
+            continue
+        found.append(["grid_too_coarse_for_lr", name, int(rows.index[0]),
+                      f"at all {len(rows)} looks its weights moved {rows['update_to_step'].median():.2g} of a grid step "
+                      f"a step (median; max {rows['update_to_step'].max():.2g}) and {rows['code_change'].max():.2%} at most "
+                      f"changed integer code: about {0.25 / rows['update_to_step'].median():.0f} steps of one sign to "
+                      "cross a rounding boundary (a quarter step away on average)",
+                      "raise the learning rate (the updates should be a sizeable fraction of a grid step: "
+                      f"0.01-0.1 of one a step), or train {name} in float first; at this lr QAT changes nothing "
+                      "in the quantized network"])
+    return found
+
+
+def range_frozen_early(timeline) -> list[list]:
+    points = _wide(timeline, "point")
+    if not _has(points, "range_min", "range_max", "data_min", "data_max", "saturation"):
+        return []
+    found = []
+    for name, rows in points.groupby(level="name"):
+        rows = rows.droplevel("name").dropna(subset=["range_min", "range_max", "data_min", "data_max", "saturation"])
+        if len(rows) <= PERSISTENT_LOOKS:
+            continue
+        first = rows.iloc[0]
+        width = first["range_max"] - first["range_min"]
+        if not width > 0:
+            continue
+        still = ((rows["range_min"] - first["range_min"]).abs() <= RANGE_STILL * width) \
+            & ((rows["range_max"] - first["range_max"]).abs() <= RANGE_STILL * width)
+        outgrown = (rows["saturation"] >= first["saturation"] + SATURATION_RISE) \
+            & (rows["data_max"] - rows["data_min"] >= RANGE_OUTGROWN * width)
+        over = rows[still & outgrown]
+        if len(over) < PERSISTENT_LOOKS:
+            continue
+        step = int(over.index[0])
+        last = rows.iloc[-1]
+        found.append(["range_frozen_early", name, step,
+                      f"tracked range [{first['range_min']:.4g}, {first['range_max']:.4g}] unchanged since step "
+                      f"{int(rows.index[0])} while the data grew to [{over.loc[step, 'data_min']:.4g}, "
+                      f"{over.loc[step, 'data_max']:.4g}] at step {step} ([{last['data_min']:.4g}, {last['data_max']:.4g}] "
+                      f"at the last look); saturation {first['saturation']:.1%} -> {over.loc[step, 'saturation']:.1%} "
+                      f"(last {last['saturation']:.1%})",
+                      f"let {name}'s observer run during QAT (set_mode(model, 'fake', observe=True): running ranges; "
+                      "ema for a smooth one) or learn the range (estimator='lsq'), and freeze it only once the "
+                      "activations settle; or recalibrate"])
+    return sorted(found, key=lambda f: f[2])

@@ -28,7 +28,9 @@ Metrics (``kind``, ``metric``):
   scale the point holds at the read, ``w`` the tensor the point quantizes -- ``W f`` under
   reverse fold): ``scale`` (mean), ``code_change`` (fraction of sampled weights whose code
   changed in step k), ``oscillation`` (fraction whose code changed in step k back to the code
-  it had after step k - 2: the flip-back of Nagel et al. 2022), ``boundary_distance`` (mean
+  it had after step k - 2: the flip-back of Nagel et al. 2022), ``oscillation_repeat`` (fraction
+  flipping back at this look AND at the previous one: weights stuck on a boundary repeat, weights
+  a noisy update carries across one by chance mostly do not), ``boundary_distance`` (mean
   distance of ``w / s`` to the nearest rounding boundary, in grid steps: 0.25 for weights
   spread evenly, near 0 when they sit on boundaries), ``grad_norm`` (the weight's gradient),
   ``update_to_step`` (mean ``|w_k - w_{k-1}| / s``: step k's update in grid steps);
@@ -94,6 +96,7 @@ class _Layer:
         self.flat = weight_sample(module.weight.numel()).to(module.weight.device)
         self.index: torch.Tensor | None = None
         self.reads: deque = deque(maxlen=3)  # (step, sampled w, its scales, codes), oldest first
+        self.flipped_back: torch.Tensor | None = None  # the sampled weights flipping back at the last look
 
     def read(self, step: int) -> tuple | None:
         point = self.point
@@ -301,7 +304,11 @@ class QatWatch:
         add("layer", layer.name, "update_to_step", ((w - before[1]).abs() / s).mean())
         earlier = layer.at(step - 2)
         if earlier is not None:
-            add("layer", layer.name, "oscillation", (changed & (codes == earlier[3])).float().mean())
+            flipped_back = changed & (codes == earlier[3])
+            add("layer", layer.name, "oscillation", flipped_back.float().mean())
+            if layer.flipped_back is not None:  # the same weights again: a weight stuck on its boundary
+                add("layer", layer.name, "oscillation_repeat", (flipped_back & layer.flipped_back).float().mean())
+            layer.flipped_back = flipped_back
 
     def _output_sqnr(self) -> float:
         """The model against the float model on ``held_out``, both in eval mode, no gradients;
