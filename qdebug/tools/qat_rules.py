@@ -34,14 +34,16 @@ run is a bug.
   of 4, 0.03 on batches of 32 and 0.01 on batches of 64 (sampling noise, lr 0 or 0.01 alike).
 - ``dead_run``: a run alive at its first look (gradient norm > 0) whose gradient norm falls
   below ``DEAD_GRAD_RATIO`` of that first one, in at least ``PERSISTENT_LOOKS`` looks, while
-  the median activation point saturates more than ``DEAD_SATURATION`` of its input and the
-  loss is no lower than ``DEAD_LOSS_FRACTION`` of the first look's (the batches differ, and a
-  dead network's constant output can score a little below a live one's first loss; a run
-  whose gradient vanished because it converged has a loss far below that).  With clipped straight-through estimators nothing
-  outside a range passes a gradient: every value past the ranges (weights blown up by too
-  large a learning rate) leaves the run unable to move again, though every value stays finite
-  (nan-trace reports nothing).  ``DEAD_SATURATION`` is 0.25, not near 1: a point after a
-  ReLU keeps its zeros inside the range, so it saturates at most about half its values.
+  some activation point clips more than ``DEAD_SATURATION`` of its input and the loss is no
+  lower than ``DEAD_LOSS_FRACTION`` of the first look's (the batches differ, and a dead
+  network's constant output can score a little below a live one's first loss; a run whose
+  gradient vanished because it converged has a loss far below that).  With clipped
+  straight-through estimators nothing outside a range passes a gradient: every value past the
+  ranges (weights blown up by too large a learning rate) leaves the run unable to move again,
+  though every value stays finite (nan-trace reports nothing).  The most saturated point, not
+  the median: a dead network's points split into those past their ranges (95-100% clipped)
+  and those whose input is all zeros after a clip (0%: the demo's QAT checkpoint at lr 1e4,
+  whose median is 0); a healthy calibrated run clips a few percent at most.
 
 - ``scale_collapse``: a point's or layer's scale (a learned one: lsq, qte) falls below
   ``1 / COLLAPSE_FACTOR`` of its first look's in at least ``PERSISTENT_LOOKS`` looks -- for an
@@ -84,7 +86,7 @@ OSCILLATION_REPEAT = 0.3  # share of a look's flip-backs that flipped back at th
 PERSISTENT_LOOKS = 2  # looks a rate must exceed its threshold in: one noisy step is no finding
 BN_DRIFT = 0.05  # a normalisation's relative error: -26 dB, past int8's own noise
 DEAD_GRAD_RATIO = 1e-3  # gradient norm fallen this far below the first look's: nothing trains
-DEAD_SATURATION = 0.25  # median point's saturated fraction (a ReLU's point saturates at most ~half)
+DEAD_SATURATION = 0.5  # the most saturated point's clipped fraction: most of its input past the range
 DEAD_LOSS_FRACTION = 0.5  # a dead run's loss stays above this fraction of the first look's
 COLLAPSE_FACTOR = 10.0  # a scale this many times below its first look's (relative to its data): collapsed
 GRID_UPDATE = 1e-3  # a step's mean update in grid steps below which codes take >= 250 steps to move
@@ -206,7 +208,10 @@ def dead_run(timeline) -> list[list]:
     if model.empty or not model["grad_norm"].iloc[0] > 0:
         return []  # never alive, or unknown: nothing died
     first_grad, first_loss = model["grad_norm"].iloc[0], model["loss"].iloc[0]
-    saturation = points["saturation"].groupby(level="step").median()
+    # The most saturated point, not the median: a dead network's points split into those past their
+    # range (95-100% clipped) and those before a clip whose input is all zeros (0%; the demo at lr 1e4).
+    saturation = points["saturation"].groupby(level="step").max()
+    saturating = (points["saturation"] > 0.5).groupby(level="step").sum()
     dead = model[(model["grad_norm"] <= DEAD_GRAD_RATIO * first_grad) & (model["loss"] >= DEAD_LOSS_FRACTION * first_loss)]
     dead = dead[saturation.reindex(dead.index).fillna(0) > DEAD_SATURATION]
     if len(dead) < PERSISTENT_LOOKS:
@@ -214,7 +219,8 @@ def dead_run(timeline) -> list[list]:
     step = int(dead.index[0])
     return [["dead_run", "", step,
              f"from step {step} ({len(dead)} looks): gradient norm {dead['grad_norm'].iloc[0]:.3g} against "
-             f"{first_grad:.3g} at the first look, the median point saturating {saturation[step]:.0%} of its input, "
+             f"{first_grad:.3g} at the first look, {int(saturating[step])} point(s) clipping more than half their input "
+             f"(up to {saturation[step]:.0%}), "
              f"loss {dead['loss'].iloc[0]:.4g} (first {first_loss:.4g}, last {model['loss'].iloc[-1]:.4g}): the "
              "straight-through estimator passes no gradient outside the ranges, so the run cannot recover",
              "restart from a checkpoint before the step with a learning rate 10-1000x lower (or gradient "
