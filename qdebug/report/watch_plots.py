@@ -45,7 +45,7 @@ def plot_watch(timeline: pd.DataFrame, findings: pd.DataFrame, folder: Path) -> 
                                              ("output_sqnr_db", "output SQNR vs float (dB)", None)],
          "no model metric"),
     ]
-    return [_figure(frame, panels, folder / name, _marks(findings, kind), empty)
+    return [_figure(frame, panels, folder / name, _marks(findings, kind), empty, kind)
             for name, kind, frame, panels, empty in figures]
 
 
@@ -64,7 +64,7 @@ def _marks(findings: pd.DataFrame, kind: str) -> list[tuple[int, str]]:
             if RULE_KIND.get(r.rule) == kind]
 
 
-def _figure(frame: pd.DataFrame, panels: list, path: Path, marks: list, empty: str) -> Path:
+def _figure(frame: pd.DataFrame, panels: list, path: Path, marks: list, empty: str, kind: str) -> Path:
     panels = [p for p in panels if p[0] in frame and frame[p[0]].notna().any()]
     fig, axes = plt.subplots(max(1, len(panels)), 1, figsize=(8, 2.3 * max(1, len(panels)) + 0.6), sharex=True,
                              squeeze=False)
@@ -94,7 +94,8 @@ def _figure(frame: pd.DataFrame, panels: list, path: Path, marks: list, empty: s
         axes[0, 0].set_title(_text(f"{len(marks)} finding(s), the first from step {marks[0][0]}: {marks[0][1]}{more}"),
                              fontsize=8)
     elif panels:
-        axes[0, 0].set_title("no finding", fontsize=8)
+        axes[0, 0].set_title(f"no finding on the {kind}s (findings of the other kinds: their figures)"
+                             if kind != "model" else "no finding on the model", fontsize=8)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     return _save(fig, path)
