@@ -37,7 +37,10 @@ run is a bug.
   some activation point clips more than ``DEAD_SATURATION`` of its input and the loss is no
   lower than ``DEAD_LOSS_FRACTION`` of the first look's (the batches differ, and a dead
   network's constant output can score a little below a live one's first loss; a run whose
-  gradient vanished because it converged has a loss far below that).  With clipped
+  gradient vanished because it converged has a loss far below that) -- or whatever the loss,
+  when a point clips ``DEAD_TOTAL_SATURATION`` (99%) of its input: the pretrained
+  EfficientNet-Lite0 at lr 1e6 goes from loss 5.9 to a constant output's 1.39 with its gradient
+  exactly 0 and points clipping 100%, and no converged run clips so.  With clipped
   straight-through estimators nothing outside a range passes a gradient: every value past the
   ranges (weights blown up by too large a learning rate) leaves the run unable to move again,
   though every value stays finite (nan-trace reports nothing).  The most saturated point, not
@@ -87,6 +90,7 @@ PERSISTENT_LOOKS = 2  # looks a rate must exceed its threshold in: one noisy ste
 BN_DRIFT = 0.05  # a normalisation's relative error: -26 dB, past int8's own noise
 DEAD_GRAD_RATIO = 1e-3  # gradient norm fallen this far below the first look's: nothing trains
 DEAD_SATURATION = 0.5  # the most saturated point's clipped fraction: most of its input past the range
+DEAD_TOTAL_SATURATION = 0.99  # ... all but a trace of it: dead whatever the loss did
 DEAD_LOSS_FRACTION = 0.5  # a dead run's loss stays above this fraction of the first look's
 COLLAPSE_FACTOR = 10.0  # a scale this many times below its first look's (relative to its data): collapsed
 GRID_UPDATE = 1e-3  # a step's mean update in grid steps below which codes take >= 250 steps to move
@@ -212,8 +216,11 @@ def dead_run(timeline) -> list[list]:
     # range (95-100% clipped) and those before a clip whose input is all zeros (0%; the demo at lr 1e4).
     saturation = points["saturation"].groupby(level="step").max()
     saturating = (points["saturation"] > 0.5).groupby(level="step").sum()
-    dead = model[(model["grad_norm"] <= DEAD_GRAD_RATIO * first_grad) & (model["loss"] >= DEAD_LOSS_FRACTION * first_loss)]
-    dead = dead[saturation.reindex(dead.index).fillna(0) > DEAD_SATURATION]
+    peak = saturation.reindex(model.index).fillna(0)
+    # A point clipping all but a trace of its input is past any converged run: the loss condition
+    # then waits for nothing (a dead EfficientNet-Lite0's constant output scored below its first loss).
+    stuck = (model["loss"] >= DEAD_LOSS_FRACTION * first_loss) | (peak >= DEAD_TOTAL_SATURATION)
+    dead = model[(model["grad_norm"] <= DEAD_GRAD_RATIO * first_grad) & stuck & (peak > DEAD_SATURATION)]
     if len(dead) < PERSISTENT_LOOKS:
         return []
     step = int(dead.index[0])
