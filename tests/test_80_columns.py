@@ -43,6 +43,8 @@ def _commands(stages, tmp_path) -> list[list]:
         ["step", stages.float, stages.qat, "--metric", "agreement", *data],
         ["step", stages.float, stages.qat, "--drill", *data],
         ["nan-trace", stages.qat, *data, "--steps", 2],
+        ["watch", stages.qat, *data, "--steps", 4, "--every", 2, "--lr", 1e4],  # findings: their table
+        ["fix", stages.float, *data, "--method", "equalize,bias_correction", "-o", tmp_path / "fixed.pt"],
         ["calibrate", stages.float, *data, "-o", tmp_path / "recalibrated.pt"],
         ["convert", stages.qat, "-o", tmp_path / "converted.pt"],
         ["init", "--float", stages.float, "--calibrated", stages.calibrated],
