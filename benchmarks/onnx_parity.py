@@ -140,7 +140,7 @@ def part_c(name: str, model: nn.Module, cals: torch.Tensor, evals: torch.Tensor,
     from onnx_helpers import ort_quantize, torch_export
     from qdebug.onnx.model_file import read_onnx
     from qdebug.onnx.qdq_check import check_against_ort
-    from qdebug.onnx.qdq_source import import_qdq
+    from qdebug.onnx.qdq_import import import_qdq
     from qdebug.interop.build import import_report
 
     float_path = torch_export(model, evals[:2], workdir / f"{name}_float.onnx")

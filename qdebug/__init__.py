@@ -18,6 +18,11 @@ Python API (the CLI is a thin layer over the same functions):
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
 from importlib import import_module
 
 from qdebug.errors import QDebugError
@@ -54,3 +59,49 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+# -- the old homes of modules that moved into packages (0.1: docs/architecture.md) ---------
+# ``import qdebug.metrics``, ``--metric qdebug.metrics:top1`` and ``python -m qdebug.launch`` keep
+# working: each old name gives the module at its new place (the same module object).
+MOVED = {
+    "qdebug.torchfile": "qdebug.io.torchfile", "qdebug.usercode": "qdebug.io.usercode",
+    "qdebug.modelspec": "qdebug.io.modelspec", "qdebug.atomic": "qdebug.io.atomic",
+    "qdebug.staged": "qdebug.io.staged", "qdebug.together": "qdebug.io.together",
+    "qdebug.leftovers": "qdebug.io.leftovers", "qdebug.config_edit": "qdebug.config.edit",
+    "qdebug.device": "qdebug.config.device", "qdebug.distributed": "qdebug.config.distributed",
+    "qdebug.batch_source": "qdebug.data.source", "qdebug.data_file": "qdebug.data.file",
+    "qdebug.metrics": "qdebug.data.metrics", "qdebug.tap": "qdebug.measure.tap", "qdebug.stats": "qdebug.measure.stats",
+    "qdebug.early_exit": "qdebug.cli.early_exit", "qdebug.launch": "qdebug.cli.launch",
+    "qdebug.tools.nan_watch": "qdebug.tools.nan.detect", "qdebug.tools.nan_causes": "qdebug.tools.nan.causes",
+    "qdebug.tools.nan_guard": "qdebug.tools.nan.guard", "qdebug.tools.nan_trace": "qdebug.tools.nan.trace",
+    "qdebug.tools.qat_watch": "qdebug.tools.watch.timeline", "qdebug.tools.qat_rules": "qdebug.tools.watch.rules",
+    "qdebug.tools.watch_run": "qdebug.tools.watch.run",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old module name of ``MOVED`` and loads it as the module at its new place."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        new = MOVED.get(fullname)
+        if new is None:
+            return None
+        real = importlib.util.find_spec(new)
+        return importlib.util.spec_from_loader(fullname, self, origin=real.origin if real else None)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return import_module(MOVED[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # The import system stamped the alias's spec on the module: it keeps its own.
+        module.__spec__ = importlib.util.find_spec(module.__name__)
+
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """What ``python -m OLD`` runs: the new module's code (runpy asks the loader for it)."""
+        real = importlib.util.find_spec(MOVED[fullname])
+        return real.loader.get_code(real.name)
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

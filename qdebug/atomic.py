@@ -38,28 +38,11 @@ from typing import IO, Iterator, Literal
 
 from qdebug import leftovers, together
 from qdebug.errors import QDebugError, checked_path
+from qdebug.filesystem import SHOWN, _write_error, make_dirs, mode_for, remove_dirs, shown, write_errors
 
 Kind = Literal["file", "stream"]
 
-# How torch's zip writer reports a write the file system refused (it raises RuntimeError,
-# not OSError, and loses the errno): a full disk, a file-size limit, a device.
-_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "iostream error", "file write failed")
 _DEVICE_TREES = ("/dev/", "/proc/")
-_WRITE_HINT = "check the path, its permissions and the free disk space"
-
-# staging folder -> the folder the user named: errors about a staged file name the file the
-# user will look for, not the temporary folder it is written in first.
-SHOWN: dict[Path, Path] = {}
-
-
-class WriteError(QDebugError, OSError):
-    """An output the file system refused to take. A ``QDebugError`` (one clean ``error:`` line)
-    that is also an ``OSError``, so code that caught ``qdebug.save``'s OSError still does."""
-
-    def __init__(self, message: str, hint: str | None = None, *, code: int | None = None,
-                 filename: str | None = None):
-        QDebugError.__init__(self, message, hint)
-        self.errno, self.strerror, self.filename = code, None, filename
 
 
 # -- what a target is ------------------------------------------------------------------------
@@ -106,78 +89,6 @@ def refuse_dangling_link(path: str | os.PathLike) -> None:
     if target.is_symlink() and not target.exists():
         raise QDebugError(f"cannot write {target}: it is a symbolic link to {os.readlink(target)}, "
                           "which does not exist", "remove the link, or create the folder it points to first")
-
-
-# -- errors ----------------------------------------------------------------------------------
-def shown(path: str | os.PathLike) -> Path:
-    """``path`` as the user knows it: a file in a staging folder is named at its final place."""
-    path = Path(path)
-    for staging, final in SHOWN.items():
-        if path == staging or staging in path.parents:
-            return final / path.relative_to(staging)
-    return path
-
-
-def _write_error(target: Path, exc: OSError) -> WriteError:
-    """``exc`` as an error that names the output (never a temp file) and says what to do."""
-    hint = _WRITE_HINT + (" (and the file-size limit: ulimit -f)" if exc.errno == errno.EFBIG else "")
-    name = shown(target)
-    return WriteError(f"cannot write {name}: {exc.strerror or exc}", hint, code=exc.errno, filename=str(name))
-
-
-@contextlib.contextmanager
-def write_errors(target: Path) -> Iterator[None]:
-    """Turn the file system refusing a write to ``target`` (OSError, or torch's RuntimeError from
-    its zip writer) into a ``WriteError`` naming ``target``; other errors pass unchanged."""
-    try:
-        yield
-    except QDebugError:
-        raise
-    except OSError as exc:
-        raise _write_error(target, exc) from exc
-    except RuntimeError as exc:
-        if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
-            raise
-        name = shown(target)
-        raise WriteError(f"cannot write {name}: the write failed (a full disk, a file-size limit or a device "
-                         "that refuses data)", _WRITE_HINT, filename=str(name)) from exc
-
-
-# -- folders made on the way -----------------------------------------------------------------
-def make_dirs(folder: Path) -> list[Path]:
-    """Create ``folder`` and its missing parents; return the ones created (outermost first), so a
-    write that fails can remove them again instead of leaving empty folders behind."""
-    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
-    made = []
-    for p in missing:
-        try:
-            p.mkdir()
-        except FileExistsError:
-            continue
-        made.append(p)
-    return made
-
-
-def remove_dirs(made: list[Path]) -> None:
-    """Remove the folders ``make_dirs`` created, innermost first, if they are still empty."""
-    for p in reversed(made):
-        with contextlib.suppress(OSError):
-            p.rmdir()
-
-
-def mode_for(real: Path) -> int:
-    """The permissions a written file gets: a replaced file keeps its own (a private 0600 config
-    stays private); a new one gets what a plain open() would give (mkstemp creates 0600)."""
-    try:
-        return real.stat().st_mode & 0o777
-    except OSError:
-        return 0o666 & ~umask_now()
-
-
-def umask_now() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 # -- files -----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 from qdebug.batch_source import BatchSource, HeldOrigin, Origin, RandomOrigin, iterable_origin
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -241,8 +241,6 @@ def _decode(inputs: torch.Tensor, obj: dict, source: str) -> torch.Tensor:
             offset = torch.as_tensor(obj.get("input_offset", 0.0), dtype=torch.float32)
             return inputs.to(torch.float32) * scale + offset
         except (TypeError, ValueError, RuntimeError) as exc:
-            from qdebug.usercode import first_line
-
             raise QDebugError(f"{source}: input_scale/input_offset cannot decode the inputs: {first_line(exc)}",
                               "store them as numbers, or tensors that broadcast to the inputs' shape") from None
     if inputs.dtype in (torch.float16, torch.bfloat16):
@@ -357,7 +355,7 @@ def _from_function(spec: str, batches: int | None) -> Origin:
 def _user_data_errors(spec: str, what: str | None = None) -> Iterator[None]:
     """The data function raising (or calling ``sys.exit``), while called or iterated, as one
     error naming it (``what``: how, by default ``data function SPEC``) and the user's line."""
-    from qdebug.usercode import exit_error, first_line, raised_by_user_code, where_raised
+    from qdebug.usercode import exit_error, raised_by_user_code, where_raised
 
     what = what or f"data function {spec}"
     try:

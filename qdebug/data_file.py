@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from qdebug.batch_source import Origin
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, first_line
 
 REMAP_BYTES = 32 << 20  # batches taken from one map of the file before it is mapped again
 REUSE_FACTOR, REUSE_SLACK = 4, 256 << 20  # a list's batches hold at most 4 x its file's bytes + 256 MiB
@@ -212,8 +212,6 @@ def _check_codes(inputs: Any, codes: dict, source: str) -> None:
         shapes = [torch.as_tensor(value, dtype=torch.float32).shape for value in codes.values()]
         shape = torch.broadcast_shapes(inputs.shape, *shapes)
     except (TypeError, ValueError, RuntimeError) as exc:
-        from qdebug.usercode import first_line
-
         raise QDebugError(f"{source}: input_scale/input_offset cannot decode the inputs: {first_line(exc)}",
                           "store them as numbers, or tensors that broadcast to the inputs' shape") from None
     if shape != inputs.shape:

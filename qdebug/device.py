@@ -23,7 +23,7 @@ import contextlib
 import re
 from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -80,8 +80,6 @@ def resolve_device(name: Any, source: str = "--device", hint: str | None = None)
         try:  # a driver too old for this torch, a GPU in a bad state: said now, not deep in a forward
             torch.empty(0, device=device)
         except Exception as exc:  # RuntimeError, AssertionError (torch's lazy CUDA init), ...
-            from qdebug.usercode import first_line
-
             problem = f"CUDA fails to start: {first_line(exc)}"
     if problem is not None:
         raise QDebugError(f"{source} {text!r} cannot be used here: {problem}", hint or "use --device cpu")
@@ -175,7 +173,5 @@ def out_of_memory(what: str) -> Iterator[None]:
     try:
         yield
     except oom as exc:
-        from qdebug.usercode import first_line
-
         raise QDebugError(f"out of GPU memory while {what}: {first_line(exc)}",
                           "use smaller batches (--batch-size), fewer (--batches), or --device cpu") from None

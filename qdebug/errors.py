@@ -4,7 +4,8 @@ Every problem a user can fix (a bad spec, a missing file, a wrong stage) is a
 ``QDebugError`` carrying a message and a hint; the CLI turns it into a single
 ``error: ...`` line and exit code 2.  Anything else is a bug in qdebug.  The helpers
 here keep an error about a hostile value from raising another: ``shown`` (a bounded repr),
-``message_of`` (an exception's message, whatever its ``__str__`` does), ``checked_path``.
+``message_of`` (an exception's message, whatever its ``__str__`` does), ``first_line`` (its
+first line), ``checked_path``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def message_of(exc: BaseException) -> str:
     except Exception:
         return ""
     return text if isinstance(text, str) else ""
+
+
+def first_line(exc: BaseException, empty: str | None = None) -> str:
+    """The first non-empty line of an exception's message (some, e.g. EOFError, have none:
+    then ``empty``, or the type's name)."""
+    lines = [line for line in message_of(exc).splitlines() if line.strip()]
+    return lines[0].strip()[:200] if lines else (empty or type(exc).__name__)
 
 
 def checked_path(value: object, what: str = "path") -> Path:

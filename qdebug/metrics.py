@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from qdebug.errors import QDebugError, message_of
+from qdebug.errors import QDebugError, first_line, message_of
 
 Metric = Callable[..., Any]
 
@@ -259,7 +259,7 @@ PROTOCOL = (
 def metric_error(metric: Metric, exc: BaseException, name: str = "metric") -> QDebugError:
     """A raising metric as one error: the metric, the exception and the user's line that raised
     it; the hint states the protocol (a built-in metric fails on the model or the data instead)."""
-    from qdebug.usercode import first_line, where_raised
+    from qdebug.usercode import where_raised
 
     label = getattr(metric, "__name__", name)
     where = where_raised(exc)

@@ -32,8 +32,8 @@ from typing import Any, Iterator
 
 import torch.nn as nn
 
-from qdebug.errors import QDebugError, shown
-from qdebug.usercode import first_line, import_user_module, raised_by_user_code, where_raised
+from qdebug.errors import QDebugError, first_line, shown
+from qdebug.usercode import import_user_module, raised_by_user_code, where_raised
 
 SPEC_ATTR = "qdebug_model"  # set on models built here so save() can record them
 ALWAYS_TRUSTED_PREFIXES = ("qdebug.zoo",)

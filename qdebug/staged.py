@@ -16,18 +16,8 @@ import weakref
 from pathlib import Path
 from typing import Iterator
 
-from qdebug.atomic import (
-    SHOWN,
-    WriteError,
-    make_dirs,
-    mode_for,
-    output_kind,
-    refuse_dangling_link,
-    remove_dirs,
-    shown,
-    umask_now,
-    write_errors,
-)
+from qdebug.atomic import output_kind, refuse_dangling_link
+from qdebug.filesystem import SHOWN, WriteError, make_dirs, mode_for, remove_dirs, shown, umask_now, write_errors
 from qdebug import leftovers
 from qdebug.errors import QDebugError
 

@@ -60,7 +60,7 @@ def held(tmp: Path, real: Path, target: Path, lock: int | None, made: list[Path]
 def commit_with(commit_folder: Callable[[], None]) -> None:
     """The pending files renamed into place, then ``commit_folder()``; on any failure the files
     replaced so far are put back as they were, the rest dropped, and the error goes on."""
-    from qdebug.atomic import write_errors
+    from qdebug.filesystem import write_errors
 
     pending, _PENDING[:] = list(_PENDING), []
     undo: list[tuple[_Pending, Path | None, int | None]] = []
@@ -109,7 +109,7 @@ def _keep_previous(real: Path) -> tuple[Path | None, int | None]:
 
 
 def _put_back(item: _Pending, backup: Path | None, lock: int | None) -> None:
-    from qdebug.atomic import remove_dirs
+    from qdebug.filesystem import remove_dirs
 
     with contextlib.suppress(OSError):
         if backup is not None:
@@ -128,7 +128,7 @@ def _forget(backup: Path | None, lock: int | None) -> None:
 
 
 def _drop(pending: list[_Pending]) -> None:
-    from qdebug.atomic import remove_dirs
+    from qdebug.filesystem import remove_dirs
 
     for item in pending:
         with contextlib.suppress(OSError):

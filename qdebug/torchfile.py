@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from qdebug.errors import QDebugError, checked_path
-from qdebug.usercode import first_line
+from qdebug.errors import QDebugError, checked_path, first_line
 
 
 DAMAGED_HINT = "the file is damaged (cut short or overwritten): save it again, or copy it again"

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from qdebug.errors import QDebugError, message_of
+from qdebug.errors import QDebugError, first_line
 
 
 def import_user_module(module_name: str) -> Any:
@@ -136,13 +136,6 @@ def make_findable(module_name: str) -> bool:
                 importlib.invalidate_caches()
             return True
     return False
-
-
-def first_line(exc: BaseException, empty: str | None = None) -> str:
-    """The first non-empty line of an exception's message (some, e.g. EOFError, have none:
-    then ``empty``, or the type's name)."""
-    lines = [line for line in message_of(exc).splitlines() if line.strip()]
-    return lines[0].strip()[:200] if lines else (empty or type(exc).__name__)
 
 
 def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -23,7 +23,7 @@ from qdebug.interop import import_check, import_report
 from qdebug.modelspec import ModelSpec, build
 from qdebug.onnx.model_file import read_onnx
 from qdebug.onnx.parity import session_and_kernels
-from qdebug.onnx.qdq_source import import_qdq
+from qdebug.onnx.qdq_import import import_qdq
 
 
 class Residual(nn.Module):

@@ -22,7 +22,7 @@ import qdebug
 from qdebug.interop import import_check, import_report
 from qdebug.modelspec import ModelSpec, build
 from qdebug.onnx.model_file import read_onnx
-from qdebug.onnx.qdq_source import import_qdq
+from qdebug.onnx.qdq_import import import_qdq
 
 MOBILENET = "qdebug.zoo.mobilenetv2:MobileNetV2"
 # ORT's quantize_static settings: per-channel / per-tensor weights, asymmetric / symmetric activations,

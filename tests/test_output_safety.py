@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import qdebug
-from qdebug.atomic import WriteError, atomic_path
+from qdebug.atomic import atomic_path
+from qdebug.filesystem import WriteError
 from qdebug.staged import StagedDir
 from qdebug.errors import QDebugError
 

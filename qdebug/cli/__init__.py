@@ -60,9 +60,10 @@ def _default_sigpipe() -> None:
 
 
 def __getattr__(name: str):
-    if name == "app":  # ``from qdebug.cli import app`` (typer's own testing tools use it)
-        from qdebug.cli.app import app
+    if name == "app":  # ``from qdebug.cli import app`` (typer's own testing tools use it), commands added
+        from qdebug.cli.app import _register, app
 
+        _register()
         return app
     raise AttributeError(f"module 'qdebug.cli' has no attribute {name!r}")
 

@@ -72,10 +72,17 @@ def _global(
 
 
 def _register() -> None:
-    # Commands register themselves on import; --help lists them in this order (the debug flow's).
+    """Add the subcommands to ``app`` once: each module records its own (``qdebug.cli.registry``) when
+    imported here, in the debug flow's order, which --help keeps."""
+    if app.registered_commands:
+        return
     from qdebug.cli import (  # noqa: F401
         baseline, compare, step, suggest, fix, nan_trace, watch, inspect, calibrate, convert, export, import_, init,
     )
+    from qdebug.cli.registry import COMMANDS
+
+    for function, name, options in COMMANDS:
+        app.command(name, **options)(function)
 
 
 def _click_exceptions(name: str) -> tuple[type, ...]:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, ratio_in_force, task_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
@@ -164,7 +164,7 @@ def render_baseline(frame, *, ratio: float, confidence: Optional[float], width: 
                         names=("task",), width=width, row_styles=[_STYLE.get(v) for v in frame["verdict"]])
 
 
-@app.command(
+@command(
     short_help="Is it good enough: the CI gate, quantized metric >= 0.99 x float, per task.",
     help=(
         "The precision gate for CI, on the FLOAT and QUANT checkpoints (default: the config's float and "

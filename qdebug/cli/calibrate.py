@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from qdebug import vocab
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, check_data, load_checkpoint, load_qconfig_file, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
@@ -113,7 +113,7 @@ def _first_samples(inputs):
     return inputs
 
 
-@app.command(
+@command(
     short_help="Calibrate a float checkpoint with any observer, bit width or overrides.",
     help=(
         "Calibrate the FLOAT checkpoint (default: the config's float): prepare it with a qconfig, run the "

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from qdebug.config import Config, load_config
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, first_line
 from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:  # the heavy modules load inside the commands that need them (a fast --help)
@@ -398,7 +398,7 @@ def model_errors(what: str, batch: Batch | BatchSource | None = None) -> Iterato
     ``batch``: the data (its first batch's input shape is named), a BatchSource or one batch."""
     from qdebug.batch_source import BatchSource, first_input_shape
     from qdebug.device import out_of_memory
-    from qdebug.usercode import exit_error, first_line, raised_by_user_code, where_raised
+    from qdebug.usercode import exit_error, raised_by_user_code, where_raised
 
     try:
         with out_of_memory(what):  # the GPU's memory ran out, not the data that is wrong

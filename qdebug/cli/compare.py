@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 import typer
 
 from qdebug import vocab
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     STATE, RunOptions, check_data, command_line, config_checkpoints, err_console, load_checkpoint, model_errors,
@@ -204,7 +204,7 @@ def _fix_next(result, paths: list[str], labels: list[str], infos: list, ref_inde
     return fix_command(float_path, run, like)
 
 
-@app.command(
+@command(
     short_help="Where does the error enter, and why: per-layer error of two or more checkpoints.",
     help=(
         "Per-layer feature-map similarity of two or more CHECKPOINTs of one model in any stages (float, "

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, load_checkpoint, stage_path, writable_file,
 )
@@ -19,7 +19,7 @@ from qdebug.cli.output import (
 )
 
 
-@app.command(
+@command(
     short_help="A calibrated or QAT checkpoint as the quantized (integer) stage.",
     help=(
         "Convert a calibrated or QAT CHECKPOINT (default: the config's qat, then calibrated) to the "

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     RunOptions, check_data, command_line, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path, writable_file,
@@ -20,7 +20,7 @@ from qdebug.errors import QDebugError
 PARITY_GATE = 0.99  # share of output values within 1 LSB of the quantized stage (issue 32)
 
 
-@app.command(
+@command(
     short_help="A checkpoint as a QDQ ONNX model, checked in ONNX Runtime.",
     help=(
         "Export a calibrated, QAT or quantized CHECKPOINT (default: the config's qat, then calibrated) as a "

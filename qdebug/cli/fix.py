@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, List, Optional
 import typer
 
 from qdebug import vocab
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.calibrate import (
     BITS_OPTION, LIKE_OPTION, MODE_OPTION, OBSERVER_OPTION, PER_CHANNEL_OPTION, QCONFIG_OPTION, build_qconfig,
     check_qconfig_options, like_settings,
@@ -60,7 +60,7 @@ def _methods(given: Optional[List[str]]) -> Optional[List[str]]:
     return names
 
 
-@app.command(
+@command(
     short_help="Fix the float model so int8 holds: equalization, bias correction, SmoothQuant, proven.",
     help=(
         "Apply the float-side fixes to the FLOAT checkpoint -- cross-layer equalization, high-bias absorption, "

@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     STATE, DATA_HELP, MODEL_KWARGS_OPTION, check_data, model_errors, resolve_batches, user_model_kwargs, writable_file,
 )
@@ -51,7 +51,7 @@ def _model_target(model: Optional[str]) -> str:
     return target
 
 
-@app.command(
+@command(
     "import",
     short_help="A torch.ao QAT, PTQ or converted model's state_dict as a qdebug checkpoint.",
     help=(
@@ -243,7 +243,8 @@ def _import_onnx(proto, src: str, target: str, data: Optional[str], output: Path
     from qdebug.interop import import_check
     from qdebug.interop.build import REPORT_COLUMNS, import_report
     from qdebug.modelspec import ModelSpec, build, is_model_class
-    from qdebug.onnx.qdq_source import FLOW, NODES_ATTR, import_qdq
+    from qdebug.onnx.qdq_import import import_qdq
+    from qdebug.onnx.qdq_source import FLOW, NODES_ATTR
 
     spec = ModelSpec(target, dict(user_model_kwargs() or {}))
     float_model = build(spec, from_user=True)

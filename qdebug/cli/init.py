@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import STATE
 from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
@@ -70,7 +70,7 @@ def _check_spec(flag: str, value: str, example: str) -> None:
         raise QDebugError(f"{flag} {value!r} is not of the form package.module:Name", f"e.g. {flag} {example}")
 
 
-@app.command(
+@command(
     short_help="Write qdebug.toml once: trust your model package, name checkpoints, data, metric.",
     help=(
         "Write the project config qdebug.toml in the current directory, or add to the config already in "

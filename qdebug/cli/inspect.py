@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION, console,
     load_checkpoint, model_errors, resolve_batches, stage_path,
@@ -84,7 +84,7 @@ def _import_counts(imports: "pd.DataFrame") -> str:
     return f"{len(quantizers)} quantizer(s): " + ", ".join(f"{int(n)} {status}" for status, n in counts.items())
 
 
-@app.command(
+@command(
     short_help="What a checkpoint holds, layer by layer, and what looks wrong.",
     help=(
         "Show what a CHECKPOINT of any stage holds (default: the config's qat, calibrated, quantized or "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, UNSAFE_LOAD_OPTION,
     check_data, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path,
@@ -178,7 +178,7 @@ def _run_record_ok(value: Any) -> bool:
                 for k in RUN_COUNT_KEYS)
 
 
-@app.command(
+@command(
     "nan-trace",
     short_help="The first NaN/Inf in forward, backward or update: which layer, which step, and why.",
     help=(
@@ -279,7 +279,9 @@ def nan_trace(
             out.drop_stale("before.pt", "batch.pt")
         files.append(plot_nan_timeline(result.frame, out.file("nan_trace.png"), first=first))
     meta["repro"] = repro
-    collapse = result.collapse() if steps else None
+    from qdebug.tools.watch_run import dead_run_of
+
+    collapse = dead_run_of(result) if steps else None
     meta["dead_run"] = collapse
     extra: dict[str, Any] = {"first": first, "float_check": result.float_check}
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import typer
 
 from qdebug.cli.against_float import checkpoint_paths, load_against_float
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION,
@@ -99,7 +99,7 @@ def _next_command(meta: dict, given: list[str], run: RunOptions,
             "recalibration instead)", suggest)
 
 
-@app.command(
+@command(
     short_help="Which module is to blame: quantize part of the model at a time, down to the layer.",
     help=(
         "Step-wise partial quantization of a calibrated, QAT or quantized CHECKPOINT: some modules "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, List, Mapping, Optional
 import typer
 
 from qdebug.cli.against_float import checkpoint_paths, load_against_float
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.compare import fix_command
 from qdebug.cli.rules import METRIC_OPTION, RATIO_OPTION, check_ratio, metric_rules
 from qdebug.cli.common import (
@@ -118,7 +118,7 @@ WRITE_BACK = {"torch-ao": ("plan_torch_ao.py", "plan_torch_ao.json"),
               "onnxruntime": ("plan_onnxruntime.py", "plan_onnxruntime.json")}
 
 
-@app.command(
+@command(
     short_help="The smallest set of int16 changes proven to bring the model back over its target.",
     help=(
         "Rank every quant point of a calibrated, QAT or quantized CHECKPOINT raised to 16 bits (or --bits) "

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, first_line
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -47,7 +47,7 @@ def trainer(spec: Optional[str]):
     if not spec:
         return None
     from qdebug.modelspec import resolve
-    from qdebug.usercode import first_line, raised_by_user_code, where_raised
+    from qdebug.usercode import raised_by_user_code, where_raised
 
     fn = resolve(spec, from_user=True, what="train function")
     if not callable(fn):

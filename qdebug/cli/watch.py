@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from qdebug.cli.app import app
+from qdebug.cli.registry import command
 from qdebug.cli.common import (
     BATCHES_OPTION, BATCH_SIZE_OPTION, DATA_HELP, DEVICE_OPTION, MODEL_KWARGS_OPTION, MODEL_OPTION, STATE,
     UNSAFE_LOAD_OPTION, check_data, load_checkpoint, model_errors, progress_bar, resolve_batches, stage_path,
@@ -28,7 +28,7 @@ TENSORBOARD_DIR = "tensorboard"  # under --out DIR: the event files (tensorboard
 TENSORBOARD_HINT = 'TensorBoard files need the tensorboard package: pip install "qdebug[tensorboard]"'
 
 
-@app.command(
+@command(
     "watch",
     short_help="Watch QAT steps: oscillating weights, EMA start-up bias, BN drift, a dead run.",
     help=(

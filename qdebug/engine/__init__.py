@@ -4,6 +4,9 @@
         FreezeBN, freeze_bn_stats
 """
 
+# Registers the SDPA decomposition with the naming context (qdebug.engine.context): loaded
+# before any engine module is used, since a package's __init__ runs before its submodules.
+from qdebug.engine import sdpa  # noqa: F401
 from qdebug.engine.convert import convert
 from qdebug.engine.fusebn import FreezeBN, FuseBN, freeze_bn_stats
 from qdebug.engine.prepare import (

@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 import torch.nn as nn
 
 from qdebug.engine.context import active_context
+from qdebug.engine.state import engine_state
 from qdebug.errors import QDebugError
 from qdebug.vocab import ARITHMETICS
 
@@ -38,8 +39,6 @@ def current() -> str:
 def computing(model: nn.Module, arithmetic: str) -> Iterator[None]:
     """While active, the quantized stage ``model`` computes in ``arithmetic`` (its own is restored
     after): measuring one converted model in both takes no second conversion."""
-    from qdebug.engine.prepare import engine_state
-
     if arithmetic not in ARITHMETICS:
         raise QDebugError(f"unknown arithmetic {arithmetic!r}", f"choose one of {', '.join(ARITHMETICS)}")
     state = engine_state(model)
@@ -61,7 +60,6 @@ def in_float(state: object, call: str) -> bool:
 def run_in_float(model: nn.Module, calls: Iterable[str]) -> None:
     """Mark ``calls`` (plan call names) of the quantized stage ``model`` as computed in float by its
     target (``float_kernels``, saved with the checkpoint), replacing the marks it had."""
-    from qdebug.engine.prepare import engine_state
     from qdebug.safe_text import escaped
 
     state = engine_state(model)

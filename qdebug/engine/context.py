@@ -55,7 +55,15 @@ from qdebug.engine.ops import (
 )
 
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
+# torch functions a forward the engine names computes in parts (each part a call of its own):
+# func -> decompose(ctx, *args, **kwargs).  Registered by the module owning the decomposition
+# (``qdebug.engine.sdpa``, loaded with the engine), which sits above this one.
+_DECOMPOSITIONS: dict[Callable, Callable[..., Any]] = {}
+
+
+def register_decomposition(func: Callable, decompose: Callable[..., Any]) -> None:
+    """Inside a named forward, a call of ``func`` runs ``decompose(ctx, *args, **kwargs)`` instead."""
+    _DECOMPOSITIONS[func] = decompose
 
 
 @dataclass
@@ -407,10 +415,9 @@ class ForwardContext(TorchFunctionMode):
                 # Before its norm, a norm-act layer only checks its input (timm: ``x.ndim == 4``):
                 # no op of the model, and no reader of the conv's output that would keep its BN apart.
                 return func(*args, **kwargs)
-        if func is _SDPA:  # decomposed: QK^T, softmax and attn.V become calls (qdebug.engine.attention)
-            from qdebug.engine.attention import decomposed_sdpa
-
-            return decomposed_sdpa(self, *args, **kwargs)
+        decompose = _DECOMPOSITIONS.get(func)
+        if decompose is not None:  # e.g. SDPA: QK^T, softmax and attn.V become calls (qdebug.engine.sdpa)
+            return decompose(self, *args, **kwargs)
         category = function_category(func, args, kwargs)
         if category == "passthrough":
             out = func(*args, **kwargs)

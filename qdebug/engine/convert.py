@@ -7,6 +7,9 @@ scales, stores the integer weight codes of every Conv/Linear (``weight_int``)
 and switches those layers and the inline add/sub/mul/cat/mean/avg-pool kernels
 to integer arithmetic (``qdebug.engine.integer``).  Grouped conv weights and dynamic
 activation points have no integer kernel yet and are refused (a grouped Linear has one).
+
+``export_graph`` is the same stage computed in fake quant, the model an exporter traces
+(``qdebug.engine.export_mode``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch.nn as nn
 
 from qdebug.engine.integer import ARITHMETICS
 from qdebug.engine.modules import QLinear, _QWeighted
-from qdebug.engine.prepare import absorb_bn, engine_state
+from qdebug.engine.prepare import absorb_bn
+from qdebug.engine.state import engine_state
 from qdebug.errors import QDebugError
 
 
@@ -70,3 +74,20 @@ def _refuse_without_kernel(model: nn.Module, points) -> None:
                 f"quant point {name!r} ({point.spec.describe()}): the integer stage has no kernel for {what} yet",
                 "debug it in the calibrated (fake-quant) stage, or drop group_size/dynamic to convert",
             )
+
+
+def export_graph(model: nn.Module) -> nn.Module:
+    """The quantized stage of ``model`` (calibrated, QAT or already converted) as a fake-quant
+    model, in eval mode: ``convert``'s BN folding, frozen weight qparams and observe -> fake,
+    computed by fake quant instead of the integer kernels (the input is not modified)."""
+    graph = copy.deepcopy(model) if engine_state(model).stage == "quantized" else convert(model)
+    graph.eval()
+    state = engine_state(graph)
+    state.stage = "fake"
+    for module in graph.modules():
+        if isinstance(module, _QWeighted):
+            module.stage = "fake"
+    for point in state.points.values():
+        point.forget_cached()  # a cached weight would enter the trace as a constant, without its point
+        point.freeze(True)
+    return graph

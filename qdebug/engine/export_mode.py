@@ -1,10 +1,10 @@
-"""The fake-quant graph of the quantized stage, written by an exporter: ``export_graph``, ``exporting``.
+"""How quant points compute while an exporter traces the quantized stage: ``exporting``.
 
 An exporter (``qdebug.onnx.export``) traces a model whose quant points must appear in the
 graph as quantize-dequantize pairs, not as the engine's autograd kernels, and whose numbers
 are those of the quantized stage: BN folded as ``convert`` folds it, weight qparams frozen,
-observe -> fake.  ``export_graph`` makes that model (a converted copy, run in fake quant), and
-inside ``exporting`` every point in ``fake`` mode computes through one op,
+observe -> fake.  ``qdebug.engine.convert.export_graph`` makes that model (a converted copy,
+run in fake quant; it lives with ``convert``, which it runs), and inside ``exporting`` every point in ``fake`` mode computes through one op,
 ``qdebug::quantize_dequantize(x, scale, zero_point, axis, qmin, qmax, index)`` (``axis`` -1
 per tensor, ``index`` the call's place in the recorded order), whose eager body is the
 engine's own fake quant (same bits) and which the exporter turns into QuantizeLinear ->
@@ -17,12 +17,10 @@ The engine knows no files: what the graph is written as is the exporter's busine
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.nn as nn
 
 OP_NAME = "qdebug::quantize_dequantize"
 
@@ -73,27 +71,6 @@ def exporting() -> Iterator[Recorder]:
         yield active
     finally:
         active = None
-
-
-def export_graph(model: nn.Module) -> nn.Module:
-    """The quantized stage of ``model`` (calibrated, QAT or already converted) as a fake-quant
-    model, in eval mode: ``convert``'s BN folding, frozen weight qparams and observe -> fake,
-    computed by fake quant instead of the integer kernels (the input is not modified)."""
-    from qdebug.engine.convert import convert
-    from qdebug.engine.modules import _QWeighted
-    from qdebug.engine.prepare import engine_state
-
-    graph = copy.deepcopy(model) if engine_state(model).stage == "quantized" else convert(model)
-    graph.eval()
-    state = engine_state(graph)
-    state.stage = "fake"
-    for module in graph.modules():
-        if isinstance(module, _QWeighted):
-            module.stage = "fake"
-    for point in state.points.values():
-        point.forget_cached()  # a cached weight would enter the trace as a constant, without its point
-        point.freeze(True)
-    return graph
 
 
 def _eager(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, qmin: int, qmax: int,

@@ -108,6 +108,10 @@ class Plan:
 class TraceHandler(Handler):
     """Records producers/consumers of every tensor by object identity."""
 
+    # Read by the engine's modules below this one (attention, sdpa): while tracing, a decomposition
+    # is what gets recorded, never torch's own float kernel.
+    tracing = True
+
     def __init__(self) -> None:
         self.records: dict[str, CallRecord] = {}
         self.producer: dict[int, str] = {}

@@ -30,6 +30,7 @@ from qdebug.engine.context import Call, ForwardContext, active_context, run_mode
 from qdebug.engine.embedding import QEmbedding, quantizable_embedding
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.members import member_name, split_name
+from qdebug.engine.module_tree import replace_modules
 from qdebug.engine.modules import QConv, QLinear, _QWeighted, bn_scale_factor, folded_placeholder
 from qdebug.engine.norm_input import norm_input_aliases
 from qdebug.engine.observers import merge_ranks
@@ -40,12 +41,12 @@ from qdebug.engine.prelu import QPReLU, quantizable_prelu
 from qdebug.engine.recurrent import RecurrentLayer, quantizable_recurrent
 from qdebug.engine.fake_quant import group_layout
 from qdebug.engine.spec import QConfig, QuantSpec
+from qdebug.engine.state import STATE_ATTR, engine_state, is_prepared
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 
 WEIGHT_ONLY = (QEmbedding, QPReLU)  # engine modules with a weight point, swapped before the trace
 QAT_MODES = dict(zip(vocab.QAT_MODES, ("fused", "with_bn", "reverse_fold")))  # mode -> Conv-BN wrapper's bn_mode
-STATE_ATTR = "_qdebug_state"
 POINTS_ATTR = "qdebug_points"
 _NO_BATCH = object()
 
@@ -139,17 +140,6 @@ def activation_names(category: str, owner: str, point_name: str) -> tuple[str, .
     return (owner, base, call, member_name(base, path), point_name)
 
 
-def engine_state(model: nn.Module) -> EngineState:
-    state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        raise QDebugError("this model is not prepared by qdebug", "call qdebug.engine.prepare(model, ...) first")
-    return state
-
-
-def is_prepared(model: nn.Module) -> bool:
-    return getattr(model, STATE_ATTR, None) is not None
-
-
 # -- root hooks: module-level functions so deep copies keep working ----------------------
 def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     state: EngineState = getattr(module, STATE_ATTR)
@@ -171,24 +161,6 @@ def _root_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     finally:
         ctx.__exit__(None, None, None)
     return output
-
-
-def _replace_modules(root: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> dict[int, nn.Module]:
-    """Swap modules in the tree (every path an instance appears at); returns old id -> new."""
-    replaced: dict[int, nn.Module] = {}
-    for path, module in list(root.named_modules(remove_duplicate=False)):
-        if not path:
-            continue
-        new = replaced.get(id(module))
-        if new is None:
-            new = make(path, module)
-            if new is None:
-                continue
-            replaced[id(module)] = new
-        parent_path, _, attr = path.rpartition(".")
-        parent = root.get_submodule(parent_path) if parent_path else root
-        parent._modules[attr] = new
-    return replaced
 
 
 def prepare(
@@ -214,10 +186,10 @@ def prepare(
         raise QDebugError("the model is already prepared", "prepare the float model")
     qm = copy.deepcopy(model)
     # Before the trace: the attention's parts (projections, QK^T, softmax, attn.V) are its calls.
-    _replace_modules(qm, swap_attention)
+    replace_modules(qm, swap_attention)
     # Embeddings and PReLUs too: the trace records their calls as ``activation`` (qdebug.engine.embedding,
     # qdebug.engine.prelu); their weight points are made with the weighted layers'.
-    _replace_modules(qm, lambda path, module: quantizable_embedding(module) or quantizable_prelu(module))
+    replace_modules(qm, lambda path, module: quantizable_embedding(module) or quantizable_prelu(module))
     if plan is None:
         if example_inputs is None:
             raise QDebugError("prepare needs example_inputs to trace the model", "pass one batch of inputs")
@@ -234,7 +206,7 @@ def prepare(
             return QLinear(module)
         return quantizable_recurrent(module)  # LSTM/GRU (cells): qdebug.engine.recurrent
 
-    _replace_modules(qm, wrap)
+    replace_modules(qm, wrap)
 
     bn_mode = QAT_MODES[mode]
     for conv_path, bn_path in plan.pairs:
@@ -351,7 +323,7 @@ def _absorb_pair(qm: nn.Module, conv_path: str, bn_path: str) -> None:
     conv.absorb()
     placeholder = folded_placeholder(bn, conv_path)  # a norm-act layer keeps its activation
     placeholder.train(bn.training)
-    _replace_modules(qm, lambda path, m: placeholder if m is bn else None)
+    replace_modules(qm, lambda path, m: placeholder if m is bn else None)
 
 
 def _invalid_statistics(bn: nn.Module) -> str:

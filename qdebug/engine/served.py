@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from qdebug.engine.context import active_context
 from qdebug.engine.ops import map_tensors, module_category
+from qdebug.engine.state import engine_state
 
 class ServedCalls:
     """Stored outputs by call name.  ``clone``: names whose output a later call writes in
@@ -67,8 +68,6 @@ def _serving_forward(module: nn.Module, original):
 @contextlib.contextmanager
 def serving(model: nn.Module, served: ServedCalls | None) -> Iterator[None]:
     """While active, ``model``'s forwards take the outputs ``served`` knows (see module docstring)."""
-    from qdebug.engine.prepare import engine_state
-
     state = engine_state(model)
     if served is None:
         yield

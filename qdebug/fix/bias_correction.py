@@ -59,7 +59,7 @@ import torch.nn as nn
 from qdebug.engine import QConfig, calibrate, engine_state, prepare
 from qdebug.engine.context import run_model
 from qdebug.engine.modules import bn_scale_factor
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, first_line
 from qdebug.fix.pairs import check_float_model, own_weight, tied_weights
 
 COLUMNS = ["layer", "channels", "shift_max", "shift_rms", "output_std", "held_by", "applied", "reason"]
@@ -161,7 +161,7 @@ def _per_channel(t: torch.Tensor, axis: int) -> torch.Tensor:
 def _guarded(what: str | Callable[[], str], run: Callable[[], Any]) -> Any:
     """``run()``, an exception raised by the user's model (or data) turned into one QDebugError
     saying ``what`` was run (a string, or a callable giving it once it failed)."""
-    from qdebug.usercode import first_line, raised_by_user_code, where_raised
+    from qdebug.usercode import raised_by_user_code, where_raised
 
     try:
         return run()

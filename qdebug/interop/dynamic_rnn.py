@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.interop.source import SourceQuantizer
+from qdebug.interop.torch_grid import dequantized_weight, grid_of, quantizer_of, torch_name
 
 
 def is_dynamic_rnn(module: nn.Module) -> bool:
@@ -49,8 +50,6 @@ def _names(module: nn.Module):
 
 def float_rnn(module: nn.Module) -> nn.Module:
     """An ``nn.LSTM``/``nn.GRU`` holding ``module``'s dequantized weights and float biases."""
-    from qdebug.interop.converted import dequantized_weight
-
     import torch.ao.nn.quantized.dynamic as nnqd
 
     cls = nn.LSTM if isinstance(module, nnqd.LSTM) else nn.GRU
@@ -69,8 +68,6 @@ def float_rnn(module: nn.Module) -> nn.Module:
 def rnn_quantizers(path: str, module: nn.Module) -> tuple[list[SourceQuantizer], list[tuple[str, str]]]:
     """(the quantizers of dynamic ``module`` at ``path``: its int8 weights and the dynamic grids of
     its GEMM inputs, on the QLSTM/QGRU points; (source, why) of what stays float)."""
-    from qdebug.interop.converted import grid_of, quantizer_of, torch_name
-
     cls = "LSTM" if type(module).__name__ == "LSTM" else "GRU"
     weights = module.get_weight()
     if not all(w.is_quantized for w in weights.values()):

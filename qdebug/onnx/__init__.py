@@ -8,7 +8,8 @@ import of a model ONNX Runtime quantized.
 - ``stage``: an ONNX model run by ONNX Runtime, tapped per layer, as a stage of ``compare``;
 - ``session``: ONNX Runtime sessions, made one way (checked bytes, CPU, default optimizations);
 - ``qdq_source``: an ORT-quantized QDQ model -> a ``SourceModel`` the interop builder imports;
-- ``qdq_check``: that import held to the file: the layers ORT runs in float, the self-check.
+- ``qdq_check``: that import held to the file: the layers ORT runs in float, the self-check;
+- ``qdq_import``: the two together, ``import_qdq``: file -> engine model, checked.
 
 ``onnx`` and ``onnxruntime`` are optional (``pip install qdebug[onnx]``): they are imported only when
 an ONNX file is read or written, and a missing one is one error with the install command.

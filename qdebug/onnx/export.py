@@ -1,6 +1,6 @@
 """A calibrated, QAT or quantized model as a QDQ ONNX model: ``export_onnx``.
 
-The graph is the quantized stage's (``qdebug.engine.export_mode.export_graph``: BN folded as
+The graph is the quantized stage's (``qdebug.engine.convert.export_graph``: BN folded as
 ``convert`` folds it, weight qparams frozen) traced by torch's TorchScript exporter with every
 quant point as one ``qdebug::QuantizeDequantize`` node that carries the point's index in the
 traced forward.  Each such node is then written out with the ``onnx`` library from the
@@ -98,7 +98,8 @@ def _export_float(onnx, model: nn.Module, inputs: tuple, opset: int) -> tuple[An
 # -- quantized --------------------------------------------------------------------------------
 def _export_quantized(onnx, model: nn.Module, inputs: tuple, opset: int | None,
                       stage: str | None) -> tuple[Any, dict[str, Any]]:
-    from qdebug.engine.export_mode import export_graph, exporting
+    from qdebug.engine.convert import export_graph
+    from qdebug.engine.export_mode import exporting
     from qdebug.engine.prepare import engine_state
 
     state = engine_state(model)

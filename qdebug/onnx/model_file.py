@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from qdebug.errors import QDebugError
+from qdebug.errors import QDebugError, message_of
 from qdebug.safe_text import one_line
 
 MAX_BYTES = 2**31 - 1  # protobuf cannot parse a larger message
@@ -64,7 +64,7 @@ def read_onnx(path: str | Path) -> Any:
     try:
         model = onnx.load_model_from_string(data)
     except Exception as exc:  # protobuf's DecodeError and friends: the file is not a model
-        raise QDebugError(f"{_short(str(file))} is not an ONNX model ({_error_line(exc)})",
+        raise QDebugError(f"{_short(str(file))} is not an ONNX model ({first_line(exc)})",
                           "pass a file written by torch.onnx.export, qdebug export or onnx.save") from None
     if not model.HasField("graph"):
         raise QDebugError(f"{_short(str(file))} holds no ONNX graph", "pass a file written by torch.onnx.export, "
@@ -78,15 +78,15 @@ def read_onnx(path: str | Path) -> Any:
     try:
         onnx.checker.check_model(model)
     except Exception as exc:
-        raise QDebugError(f"{_short(str(file))} is not a valid ONNX model: {_error_line(exc)}",
+        raise QDebugError(f"{_short(str(file))} is not a valid ONNX model: {first_line(exc)}",
                           "re-export it (torch.onnx.export), or check it with onnx.checker.check_model") from None
     return model
 
 
-def _error_line(exc: BaseException) -> str:
-    from qdebug.onnx.session import first_line  # that module imports this one
-
-    return first_line(exc)
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, escaped and at most 300 characters (its type when it says nothing)."""
+    lines = message_of(exc).strip().splitlines()
+    return one_line(lines[0], limit=300) if lines else type(exc).__name__
 
 
 def _short(text: str) -> str:

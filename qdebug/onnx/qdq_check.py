@@ -1,6 +1,6 @@
 """An ONNX Runtime import checked against ONNX Runtime itself: ``mark_float_layers``, ``check_against_ort``.
 
-``qdebug.onnx.qdq_source.import_qdq`` builds the engine model of a file ``quantize_static`` made;
+``qdebug.onnx.qdq_import.import_qdq`` builds the engine model of a file ``quantize_static`` made;
 this module holds it to the file:
 
 - ``mark_float_layers`` asks ONNX Runtime which quantized layers it runs in float (its optimized
@@ -84,7 +84,8 @@ def ort_outputs(model: Any, example_inputs: Any, taps: list[str] | None = None) 
     the model's own)."""
     from qdebug.engine.context import split_inputs
     from qdebug.engine.ops import tensors_in
-    from qdebug.onnx.session import cpu_session, first_line
+    from qdebug.onnx.model_file import first_line
+    from qdebug.onnx.session import cpu_session
 
     if taps:
         from onnx import helper
@@ -243,6 +244,6 @@ def check_against_ort(model: Any, imported: nn.Module, example_inputs: Any) -> d
                           f"{check['max_abs_diff']:.3g} on the example batch (tolerance: {check['tolerance']}), and "
                           "no row of the import report explains it",
                           "report it to qdebug with the model, ONNX Runtime's version and the quantize_static "
-                          "options; qdebug.onnx.qdq_source.import_qdq(..., check=False) imports it unchecked")
+                          "options; qdebug.onnx.qdq_import.import_qdq(..., check=False) imports it unchecked")
     setattr(state, CHECK_ATTR, check)
     return check

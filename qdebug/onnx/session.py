@@ -1,4 +1,4 @@
-"""ONNX Runtime sessions, made one way: ``cpu_session``; and an exception as one bounded line.
+"""ONNX Runtime sessions, made one way: ``cpu_session``.
 
 Every ONNX Runtime session qdebug makes (the export's check, the compare stage, the import's
 self-check) runs a checked model's bytes -- never a path a file names -- on the CPU execution
@@ -12,15 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qdebug.errors import QDebugError, message_of
-from qdebug.onnx.model_file import require
-from qdebug.safe_text import one_line
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's first line, escaped and at most 300 characters (its type when it says nothing)."""
-    lines = message_of(exc).strip().splitlines()
-    return one_line(lines[0], limit=300) if lines else type(exc).__name__
+from qdebug.errors import QDebugError
+from qdebug.onnx.model_file import first_line, require
 
 
 def cpu_session(proto: Any, what: str, hint: str, *, threads: int | None = None,

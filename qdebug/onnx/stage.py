@@ -55,8 +55,8 @@ from qdebug.engine.context import Event, split_inputs
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.errors import QDebugError
 from qdebug.tap import ReportsCalls
-from qdebug.onnx.model_file import require, tensor_array
-from qdebug.onnx.session import cpu_session, first_line
+from qdebug.onnx.model_file import first_line, require, tensor_array
+from qdebug.onnx.session import cpu_session
 from qdebug.safe_text import one_line
 
 PROPAGATED_ONLY = ("ONNX Runtime: propagated error only (the isolated columns are blank: compare replays a layer "

@@ -77,26 +77,6 @@ class TraceResult:
         columns = list(StepStats(0, 0).row())
         return pd.DataFrame([s.row() for s in self.timeline], columns=columns)
 
-    def collapse(self) -> dict | None:
-        """When every step stayed finite but the timeline shows a dead run -- the gradient norm
-        gone to 0, the points saturating, the loss no lower (``qdebug.tools.qat_rules.dead_run``,
-        each step a look) -- that finding (``rule``, ``name``, ``from_step``, ``evidence``,
-        ``fix``); else None."""
-        import pandas as pd
-
-        from qdebug.tools.qat_rules import FINDING_COLUMNS, dead_run
-        from qdebug.tools.qat_watch import COLUMNS
-
-        if self.first is not None:
-            return None
-        rows = []
-        for s in self.timeline:
-            rows += [(s.step, "model", "", metric, value) for metric, value in (("loss", s.loss), ("grad_norm", s.grad_norm))
-                     if value is not None]
-            rows += [(s.step, "point", name, "saturation", value) for name, value in s.saturation.items()]
-        found = dead_run(pd.DataFrame(rows, columns=COLUMNS))
-        return dict(zip(FINDING_COLUMNS, found[0])) if found else None
-
 
 # What a repro bundle keeps of the run's finding (``run_record``): where, why, and the steps of
 # history the diagnosis had.

@@ -5,6 +5,9 @@ loop, losses, optimizers and seeding as ``nan-trace``; its cheap non-finite chec
 run that goes NaN stops there and says where) and calls ``QatWatch.step`` after each step's
 update.  ``held_out_inputs`` makes the held-out batch of ``output_sqnr_db``: the inputs of the
 last batches of the data, which the run does not train on.
+
+``dead_run_of(result)`` reads a nan-trace run the same way: a run that stayed finite but died
+(``qdebug.tools.qat_rules.dead_run`` over its steps).
 """
 
 from __future__ import annotations
@@ -72,3 +75,24 @@ def watch_steps(model: nn.Module, batches: Sequence[Batch], *, steps: int, every
             "seed": seed, "looks": int(w.timeline["step"].nunique()) if w.rows else 0,
             "float_model": float_model is not None, "held_out": held_out is not None}
     return WatchRun(w.timeline, w.findings, result.steps_run, result.first, meta)
+
+
+def dead_run_of(result: Any) -> dict | None:
+    """When every step of a nan-trace run (``TraceResult``) stayed finite but its timeline shows a
+    dead run -- the gradient norm gone to 0, the points saturating, the loss no lower
+    (``qdebug.tools.qat_rules.dead_run``, each step a look) -- that finding (``rule``, ``name``,
+    ``from_step``, ``evidence``, ``fix``); else None."""
+    import pandas as pd
+
+    from qdebug.tools.qat_rules import FINDING_COLUMNS, dead_run
+    from qdebug.tools.qat_watch import COLUMNS
+
+    if result.first is not None:
+        return None
+    rows = []
+    for s in result.timeline:
+        rows += [(s.step, "model", "", metric, value) for metric, value in (("loss", s.loss), ("grad_norm", s.grad_norm))
+                 if value is not None]
+        rows += [(s.step, "point", name, "saturation", value) for name, value in s.saturation.items()]
+    found = dead_run(pd.DataFrame(rows, columns=COLUMNS))
+    return dict(zip(FINDING_COLUMNS, found[0])) if found else None
