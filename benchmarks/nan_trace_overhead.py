@@ -10,7 +10,7 @@ targets, ``--batches`` of them cycled.
 
 (a) Plain: ``--steps`` QAT steps written the usual way -- zero_grad, cross-entropy of the
     model's output, backward, SGD (momentum 0.9) step -- on a deep copy of the model.
-(b) Traced: ``trace_steps(copy, batches, steps=..., lr=...)`` (``qdebug.tools.nan_trace``) on
+(b) Traced: ``trace_steps(copy, batches, steps=..., lr=...)`` (``qdebug.tools.nan.trace``) on
     another deep copy: the same steps plus nan-trace's snapshot before each step (model,
     optimizer, RNG), the cheap finiteness sums of every forward output and raw output, of
     every output gradient and parameter gradient, the scale and parameter checks after the
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from workload import calibrated, random_batches, resnet18
 
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import set_mode
-from qdebug.tools.nan_trace import SGD_MOMENTUM, trace_steps
+from qdebug.tools.nan.trace import SGD_MOMENTUM, trace_steps
 
 TARGET = 1.3
 

@@ -32,9 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     from workload import efficientnet_lite0
 
-    from qdebug.data import Batch
+    from qdebug.data.batch import Batch
     from qdebug.engine import QConfig, calibrate, prepare, quant_points
-    from qdebug.metrics import top1
+    from qdebug.data.metrics import top1
     from qdebug.tools.step import step
 
     warnings.simplefilter("ignore")

@@ -28,8 +28,8 @@ from importlib import import_module
 from qdebug.errors import QDebugError
 
 _LAZY = {"load": "qdebug.api", "save": "qdebug.checkpoint", "compare": "qdebug.api", "step": "qdebug.api",
-         "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan_guard", "NonFiniteError": "qdebug.tools.nan_watch",
-         "from_torch_ao": "qdebug.interop", "watch": "qdebug.tools.qat_watch"}
+         "suggest": "qdebug.api", "nan_trace": "qdebug.tools.nan.guard", "NonFiniteError": "qdebug.tools.nan.detect",
+         "from_torch_ao": "qdebug.interop", "watch": "qdebug.tools.watch.timeline"}
 
 __all__ = ["load", "save", "compare", "step", "suggest", "fix", "nan_trace", "NonFiniteError", "from_torch_ao", "watch",
            "QDebugError", "__version__"]
@@ -91,11 +91,12 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self, origin=real.origin if real else None)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return import_module(MOVED[spec.name])
+        module = import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__  # the import system stamps the alias's spec on it next
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        # The import system stamped the alias's spec on the module: it keeps its own.
-        module.__spec__ = importlib.util.find_spec(module.__name__)
+        module.__spec__ = module.__spec__.loader_state  # it keeps its own
 
     def get_code(self, fullname: str) -> types.CodeType | None:
         """What ``python -m OLD`` runs: the new module's code (runpy asks the loader for it)."""

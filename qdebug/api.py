@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch.nn as nn
 
 from qdebug.checkpoint import load as load_file
-from qdebug.config import DEBUG_ORDER, Config, load_config
-from qdebug.data import BatchSource, batches_from_inputs, batches_from_iterable, load_batches
+from qdebug.config.project import DEBUG_ORDER, Config, load_config
+from qdebug.data.source import BatchSource
+from qdebug.data.spec import batches_from_inputs, batches_from_iterable, load_batches
 from qdebug.errors import QDebugError, shown
 
 if TYPE_CHECKING:  # annotations only: qdebug.load needs no pandas
@@ -160,7 +161,7 @@ def _check_flag(name: str, value: Any) -> None:
 
 
 def _check_ratio(ratio: Any) -> None:
-    from qdebug.config import check_ratio_range
+    from qdebug.config.project import check_ratio_range
 
     _check_number("ratio", ratio, "e.g. ratio=0.99")
     check_ratio_range(ratio, "ratio", "e.g. ratio=0.99")
@@ -397,7 +398,7 @@ def fix(model: Any, data: Any = None, *, batches: int | None = None, batch_size:
     ``attrs["summary"]`` and ``attrs["meta"]`` the rest.  The fixed model is the original's deep
     copy when no method helped (``attrs["meta"]["kept"]`` is empty)."""
     from qdebug.engine import QConfig
-    from qdebug.metrics import resolve_metric
+    from qdebug.data.metrics import resolve_metric
     from qdebug.tools.fix import fix as run
 
     cfg = _config(config)
@@ -428,7 +429,7 @@ def _against_float(command: str, checkpoints: tuple, data: Any, batches: int | N
                    metric: Any, cfg: Config) -> tuple[nn.Module | None, nn.Module, BatchSource, Any, str]:
     """``[float,] model`` loaded, their batches, and the metric resolved with its task name
     (a single-number metric's task is named after it, as on the command line)."""
-    from qdebug.metrics import resolve_metric
+    from qdebug.data.metrics import resolve_metric
 
     if not 1 <= len(checkpoints) <= 2:
         raise QDebugError(f"{command} takes one or two checkpoints, got {len(checkpoints)}", "pass [float,] model")
@@ -475,8 +476,8 @@ def _placed(device: Any, models: list[nn.Module | None], given: tuple) -> Iterat
     there, and a model the caller passed (in ``given``) goes back where it was afterwards, so
     the call leaves no trace on it.  ``device=None``: the caller's models stay where they are,
     and models loaded from paths join the first of them.  On CUDA, float32 convolutions and
-    matmuls run in IEEE float32 (``qdebug.device.ieee_float32``)."""
-    from qdebug.device import ieee_float32, model_device, resolve_device
+    matmuls run in IEEE float32 (``qdebug.config.device.ieee_float32``)."""
+    from qdebug.config.device import ieee_float32, model_device, resolve_device
 
     unique = list({id(m): m for m in models if m is not None}.values())
     theirs = {id(item[1] if isinstance(item, tuple) else item) for item in given}
@@ -503,6 +504,6 @@ def _moved(batches: Any, device: Any) -> Any:
         return batches
     if hasattr(batches, "to"):
         return batches.to(device)
-    from qdebug.device import to_device
+    from qdebug.config.device import to_device
 
     return [to_device(b, device) for b in batches]

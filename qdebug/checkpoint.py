@@ -23,7 +23,7 @@ A qdebug checkpoint is a dict readable with ``torch.load(weights_only=True)``
                    the conv holds the folded weights and a bias
     meta           {"qdebug": version, "torch": version, "time": ISO-8601, ...}; a model
                    imported from torch.ao adds its import report: "import" (rows of
-                   ``qdebug.interop.build.REPORT_COLUMNS``) and "import_flow"
+                   ``qdebug.engine.imported.REPORT_COLUMNS``) and "import_flow"
 
 ``load`` also accepts a plain float ``state_dict`` file (with the architecture
 named by the user) and, only with ``unsafe=True``, a pickled whole module.
@@ -46,7 +46,8 @@ import torch
 import torch.nn as nn
 
 import qdebug
-from qdebug.atomic import atomic_path, output_kind
+from qdebug.io.atomic import atomic_path, output_kind
+from qdebug.engine.imported import FLOW_ATTR, REPORT_ATTR, REPORT_COLUMNS, import_report
 from qdebug.engine import QConfig, absorb_bn, convert, engine_state, is_prepared, prepare
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.engine.arithmetic import run_in_float
@@ -55,8 +56,8 @@ from qdebug.engine.modules import _QWeighted, without_norm
 from qdebug.engine.point import MODES as POINT_MODES
 from qdebug.engine.prepare import POINTS_ATTR, QAT_MODES, refresh_weight_qparams
 from qdebug.errors import QDebugError, shown
-from qdebug.modelspec import ModelSpec, build, build_meta, is_model_class, remember, spec_of
-from qdebug.torchfile import read_file
+from qdebug.io.modelspec import ModelSpec, build, build_meta, is_model_class, remember, spec_of
+from qdebug.io.torchfile import read_file
 
 FORMAT = "qdebug-checkpoint"
 VERSION = 1
@@ -162,8 +163,6 @@ def save(
         rows = _import_rows(model)
         if rows:
             ckpt["meta"]["import"] = rows
-            from qdebug.interop.build import FLOW_ATTR
-
             flow = getattr(state, FLOW_ATTR, None)
             if isinstance(flow, str):
                 ckpt["meta"]["import_flow"] = flow
@@ -176,8 +175,6 @@ def save(
 
 def _import_rows(model: nn.Module) -> list[dict[str, Any]]:
     """The import report of a model imported from torch.ao (``qdebug.interop``) in JSON types, or []."""
-    from qdebug.interop.build import REPORT_COLUMNS, import_report
-
     return [{col: _json_cell(row.get(col)) for col in REPORT_COLUMNS} for row in import_report(model)]
 
 
@@ -290,7 +287,7 @@ def load(
 def _refuse_data_file(obj: Any, state: dict | None, path: str | Path) -> None:
     """A data file passed as a checkpoint is called a data file (data.py's recognition rule).
     A flat dict of tensors is a state_dict unless it has no dotted (module.param) keys."""
-    from qdebug.data import data_kind
+    from qdebug.data.file import data_kind
 
     kind = data_kind(obj)
     if kind is None or (state is not None and (state is not obj or any("." in k for k in obj))):
@@ -389,8 +386,6 @@ def _load_qdebug(obj: dict, path: str, user_spec: ModelSpec | None, trusted: tup
         _check_quantization(net, path)
         _apply_points(net, points, path)
         if imported:
-            from qdebug.interop.build import FLOW_ATTR, REPORT_ATTR
-
             setattr(engine_state(net), REPORT_ATTR, imported)
             setattr(engine_state(net), FLOW_ATTR, meta.get("import_flow"))
     _refreeze_bn(net, frozen_bn)
@@ -495,8 +490,6 @@ def _checked_import(meta: dict, path: str) -> list[dict[str, Any]]:
     """``meta["import"]``: the import report of a model imported from torch.ao -- a list of rows,
     each a table of ``REPORT_COLUMNS`` (text, or numbers and null for the scales) -- and
     ``meta["import_flow"]``, text; [] when absent.  Columns a later qdebug adds are dropped."""
-    from qdebug.interop.build import REPORT_COLUMNS
-
     rows, flow = meta.get("import"), meta.get("import_flow")
     if rows is None:
         return []

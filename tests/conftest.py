@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import qdebug
 from qdebug.engine import QConfig, calibrate, convert, prepare
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_RESNET as SMALL, randomize_bn
 

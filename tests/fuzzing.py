@@ -357,7 +357,7 @@ def _write_seeds(torch, folder: Path) -> None:
 
     import qdebug
     from qdebug.engine import QConfig, calibrate, convert, prepare
-    from qdebug.modelspec import ModelSpec, build
+    from qdebug.io.modelspec import ModelSpec, build
 
     torch.manual_seed(0)
     net = build(ModelSpec(TINY_MODEL, TINY_KWARGS), from_user=True).eval()
@@ -444,7 +444,7 @@ def _write_torch_ao(torch, folder: Path, x) -> None:
     import torch.ao.quantization as tq
     from torch.ao.quantization.quantize_fx import prepare_qat_fx
 
-    from qdebug.modelspec import ModelSpec, build
+    from qdebug.io.modelspec import ModelSpec, build
 
     fused = [["conv1", "bn1", "relu"], ["layer1.0.conv1", "layer1.0.bn1"], ["layer1.0.conv2", "layer1.0.bn2"],
              ["layer2.0.conv1", "layer2.0.bn1"], ["layer2.0.downsample.0", "layer2.0.downsample.1"]]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.data import load_batches
+from qdebug.data.spec import load_batches
 from tables import body_rows, header_cells
 from qdebug.engine import quant_points
 from qdebug.tools.baseline import TaskRule, bootstrap_interval, gate, mcnemar_exact

@@ -355,7 +355,7 @@ def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_umasks(tmp
     import os
     import stat
 
-    from qdebug.atomic import atomic_open
+    from qdebug.io.atomic import atomic_open
 
     private = tmp_path / "qdebug.toml"
     private.write_text("old\n")

@@ -273,7 +273,7 @@ def test_a_repro_bundle_with_a_plain_optimizer_state_replays(cli, stages, tmp_pa
 def as_ranks(monkeypatch):
     """torchrun's variables set by hand (``set(rank)``); the consoles a rank other than 0
     quiets, and the group, are as they were afterwards."""
-    from qdebug import distributed
+    from qdebug.config import distributed
     from qdebug.cli.common import console, err_console
 
     monkeypatch.setattr(console, "quiet", console.quiet)
@@ -455,7 +455,7 @@ def test_loading_the_demo_checkpoints_does_not_import_dynamo():
 
 def test_the_meta_build_skips_fills_but_keeps_shapes():
     """A guard for the skip: what a meta build measures (shapes, dtypes) is what it was."""
-    from qdebug.modelspec import _on_meta
+    from qdebug.io.modelspec import _on_meta
 
     with _on_meta(1000):
         embedding, linear = torch.nn.Embedding(7, 5), torch.nn.Linear(3, 4)

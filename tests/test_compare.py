@@ -23,13 +23,13 @@ import qdebug
 import qdebug.tools.compare as compare_module
 from qdebug.engine import QConfig, calibrate, prepare, quant_points, set_mode
 from qdebug.errors import QDebugError
-from qdebug.modelspec import ModelSpec, build
-from qdebug.stats import ErrorStats
+from qdebug.io.modelspec import ModelSpec, build
+from qdebug.measure.stats import ErrorStats
 from qdebug.tools.compare import METRICS, compare
 from tables import body_rows, header_cells
 
 from small_models import RESNET, SMALL_RESNET as SMALL
-# float32 feature maps are reduced in float32 blocks (qdebug.stats: relative error ~1e-7).
+# float32 feature maps are reduced in float32 blocks (qdebug.measure.stats: relative error ~1e-7).
 STATS_REL = 1e-6
 # Every value call of the small ResNet's forward, in execution order, written out from its code:
 # a BasicBlock calls its one ReLU twice and adds inline; flatten is a reshape, not a value call.

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import qdebug
-from qdebug.config import VALID_KEYS, find_config, load_config
+from qdebug.config.project import VALID_KEYS, find_config, load_config
 from qdebug.errors import QDebugError
 
 

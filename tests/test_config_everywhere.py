@@ -154,7 +154,7 @@ def test_load_skips_a_config_others_may_write(user_checkpoint, monkeypatch, caps
 
 def test_cli_hints_become_python_arguments():
     from qdebug.api import in_python_terms
-    from qdebug.modelspec import FACTORY_HINT
+    from qdebug.io.modelspec import FACTORY_HINT
 
     assert in_python_terms(FACTORY_HINT).startswith(
         'if it is your factory, pass model="package.module:function" with its model_kwargs=')

@@ -1,4 +1,4 @@
-"""``--data`` specs (qdebug.data) and metrics (qdebug.metrics)."""
+"""``--data`` specs (qdebug.data) and metrics (qdebug.data.metrics)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qdebug.data import Batch, load_batches
+from qdebug.data.batch import Batch
+from qdebug.data.spec import load_batches
 from qdebug.errors import QDebugError
-from qdebug.metrics import agreement, metric_direction, mse, resolve_metric, run_metric, top1, top5
+from qdebug.data.metrics import agreement, metric_direction, mse, resolve_metric, run_metric, top1, top5
 
 
 def _ramp(n, c=1, hw=2):
@@ -243,7 +244,7 @@ def test_run_metric_turns_exceptions_into_qdebug_errors():
 
 def test_resolve_metric_by_name_and_spec(tmp_path, monkeypatch):
     assert resolve_metric("top1") is top1
-    assert resolve_metric("qdebug.metrics:mse") is mse
+    assert resolve_metric("qdebug.data.metrics:mse") is mse
     name = f"qdebug_test_metric_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text("def score(model, batches):\n    return {'x': 0.5}\nvalue = 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))

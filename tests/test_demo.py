@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.data import load_batches
+from qdebug.data.spec import load_batches
 from qdebug.engine import engine_state
-from qdebug.metrics import top1
+from qdebug.data.metrics import top1
 
 DEMO = Path(__file__).resolve().parent.parent / "fixtures" / "demo"
 STAGES = ("float", "calibrated", "qat", "quantized")

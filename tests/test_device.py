@@ -21,7 +21,7 @@ Tolerances of the CUDA-vs-CPU tests, from the arithmetic:
 - **float outputs: 1e-4 of the output's largest magnitude.**  A float32 convolution of K terms
   summed in another order differs by about sqrt(K) eps32 (~2e-6 for K = 1000) of its inputs'
   magnitude per layer; over a ~20-layer model that stays below 1e-4 (both devices in IEEE
-  float32: ``qdebug.device.ieee_float32`` turns cuDNN's TF32 off).
+  float32: ``qdebug.config.device.ieee_float32`` turns cuDNN's TF32 off).
 - **SQNR: 0.25 dB, both values capped at 60 dB.**  The device difference d of a feature map is
   ~1e-5 of the signal (-100 dB); against quantization noise e at <= -60 dB it moves sum(e^2)
   by at most 2|d|/|e| = 2% (0.09 dB).  A fake-quant code flips where a value lies within ~1e-6
@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.device import (
+from qdebug.config.device import (
     check_device_name, hold, ieee_float32, model_device, release_held, resolve_device, to_device,
 )
 from qdebug.engine import QConfig, QuantSpec, calibrate, convert, prepare
@@ -52,7 +52,7 @@ from qdebug.engine.functional import _rescale_average
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_MOBILENETV2, SMALL_RESNET
 from user_project import exit_before_torch
@@ -377,7 +377,7 @@ def test_a_moved_weight_is_quantized_again(stages):
 
 
 def test_stats_scratch_is_kept_per_device():
-    from qdebug.stats import _scratch
+    from qdebug.measure.stats import _scratch
 
     on_cpu = _scratch(0, torch.empty(3))
     on_meta = _scratch(0, torch.empty(3, device="meta"))
@@ -386,7 +386,7 @@ def test_stats_scratch_is_kept_per_device():
 
 
 def test_ieee_float32_turns_tf32_off_and_restores_torch_settings():
-    from qdebug.device import _precision_knobs
+    from qdebug.config.device import _precision_knobs
 
     knobs = _precision_knobs(torch)
     before = [getattr(owner, attr) for owner, attr, _ in knobs]
@@ -400,7 +400,7 @@ def test_ieee_float32_turns_tf32_off_and_restores_torch_settings():
 
 
 def test_to_device_and_model_device():
-    from qdebug.data import Batch
+    from qdebug.data.batch import Batch
 
     batch = Batch((torch.ones(2), {"mask": torch.zeros(2)}), torch.tensor([1, 0]))
     moved = to_device(batch, "cpu")

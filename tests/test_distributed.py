@@ -1,4 +1,4 @@
-"""Data-parallel runs (qdebug.distributed): the split, the exact combination, the failures.
+"""Data-parallel runs (qdebug.config.distributed): the split, the exact combination, the failures.
 
 The multi-process tests spawn two ranks over gloo (``tests/ranks.py``, torchrun's
 environment without torchrun) and hold their results to the single-process run over
@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from qdebug.distributed import Group, environment, pack, timeout_seconds, unpack
+from qdebug.config.distributed import Group, environment, pack, timeout_seconds, unpack
 from qdebug.errors import QDebugError
-from qdebug.stats import ErrorStats
+from qdebug.measure.stats import ErrorStats
 from qdebug.tools.metric_replay import MetricRun
 from ranks import cli_ranks
 
@@ -248,7 +248,7 @@ def test_a_rank_that_hangs_ends_in_a_timeout_not_a_hang(stages, tmp_path):
 
 
 def test_cuda_under_torchrun_is_each_ranks_own_gpu(monkeypatch):
-    from qdebug.device import _rank_gpu
+    from qdebug.config.device import _rank_gpu
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -259,7 +259,7 @@ def test_cuda_under_torchrun_is_each_ranks_own_gpu(monkeypatch):
 
 # -- python -m qdebug.launch: torchrun with qdebug's exit codes ------------------------------
 def test_the_launcher_gives_one_process_exit_codes():
-    from qdebug.launch import exit_code
+    from qdebug.cli.launch import exit_code
 
     assert exit_code([0, 0]) == 0
     assert exit_code([1, 1]) == 1 and exit_code([0, 1]) == 1  # a failed check

@@ -216,7 +216,7 @@ def test_suggest_writes_a_plan_toml_that_reads_back_the_exact_name(cli, evil, tm
 
 
 def test_toml_keys_and_strings_round_trip():
-    from qdebug.config import toml_key, toml_value
+    from qdebug.config.project import toml_key, toml_value
 
     for text in (PAYLOAD, 'a "quoted" \\ name', "bare_key-1", "a.b", "", "\U000e0001tag"):
         document = f"{toml_key(text)} = {toml_value(text)}\n[t.{toml_key(text)}]\nk = 1\n"

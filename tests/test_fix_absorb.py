@@ -15,7 +15,7 @@ from qdebug.engine import QConfig, QuantSpec, calibrate, prepare
 from qdebug.errors import QDebugError
 from qdebug.fix.absorb import MARGIN, absorb_high_bias
 from qdebug.fix.equalize import equalize
-from qdebug.stats import sqnr_db as power_sqnr_db
+from qdebug.measure.stats import sqnr_db as power_sqnr_db
 from small_models import randomize_bn
 
 

@@ -27,7 +27,7 @@ import torch
 import qdebug
 from qdebug.checkpoint import SAMPLE_LIMIT
 from qdebug.engine import QConfig, calibrate, prepare
-from qdebug.modelspec import ModelSpec, build_meta
+from qdebug.io.modelspec import ModelSpec, build_meta
 
 ADDRESS_SPACE = 3 << 30  # bytes: the allocation cases must fail cleanly inside it
 SECONDS = 60

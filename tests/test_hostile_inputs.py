@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug import data as qdata
+from qdebug.data import limits
 from user_project import exit_before_torch
 
 ADDRESS_SPACE = 8 << 30  # bytes: the endless generator's run must fit in it (as tests/fuzzing.py's worker)
@@ -75,7 +75,7 @@ def test_endless_generator_is_consumed_only_up_to_batches(tmp_path, stages):
 def test_endless_generator_without_batches_is_refused(cli, tmp_path, stages, monkeypatch):
     # The data is read as the model runs (issue 18): the bound is met mid-pass, so it is lowered
     # here from 100000 batches of compare to 40.
-    monkeypatch.setattr(qdata, "MAX_BATCHES", 40)
+    monkeypatch.setattr(limits, "MAX_BATCHES", 40)
     name = _module(tmp_path, "def endless():\n    while True:\n        yield torch.zeros(1, 1, 16, 16)\n")
     cli("compare", stages.float, stages.quantized, "--data", f"{name}:endless").assert_error(
         "yields more than 40 batches", "--batches")
@@ -83,7 +83,7 @@ def test_endless_generator_without_batches_is_refused(cli, tmp_path, stages, mon
 
 def test_function_data_past_the_memory_limit_is_streamed(cli, tmp_path, stages, monkeypatch):
     # Batches are read one at a time and dropped (issue 18): data past what qdebug may hold is fine.
-    monkeypatch.setattr(qdata, "memory_limit", lambda: 256 << 10)
+    monkeypatch.setattr(limits, "memory_limit", lambda: 256 << 10)
     name = _module(tmp_path, "def big():\n    for _ in range(6):\n        yield torch.zeros(64, 1, 16, 16)\n")
     result = cli("compare", stages.float, stages.quantized, "--data", f"{name}:big", "--json")
     assert result.code == 0, result.err
@@ -98,7 +98,7 @@ def test_random_spec_with_an_absurd_shape_names_the_limit(cli, stages):
 def test_random_spec_with_a_billion_batches_is_refused_at_once(cli, stages):
     start = time.monotonic()
     cli("compare", stages.float, stages.quantized, "--data", "random:2x1x16x16", "--batches", "1000000000") \
-        .assert_error(f"at most {qdata.MAX_BATCHES} batches")
+        .assert_error(f"at most {limits.MAX_BATCHES} batches")
     assert time.monotonic() - start < 10
 
 
@@ -226,9 +226,9 @@ def test_deeply_nested_qdebug_toml(cli, tmp_path, stages):
 
 
 def test_oversized_config_is_not_read_whole(cli, tmp_path, stages, monkeypatch):
-    import qdebug.config
+    import qdebug.config.project
 
-    monkeypatch.setattr(qdebug.config, "MAX_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr(qdebug.config.project, "MAX_FILE_BYTES", 1 << 20)
     (tmp_path / "qdebug.toml").write_text("# padding\n" * 200_000)
     cli("inspect", stages.float).assert_error("qdebug.toml is larger than 1 MiB: not a config file")
 

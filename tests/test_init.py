@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import qdebug
-from qdebug.config import load_config
+from qdebug.config.project import load_config
 
 from user_project import clean_imports, forget, write_package
 

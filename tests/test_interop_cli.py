@@ -26,7 +26,7 @@ from qdebug.errors import QDebugError
 from qdebug.interop import from_torch_ao
 from qdebug.interop.build import import_report
 from qdebug.interop.torch_stage import PROPAGATED_ONLY
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 
 from small_models import RESNET, SMALL_RESNET
 from user_project import clean_imports, exit_before_torch, forget

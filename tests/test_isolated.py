@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from qdebug.engine import QConfig, calibrate, convert, prepare, quant_points
 from qdebug.engine.modules import _QWeighted
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 from qdebug.tools.compare import compare
 from qdebug.tools.isolated import IsolatedReplay, same_module_function
 

@@ -25,7 +25,7 @@ from qdebug.engine.members import member_paths, named_members, split_name
 from qdebug.engine.plan import Plan
 from qdebug.engine.point import grid_of
 from qdebug.errors import QDebugError
-from qdebug.tap import tap
+from qdebug.measure.tap import tap
 
 # A leaf module (the engine sees one call) with outputs of very different ranges, as an
 # LSTM's hidden state (±1) and cell state (±160); a module file so checkpoints can name it.
@@ -445,7 +445,7 @@ def test_calibration_check_counts_clipping_per_member(net_module):
 
 
 def test_nan_watch_measures_saturation_per_member(net_module):
-    from qdebug.tools.nan_watch import Watch
+    from qdebug.tools.nan.detect import Watch
 
     qm = _calibrated(_net(net_module))
     set_mode(qm, "float", "input")

@@ -25,12 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qdebug
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, absorb_bn, calibrate, prepare, quant_points, set_mode
-from qdebug.modelspec import build_zoo
-from qdebug.tools.nan_causes import HUGE_WEIGHT
-from qdebug.tools.nan_trace import trace_steps
-from qdebug.tools.nan_watch import NonFiniteError
+from qdebug.io.modelspec import build_zoo
+from qdebug.tools.nan.causes import HUGE_WEIGHT
+from qdebug.tools.nan.trace import trace_steps
+from qdebug.tools.nan.detect import NonFiniteError
 
 from small_models import SMALL_RESNET
 from test_nan_trace import MaskedSqrt

@@ -18,11 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qdebug
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, QuantSpec, calibrate, freeze_bn_stats, prepare, quant_points, set_mode
-from qdebug.modelspec import build_zoo
-from qdebug.tools.nan_trace import plain_float_model, trace_steps
-from qdebug.tools.nan_watch import NonFiniteError, Watch
+from qdebug.io.modelspec import build_zoo
+from qdebug.tools.nan.trace import plain_float_model, trace_steps
+from qdebug.tools.nan.detect import NonFiniteError, Watch
 
 from small_models import SMALL_MOBILENETV2, SMALL_RESNET
 from user_project import clean_imports, user_module
@@ -500,7 +500,7 @@ def test_plain_float_model_holds_the_checkpoints_weights(stages):
     plain, how = plain_float_model(net, info.model)
     assert how == "quantization off"  # fuse_bn folded the BNs away: the engine's float mode stands in
     qm = _qat_resnet("with_bn")
-    plain, how = plain_float_model(qm, qm_spec := qdebug.modelspec.spec_of(qm))
+    plain, how = plain_float_model(qm, qm_spec := qdebug.io.modelspec.spec_of(qm))
     assert how == "plain" and not qdebug.engine.is_prepared(plain) and qm_spec.target.endswith(":ResNet")
     with torch.no_grad():
         x = _data()[0].inputs

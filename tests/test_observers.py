@@ -663,7 +663,7 @@ def test_state_dict_wrong_bins_rejected():
         other.load_state_dict(obs.state_dict())
 
 
-# -- merging observers of several processes (qdebug.distributed) --------------------------
+# -- merging observers of several processes (qdebug.config.distributed) --------------------------
 def _shards(per_channel: bool) -> list[torch.Tensor]:
     """Batches of growing and shifting ranges, a NaN, an all-zero batch, and (per channel)
     a channel that only some batches reach."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from qdebug.engine import calibrate, convert, prepare, quant_points
 from qdebug.engine.point import grid_of
-from qdebug.tap import tap
+from qdebug.measure.tap import tap
 
 
 class _Pair(nn.Module):

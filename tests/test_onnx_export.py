@@ -319,7 +319,7 @@ def test_onnx_runtime_runs_every_layer_as_an_int8_kernel(name, tmp_path):
         torch.manual_seed(5)
         cal, batches = _calibrated(ResNet(**SMALL_RESNET), (4, 1, 16, 16), seed=5)
     else:
-        from qdebug.data import load_batches
+        from qdebug.data.spec import load_batches
 
         cal, _ = qdebug.load(DEMO / "calibrated.pt")
         batches = [next(iter(load_batches(str(DEMO / "eval.pt"), batches=1))).inputs[:16]]

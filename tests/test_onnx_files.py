@@ -234,7 +234,7 @@ def _real_network(name: str):
 @pytest.mark.parametrize("name", ["timm tf_mobilenetv3_small_minimal_100 (SAME padding)", "timm mobilenetv3_small_050",
                                   "torchvision mobilenet_v2", "torchvision resnet18", "qdebug shufflenetv2"])
 def test_every_point_of_a_real_network_gets_the_tensor_holding_its_value(tmp_path, name):
-    from qdebug.tap import Capture, tap
+    from qdebug.measure.tap import Capture, tap
 
     net, channels, size = _real_network(name)
     net.eval()

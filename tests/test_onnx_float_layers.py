@@ -20,7 +20,7 @@ from qdebug.engine import engine_state
 from qdebug.engine.arithmetic import run_in_float
 from qdebug.errors import QDebugError
 from qdebug.interop import import_check, import_report
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 from qdebug.onnx.model_file import read_onnx
 from qdebug.onnx.parity import session_and_kernels
 from qdebug.onnx.qdq_import import import_qdq

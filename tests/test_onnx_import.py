@@ -20,7 +20,7 @@ from small_models import RESNET, SMALL_MOBILENETV2, SMALL_RESNET, randomize_bn
 
 import qdebug
 from qdebug.interop import import_check, import_report
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 from qdebug.onnx.model_file import read_onnx
 from qdebug.onnx.qdq_import import import_qdq
 

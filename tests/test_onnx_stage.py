@@ -19,8 +19,8 @@ import torch
 
 from onnx_helpers import onnx, ort, ort_quantize, run_ort, torch_export
 import qdebug
-from qdebug.data import load_batches
-from qdebug.modelspec import ModelSpec, build
+from qdebug.data.spec import load_batches
+from qdebug.io.modelspec import ModelSpec, build
 from qdebug.onnx.model_file import read_onnx
 from qdebug.onnx.stage import OnnxStage
 from small_models import RESNET, SMALL_RESNET

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import qdebug
-from qdebug.atomic import atomic_path
-from qdebug.filesystem import WriteError
-from qdebug.staged import StagedDir
+from qdebug.io.atomic import atomic_path
+from qdebug.io.filesystem import WriteError
+from qdebug.io.staged import StagedDir
 from qdebug.errors import QDebugError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -362,7 +362,7 @@ def test_a_forward_aborted_by_sys_exit_or_ctrl_c_leaves_no_naming_mode_behind(st
 
     import qdebug
     from qdebug.engine.context import open_contexts, run_model
-    from qdebug.tap import tap
+    from qdebug.measure.tap import tap
 
     prepared, _ = qdebug.load(stages.qat)
     plain, _ = qdebug.load(stages.float)

@@ -1,5 +1,5 @@
 """``qdebug.watch``: the QAT timeline against values computed by hand, each rule of
-``qdebug.tools.qat_rules`` on a planted case, and a healthy run that reports nothing."""
+``qdebug.tools.watch.rules`` on a planted case, and a healthy run that reports nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import qdebug
 from qdebug.engine import QConfig, QuantSpec, calibrate, freeze_bn_stats, prepare, quant_points, set_mode
-from qdebug.tools.qat_rules import findings
+from qdebug.tools.watch.rules import findings
 
 pytestmark = pytest.mark.usefixtures("x86_engine_one_thread")  # small models: one thread is faster on shared cores
 EMA = QuantSpec(symmetric=False, observer="ema")  # running ranges in QAT, started from the first batch

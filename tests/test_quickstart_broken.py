@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.data import load_batches
+from qdebug.data.spec import load_batches
 
 DEMO = Path(__file__).resolve().parent.parent / "fixtures" / "demo"
 BROKEN = DEMO / "broken"

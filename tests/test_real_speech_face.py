@@ -20,7 +20,7 @@ import qdebug
 from each_point_alone import sqnr_of_each_point_alone
 from qdebug.engine import QConfig, calibrate, prepare, quant_points, set_mode
 from qdebug.engine.ops import FLOAT_REASONS
-from qdebug.modelspec import ModelSpec, build
+from qdebug.io.modelspec import ModelSpec, build
 from qdebug.zoo import PUBLISHED_ARCHITECTURES
 from qdebug.zoo.face import ONet
 from qdebug.zoo.speech import KeywordGRU, SpeakerEncoder, mel_filterbank, speech_mels

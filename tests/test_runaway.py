@@ -182,16 +182,16 @@ def test_a_data_file_describing_huge_data_is_refused_at_once(stages, tmp_path, m
 
 
 def test_a_file_of_many_batches_is_read_with_batches(tmp_path):
-    from qdebug.data import load_batches
+    from qdebug.data.spec import load_batches
 
     data = _data(tmp_path, torch.zeros(100_001, 1, 16, 16, dtype=torch.uint8))
     assert load_batches(str(data), batch_size=1, batches=3).count == 3
 
 
 def test_one_batch_past_the_byte_cap_is_refused_before_it_is_made(stages, cli, tmp_path, monkeypatch):
-    import qdebug.data
+    import qdebug.data.limits
 
-    monkeypatch.setattr(qdebug.data, "MAX_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(qdebug.data.limits, "MAX_BATCH_BYTES", 1 << 20)
     data = _data(tmp_path, {"inputs": torch.zeros(64, 1, 64, 65, dtype=torch.uint8), "input_scale": 0.5})
     cli("compare", stages.float, stages.qat, "--data", data).assert_error(  # 64 x 4160 x 4 bytes decoded
         "data.pt: batch 0 is", "over the 0.000977 GiB one batch may hold", "smaller --batch-size")

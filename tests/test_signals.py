@@ -3,9 +3,9 @@
 - SIGTERM ends a run as Ctrl-C does: its staging folder and temp files removed, exit 143 and
   ``error: terminated`` (``qdebug.cli.interrupts``);
 - a command with two outputs (``-o`` or ``--junit``, and ``--out``) writes both or neither
-  (``qdebug.together``);
+  (``qdebug.io.together``);
 - what a SIGKILL left (``.DIR.qdebug-*.partial``, ``.x.pt.*.tmp``) is removed by the next run
-  into the same place, and only that: a live run's are locked (``qdebug.leftovers``).
+  into the same place, and only that: a live run's are locked (``qdebug.io.leftovers``).
 
 The signal tests run the real command line in a subprocess, paused at a chosen point by a seam
 (a function of qdebug replaced by one that marks a file and sleeps), so the signal lands where
@@ -76,7 +76,7 @@ def _assert_terminated(proc: subprocess.Popen) -> None:
 def test_sigterm_while_the_out_folder_is_staged_ends_143_and_changes_nothing(stages, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "inspect.json").write_text("old\n")
-    proc, _ = _start_paused(tmp_path, "qdebug.staged:StagedDir.commit", "inspect", stages.qat, "--out", "out")
+    proc, _ = _start_paused(tmp_path, "qdebug.io.staged:StagedDir.commit", "inspect", stages.qat, "--out", "out")
     assert len(_hidden(tmp_path / "out")) == 1  # the staging folder, full, waiting for its commit
     proc.send_signal(signal.SIGTERM)
     _assert_terminated(proc)
@@ -85,7 +85,7 @@ def test_sigterm_while_the_out_folder_is_staged_ends_143_and_changes_nothing(sta
 
 
 def test_sigterm_while_a_checkpoint_is_written_leaves_no_temp_file(stages, tmp_path):
-    proc, _ = _start_paused(tmp_path, "qdebug.atomic:mode_for", "convert", stages.qat, "-o", "q.pt")
+    proc, _ = _start_paused(tmp_path, "qdebug.io.atomic:mode_for", "convert", stages.qat, "-o", "q.pt")
     assert [n for n in _hidden(tmp_path) if n.startswith(".q.pt.")]  # the temp file, written
     proc.send_signal(signal.SIGTERM)
     _assert_terminated(proc)
@@ -117,7 +117,7 @@ def test_sigterm_inside_torch_import_waits_for_the_import_to_end():
 
 
 def test_what_a_sigkill_left_is_removed_by_the_next_run_into_the_same_place(cli, stages, tmp_path):
-    proc, _ = _start_paused(tmp_path, "qdebug.staged:StagedDir.commit", "inspect", stages.qat, "--out", "out")
+    proc, _ = _start_paused(tmp_path, "qdebug.io.staged:StagedDir.commit", "inspect", stages.qat, "--out", "out")
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     (left,) = [n for n in _hidden(tmp_path) if n.startswith(".out.qdebug-")]  # no cleanup can run on SIGKILL
@@ -227,7 +227,7 @@ def test_os_exit_0_in_a_metric_fails_the_gate_with_one_error(stages, tmp_path):
 
 
 def test_os_exit_in_a_forked_child_of_a_command_still_exits_the_child():
-    import qdebug.early_exit as early
+    import qdebug.cli.early_exit as early
 
     with early.os_exit_raises():
         pid = os.fork()

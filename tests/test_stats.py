@@ -1,4 +1,4 @@
-"""Streaming error statistics (qdebug.stats.ErrorStats) against values computed by hand.
+"""Streaming error statistics (qdebug.measure.stats.ErrorStats) against values computed by hand.
 
 Every expected value is computed directly from the whole (concatenated) tensors in
 float64 with plain torch, never with qdebug.  float32 inputs are reduced block-wise
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from qdebug.stats import ErrorStats
+from qdebug.measure.stats import ErrorStats
 
 REL = 1e-6
 REL64 = 1e-12

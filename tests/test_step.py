@@ -13,13 +13,13 @@ import torch.nn as nn
 
 import qdebug
 from each_point_alone import sqnr_of_each_point_alone
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, calibrate, convert, prepare, quant_points, refresh_weight_qparams
 from qdebug.engine.context import run_model
 from qdebug.engine.observers import make_observer
 from qdebug.engine.point import grid_of
 from qdebug.errors import QDebugError
-from qdebug.tap import Capture, tap
+from qdebug.measure.tap import Capture, tap
 from qdebug.tools.experiment import Experiment, Trial
 from qdebug.tools.step import Units, step
 
@@ -82,7 +82,7 @@ def _full_run(model, quantized, x):
 
 
 def _shufflenet(images):
-    from qdebug.modelspec import ModelSpec, build
+    from qdebug.io.modelspec import ModelSpec, build
 
     from small_models import SMALL_SHUFFLENETV2
 
@@ -165,7 +165,7 @@ def test_costs_are_counted_by_hand(make_resnet, images):
 # -- planted defects ----------------------------------------------------------------------------
 def test_drill_ends_at_the_planted_activation_scale(defect):
     float_model, model, batches = defect
-    result = step(model, batches, reference=float_model, mode="drill", metric=qdebug.metrics.top1, metric_name="top1")
+    result = step(model, batches, reference=float_model, mode="drill", metric=qdebug.data.metrics.top1, metric_name="top1")
     path = [entry["selection"] for entry in result.meta["drill_path"]]
     assert path == ["layer2", DEFECT], path
     assert result.meta["culprit"]["selection"] == DEFECT
@@ -185,7 +185,7 @@ def test_cumulative_curve_drops_where_the_defect_is_added(defect):
 def test_except_the_defect_recovers_the_float_metric(defect):
     float_model, model, batches = defect
     frame = step(model, batches, reference=float_model, mode="except", modules=[DEFECT],
-                 metric=qdebug.metrics.top1, metric_name="top1").frame
+                 metric=qdebug.data.metrics.top1, metric_name="top1").frame
     whole, rest = frame.iloc[0], frame.iloc[1]
     assert whole["verdict"] == "fail" and whole["top1_ratio"] < 0.9
     assert rest["verdict"] == "pass" and rest["top1_ratio"] >= 0.99
@@ -222,7 +222,7 @@ def test_a_metric_without_per_sample_scores_runs_on_stored_outputs(defect):
 
     def agreement_count(m, data, reference=None):
         calls.append(len(data))
-        return qdebug.metrics.agreement(m, data, reference=reference)
+        return qdebug.data.metrics.agreement(m, data, reference=reference)
 
     frame = step(model, batches, reference=float_model, mode="only", modules=["layer1"], metric=agreement_count,
                  metric_name="agree").frame
@@ -354,7 +354,7 @@ def test_bad_data_and_metrics_are_errors_not_numbers(defect, tmp_path):
         step(model, nan, reference=float_model, mode="auto")
     wrong = [Batch(b.inputs, torch.full_like(b.target, 99)) for b in batches]  # no class 99: float top1 = 0
     with pytest.raises(QDebugError, match="the float model scores 0 on top1"):
-        step(model, wrong, reference=float_model, mode="auto", metric=qdebug.metrics.top1, metric_name="top1")
+        step(model, wrong, reference=float_model, mode="auto", metric=qdebug.data.metrics.top1, metric_name="top1")
     for value in (float("nan"), float("inf")):
         with pytest.raises(QDebugError, match="float metric for task 'odd' is"):
             step(model, batches, mode="auto", metric=lambda m, data, v=value: [m(x) for x, _ in data] and v,
@@ -378,7 +378,7 @@ def test_next_command_quotes_what_the_shell_would_expand(cli, defect_files):
 
 
 def _multitask(images, aux_defect: bool):
-    from qdebug.modelspec import ModelSpec, build
+    from qdebug.io.modelspec import ModelSpec, build
 
     torch.manual_seed(0)
     float_model = build(ModelSpec("qdebug.zoo.multitask:MultiTaskNet", {"width": 8, "num_aux_classes": 10}),
@@ -400,7 +400,7 @@ def test_multitask_outputs_and_tasks_each_get_columns_and_rules(images):
     from qdebug.tools.baseline import TaskRule
 
     float_model, model, batches = _multitask(images, aux_defect=True)
-    result = step(model, batches, reference=float_model, mode="drill", metric=qdebug.metrics.top1, metric_name="top1")
+    result = step(model, batches, reference=float_model, mode="drill", metric=qdebug.data.metrics.top1, metric_name="top1")
     frame = result.frame
     for column in ("cls", "cls_ratio", "aux", "aux_ratio", "cls_sqnr_db", "aux_sqnr_db", "cls_cosine", "verdict"):
         assert column in frame, column
@@ -414,7 +414,7 @@ def test_multitask_outputs_and_tasks_each_get_columns_and_rules(images):
                                                           ("head_aux.2", "activation")]
     assert "drill: head_aux (-100.0 pts) > head_aux.2 (-100.0 pts) > head_aux.2 activation" in result.summary
     # Each task is judged by its own rule.
-    only_cls = dict(reference=float_model, mode="only", modules=["head_cls"], metric=qdebug.metrics.top1,
+    only_cls = dict(reference=float_model, mode="only", modules=["head_cls"], metric=qdebug.data.metrics.top1,
                     metric_name="top1")
     row = step(model, batches, **only_cls, rules={"metric": TaskRule(ratio=0.99)}).frame.iloc[1]
     assert 0.9 < row["cls_ratio"] < 0.99 and row["aux_ratio"] == 1.0 and row["verdict"] == "fail"

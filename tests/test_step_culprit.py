@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import qdebug
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, calibrate, prepare, quant_points
 from qdebug.tools.step import RECOVERS_DB, _above_noise, step
 
@@ -120,7 +120,7 @@ def test_spread_loss_has_no_single_culprit():
 
 def test_one_layer_to_blame_is_a_single_culprit_and_recovers_the_loss():
     model, qm, batches = _chain(bad=3)
-    result = _drill(model, qm, batches, metric=qdebug.metrics.top1, metric_name="top1")
+    result = _drill(model, qm, batches, metric=qdebug.data.metrics.top1, metric_name="top1")
     frame, meta = result.frame, result.meta
     _check_against_brute_force(model, qm, batches, frame)
     assert meta["culprit"]["selection"] == "blocks.3.weight"

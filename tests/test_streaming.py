@@ -22,10 +22,12 @@ import pytest
 import torch
 
 import qdebug
-import qdebug.torchfile as torchfile
-from qdebug import data_file
-from qdebug.batch_source import BatchSource, fingerprint
-from qdebug.data import Batch, batches_from_iterable, load_batches
+import qdebug.io.torchfile as torchfile
+from qdebug.data import file as data_file
+from qdebug.data.batch import fingerprint
+from qdebug.data.source import BatchSource
+from qdebug.data.batch import Batch
+from qdebug.data.spec import batches_from_iterable, load_batches
 from qdebug.errors import QDebugError
 from qdebug.tools.metric_replay import ReplayModel, input_fingerprint
 
@@ -309,7 +311,8 @@ def _stored_forms() -> dict[str, object]:
 
 def _eager(obj, batch_size: int) -> list[Batch]:
     """The batches of a whole loaded object, decoded whole and then sliced (qdebug before issue 18)."""
-    from qdebug.data import INPUT_KEYS, TARGET_KEYS, _decode, _first, to_batch
+    from qdebug.data.batch import to_batch
+    from qdebug.data.file import INPUT_KEYS, TARGET_KEYS, _decode, _first
 
     if isinstance(obj, list):
         return [to_batch(b) for b in obj]
@@ -341,7 +344,7 @@ def test_a_file_is_sliced_lazily_into_the_eager_batches_bit_for_bit(tmp_path, mo
         maps.append(kwargs.get("mmap"))
         return real(p, **kwargs)
 
-    monkeypatch.setattr(torchfile, "read_file", counting)
+    monkeypatch.setattr(data_file, "read_file", counting)  # the data file reads through it
     monkeypatch.setattr(data_file, "REMAP_BYTES", 1)  # map again for every batch
     source = load_batches(str(path), batch_size=4)
     lazy = list(source)

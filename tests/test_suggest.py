@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, calibrate, prepare, quant_points
 from qdebug.errors import QDebugError
 from qdebug.tools.suggest import candidates, diagnoses_of, suggest, summarize
@@ -140,7 +140,7 @@ def test_metric_target_uses_baseline_rule(outlier, images):
             batches.append(Batch(x, float_model(x).argmax(-1)))
     from qdebug.tools.baseline import TaskRule
 
-    result = suggest(model, batches, reference=float_model, metric=qdebug.metrics.top1, metric_name="top1",
+    result = suggest(model, batches, reference=float_model, metric=qdebug.data.metrics.top1, metric_name="top1",
                      rules={"metric": TaskRule(ratio=0.99)})
     plan = result.meta["plan"]
     assert result.meta["float_metric"] == {"top1": 1.0}

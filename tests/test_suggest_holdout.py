@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, calibrate, prepare, quant_points
 from qdebug.engine.respec import raise_bits
 from qdebug.tools.suggest import diagnoses_of, holdout_size, plan_changes, suggest

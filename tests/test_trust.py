@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import qdebug
-from qdebug.config import find_config
+from qdebug.config.project import find_config
 from qdebug.errors import QDebugError
 
 from user_project import clean_imports, forget, write_package
@@ -65,7 +65,7 @@ def test_a_function_the_file_names_never_gets_its_kwargs_even_when_the_user_name
 def test_a_factory_of_the_users_own_gets_the_users_kwargs_not_the_files(cli, stages, tmp_path, monkeypatch):
     marker = tmp_path / "marker"
     (tmp_path / "factories.py").write_text(textwrap.dedent(f"""\
-        from qdebug.modelspec import build_zoo
+        from qdebug.io.modelspec import build_zoo
 
 
         def make(path=None, **kwargs):

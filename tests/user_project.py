@@ -63,7 +63,7 @@ def forget(name: str) -> None:
 
 @contextlib.contextmanager
 def clean_imports(*roots: Path) -> Iterator[None]:
-    import qdebug.config
+    import qdebug.config.project
 
     path = list(sys.path)
     before = set(sys.modules)

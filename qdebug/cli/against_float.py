@@ -22,7 +22,7 @@ class AgainstFloat:
 def checkpoint_paths(given: list[str], command: str) -> list[str]:
     """The paths given, else the config's ``float`` and its checkpoint under test (``DEBUG_ORDER``:
     ``qat``, else ``calibrated``, else ``quantized``)."""
-    from qdebug.config import DEBUG_ORDER
+    from qdebug.config.project import DEBUG_ORDER
 
     paths = list(given)
     if not paths:

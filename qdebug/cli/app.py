@@ -21,7 +21,7 @@ import typer
 
 from qdebug.cli import INTERRUPTED
 from qdebug.cli.interrupts import TERMINATED, Terminated
-from qdebug.early_exit import EarlyExit
+from qdebug.cli.early_exit import EarlyExit
 from qdebug.cli.common import STATE, err_console
 from qdebug.errors import QDebugError, message_of
 
@@ -124,10 +124,10 @@ def _say_error(error: QDebugError) -> None:
 
 
 def _quiet_other_ranks() -> None:
-    """Under torchrun only rank 0 prints and writes (``qdebug.distributed``); the others
+    """Under torchrun only rank 0 prints and writes (``qdebug.config.distributed``); the others
     still say their errors.  Read from the environment: no torch needed."""
     from qdebug.cli.common import console
-    from qdebug.distributed import environment
+    from qdebug.config.distributed import environment
 
     if environment()[0] != 0:
         console.quiet = err_console.quiet = True
@@ -136,14 +136,14 @@ def _quiet_other_ranks() -> None:
 def _across_ranks(error: QDebugError | None) -> QDebugError | None:
     """The command is over on this rank: under torchrun, one last round with the others, so
     every rank ends with the same error (or none).  Outside torchrun: ``error`` as it is."""
-    from qdebug.distributed import finish
+    from qdebug.config.distributed import finish
 
     return finish(error)
 
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line; every outcome ends in ``sys.exit`` with the house's exit codes."""
-    from qdebug.early_exit import os_exit_raises
+    from qdebug.cli.early_exit import os_exit_raises
 
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -191,9 +191,9 @@ def _release_aborted_forwards() -> None:
 
 
 def _release_device_settings() -> None:
-    """A command is over: settings a CUDA run held (IEEE float32 convolutions: ``qdebug.device``)
+    """A command is over: settings a CUDA run held (IEEE float32 convolutions: ``qdebug.config.device``)
     go back to what they were (they would outlive an in-process run)."""
-    device = sys.modules.get("qdebug.device")
+    device = sys.modules.get("qdebug.config.device")
     if device is not None:
         device.release_held()
 
@@ -215,7 +215,7 @@ def _run(args: list[str]) -> None:
             traceback.print_exc()
         _say_error(_across_ranks(exc))
         sys.exit(2)
-    except EarlyExit as exc:  # os._exit outside the user-code guards (qdebug.early_exit)
+    except EarlyExit as exc:  # os._exit outside the user-code guards (qdebug.cli.early_exit)
         if debug:
             traceback.print_exc()
         _say_error(_across_ranks(QDebugError(f"os._exit({exc.code!r}) was called while qdebug ran, before its verdict",

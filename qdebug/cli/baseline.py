@@ -26,8 +26,8 @@ from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format, prepare_out, print_table,
     say, table_width, with_out,
 )
-from qdebug.config import GATE_ORDER
-from qdebug.distributed import is_rank_zero
+from qdebug.config.project import GATE_ORDER
+from qdebug.config.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 
@@ -37,7 +37,7 @@ _STYLE = {"pass": "green", "fail": "bold red", "inconclusive": "yellow"}
 
 
 def _read_json_metrics(path: Path) -> dict[str, float]:
-    from qdebug.config import read_text
+    from qdebug.config.project import read_text
 
     if not path.is_file():
         raise QDebugError(f"no such file: {path}", "check the path")
@@ -231,7 +231,7 @@ def baseline(
     order_warnings: list[str] = []  # what --allow-any-order let through
     metric_fn = None
     if precomputed:
-        from qdebug.metrics import check_nonnegative
+        from qdebug.data.metrics import check_nonnegative
 
         if float_metric is not None:
             float_values, quant_values = {"metric": float_metric}, {"metric": quant_metric}
@@ -258,7 +258,7 @@ def baseline(
         _check_one_file(paths, labels, "a model", by_content=True, allow=allow_any_order, warnings=order_warnings,
                         fix=(f"set float and {quant_key} in {cfg.path} to two checkpoints" if quant_key else
                              "give the float checkpoint, then the quantized one"))
-        from qdebug.metrics import resolve_metric
+        from qdebug.data.metrics import resolve_metric
         from qdebug.tools.evaluate import evaluate
 
         metric_fn = resolve_metric(spec)

@@ -18,7 +18,7 @@ from qdebug.cli.output import (
     CHECKPOINT_OUTPUT_OPTION, FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, note, output_format,
     prepare_out, print_table, say, table_width, with_out,
 )
-from qdebug.distributed import is_rank_zero
+from qdebug.config.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 
 SAMPLE_INPUTS = 8  # samples of the first batch stored in the checkpoint for later tools
@@ -90,7 +90,7 @@ def check_qconfig_options(observer: Optional[str], bits: Optional[int], mode: Op
 def _check_mergeable(qcfg) -> None:
     """Under torchrun every rank observes its own batches and the observers merge: the ema
     observer's range depends on the order of all batches, so it cannot be split."""
-    from qdebug.distributed import environment
+    from qdebug.config.distributed import environment
 
     if environment()[1] == 1:
         return

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 import typer
 from rich.console import Console
 
-from qdebug.config import Config, load_config
+from qdebug.config.project import Config, load_config
 from qdebug.errors import QDebugError, first_line
 from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:  # the heavy modules load inside the commands that need them (a fast --help)
     import torch.nn as nn
 
-    from qdebug.batch_source import BatchSource
+    from qdebug.data.source import BatchSource
     from qdebug.checkpoint import CheckpointInfo
-    from qdebug.data import Batch
+    from qdebug.data.batch import Batch
 
 console = Console()
 err_console = Console(stderr=True)
@@ -43,7 +43,7 @@ def _record_model_kwargs(value: Optional[str]) -> Optional[str]:
     # Parsed and checked at once (a usage error before torch loads), kept in STATE for
     # load_checkpoint, which every command taking --model calls.
     if value is not None:
-        from qdebug.modelspec import parse_model_kwargs
+        from qdebug.io.modelspec import parse_model_kwargs
 
         STATE.model_kwargs_option = parse_model_kwargs(value, "--model-kwargs")
     return value
@@ -61,7 +61,7 @@ def _record_device(value: Optional[str]) -> Optional[str]:
     # A bad name is a usage error at once, before torch imports; the name is kept in STATE, where
     # load_checkpoint and resolve_batches -- which every command running a model calls -- read it.
     if value is not None:
-        from qdebug.device import check_device_name
+        from qdebug.config.device import check_device_name
 
         check_device_name(value)
     STATE.device_option = value
@@ -88,7 +88,7 @@ class _State:
         if self._config is None:
             self._config = load_config(self.config_path)
             if self._config.path is not None:  # once per command: which file's settings apply
-                from qdebug.usercode import shown_path
+                from qdebug.io.usercode import shown_path
 
                 sys.stderr.write(f"config: {escaped(shown_path(str(self._config.path)))}\n")
         return self._config
@@ -105,8 +105,8 @@ def reset_state() -> None:
     STATE._config = None
     STATE.device_option, STATE._device, STATE._device_resolved = None, None, False
     STATE.model_kwargs_option = None
-    if "qdebug.device" in sys.modules:  # settings a CUDA run held (``run_device``)
-        sys.modules["qdebug.device"].release_held()
+    if "qdebug.config.device" in sys.modules:  # settings a CUDA run held (``run_device``)
+        sys.modules["qdebug.config.device"].release_held()
 
 
 def stage_path(given: Optional[str], *keys: str, what: str) -> str:
@@ -139,7 +139,7 @@ def config_checkpoints(command: str, order: tuple[str, ...], needs: str = "a FLO
     if cfg.path is None:
         raise QDebugError(f"{command} needs {needs}: none given, and no qdebug.toml was found",
                           f"e.g. {example}, or name them once: qdebug init --float float.pt --calibrated calibrated.pt")
-    from qdebug.usercode import shown_path
+    from qdebug.io.usercode import shown_path
 
     named = cfg.named_stages()
     has = f"names {' and '.join(named)} only" if named else "names no checkpoint"
@@ -222,7 +222,7 @@ def load_checkpoint(path: str, *, model: Optional[str] = None, unsafe: bool = Fa
             f"pass the {expect[0]} checkpoint",
         )
     if device is not None:
-        from qdebug.device import out_of_memory
+        from qdebug.config.device import out_of_memory
 
         with out_of_memory(f"moving {path} to {device}"):
             net = net.to(device)
@@ -239,7 +239,7 @@ def user_model_kwargs() -> Optional[dict]:
 def unsafe_from_env() -> bool:
     """``QDEBUG_UNSAFE_LOAD=1``: --unsafe-load for every command of a session -- the user's own
     environment, the one place besides the flag that may allow it (never a config file)."""
-    from qdebug.config import UNSAFE_ENV
+    from qdebug.config.project import UNSAFE_ENV
 
     value = os.environ.get(UNSAFE_ENV, "").strip().lower()
     if value in ("", "0", "false", "no"):
@@ -252,14 +252,14 @@ def unsafe_from_env() -> bool:
 def run_device() -> Any:
     """The device this command runs on -- ``--device``, else the config's ``device`` -- as a
     ``torch.device``, or None for the CPU (where checkpoints load: nothing to move).  Checked
-    against this machine once, before any checkpoint loads (``qdebug.device.resolve_device``):
+    against this machine once, before any checkpoint loads (``qdebug.config.device.resolve_device``):
     CUDA asked for where there is none is one error, not torch's words deep in ``.to()``.  On
     CUDA, float32 convolutions and matmuls run in IEEE float32 until the command ends
-    (``qdebug.device.ieee_float32``)."""
+    (``qdebug.config.device.ieee_float32``)."""
     if STATE._device_resolved:
         return STATE._device
-    from qdebug.config import device_hint
-    from qdebug.device import hold, ieee_float32, resolve_device
+    from qdebug.config.project import device_hint
+    from qdebug.config.device import hold, ieee_float32, resolve_device
 
     cfg = STATE.config()
     if STATE.device_option is not None:
@@ -284,7 +284,7 @@ def on_run_device(batches: Any) -> Any:
         return batches
     if hasattr(batches, "to"):
         return batches.to(device)
-    from qdebug.device import out_of_memory, to_device
+    from qdebug.config.device import out_of_memory, to_device
 
     with out_of_memory(f"moving the batches to {device}"):
         return [to_device(batch, device) for batch in batches]
@@ -294,7 +294,7 @@ def check_data(data: Optional[str], batches: Optional[int], batch_size: Optional
     """--data (else the config's), --batches and --batch-size, checked before any checkpoint
     loads and before torch does: a malformed or absurd random: spec, or a function name that
     cannot be imported, answers at once.  Files and functions are read when the batches are."""
-    from qdebug.data import check_spec
+    from qdebug.data.spec import check_spec
 
     limit, _ = check_counts(batches, batch_size)
     spec = data or STATE.config().get("data")
@@ -332,8 +332,8 @@ def resolve_batches(data: Optional[str], batches: Optional[int], info: Checkpoin
                     announce: bool = True) -> BatchSource | None:
     """The batches of --data (or the config's data), else the checkpoint's sample inputs --
     said on stderr when ``announce``: results on a handful of stored samples are no evaluation.
-    A BatchSource: lazy, each pass over it reads the data anew (``qdebug.batch_source``)."""
-    from qdebug.data import batches_from_inputs, load_batches
+    A BatchSource: lazy, each pass over it reads the data anew (``qdebug.data.source``)."""
+    from qdebug.data.spec import batches_from_inputs, load_batches
 
     cfg = STATE.config()
     spec = data or cfg.get("data")
@@ -396,9 +396,10 @@ def model_errors(what: str, batch: Batch | BatchSource | None = None) -> Iterato
     model code raises or calls (an ``assert`` on the input's shape, a KeyError, ``sys.exit``),
     named at their line.  Other exceptions raised inside qdebug stay internal errors.
     ``batch``: the data (its first batch's input shape is named), a BatchSource or one batch."""
-    from qdebug.batch_source import BatchSource, first_input_shape
-    from qdebug.device import out_of_memory
-    from qdebug.usercode import exit_error, raised_by_user_code, where_raised
+    from qdebug.data.batch import first_input_shape
+    from qdebug.data.source import BatchSource
+    from qdebug.config.device import out_of_memory
+    from qdebug.io.usercode import exit_error, raised_by_user_code, where_raised
 
     try:
         with out_of_memory(what):  # the GPU's memory ran out, not the data that is wrong
@@ -426,8 +427,8 @@ def writable_dir(path: Path) -> Path:
     """``path`` checked as a directory output can be written to -- it exists as a writable
     directory, or can be created -- before the work starts, so a bad --out fails at once, not
     after minutes of computing. Nothing is created here: the writer makes the folder with the
-    files (``qdebug.atomic``), so a run that fails leaves no empty folder behind."""
-    from qdebug.atomic import refuse_dangling_link
+    files (``qdebug.io.atomic``), so a run that fails leaves no empty folder behind."""
+    from qdebug.io.atomic import refuse_dangling_link
 
     refuse_dangling_link(path)
     if path.exists() and not path.is_dir():
@@ -446,7 +447,7 @@ OUT_SUFFIXES = (".csv", ".json", ".png", ".toml", ".pt")  # the kinds of file co
 
 def _refuse_pipes_in(folder: Path) -> None:
     """A named pipe in the --out folder where a command may write one of its files is refused now,
-    before the work: writing into it would block until a reader comes (``qdebug.atomic``)."""
+    before the work: writing into it would block until a reader comes (``qdebug.io.atomic``)."""
     if not folder.is_dir():
         return
     with os.scandir(folder) as entries:
@@ -467,7 +468,7 @@ def writable_file(path: Path) -> Path:
     """``path`` checked as an output file (not a folder, not a dangling link; its folder exists
     and is writable, or can be created) before the work starts. Nothing is created here: the
     writer makes the folder with the file, so a run that fails leaves no folder behind."""
-    from qdebug.atomic import output_kind
+    from qdebug.io.atomic import output_kind
 
     if path.is_dir():
         raise QDebugError(f"output {path} is a directory", "give a file name, e.g. -o model.pt")
@@ -493,7 +494,7 @@ def _folder_problem(path: Path) -> Optional[str]:
 def load_qconfig_file(path: Optional[Path]) -> dict[str, Any]:
     """The --qconfig file (TOML by its .toml suffix, else JSON) as a table; what it holds is
     checked by ``QConfig.from_dict``.  Read bounded and as UTF-8, like the config."""
-    from qdebug.config import read_text
+    from qdebug.config.project import read_text
 
     if path is None:
         return {}

@@ -19,14 +19,14 @@ from qdebug.cli.output import (
     FORMAT_OPTION, JSON_OPTION, OUT_OPTION, WIDE_OPTION, Report, emit, output_format, prepare_out, print_table, say,
     table_width,
 )
-from qdebug.config import DEBUG_ORDER
+from qdebug.config.project import DEBUG_ORDER
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from qdebug.staged import StagedDir
+    from qdebug.io.staged import StagedDir
 
 HISTOGRAM_LAYERS = 4
 METRICS = vocab.COMPARE_METRICS

@@ -78,7 +78,7 @@ def export(
     check = check and info.stage != "float"  # a float model has no quantized stage to check against
     example = tuple(x.cpu() for x in input_tuple(_example_inputs(info, data, batches, batch_size)))
 
-    from qdebug.data import Batch
+    from qdebug.data.batch import Batch
 
     with model_errors("exporting the model", Batch(example)):
         proto, exported = export_onnx(net, example, opset=opset, stage=info.stage)
@@ -114,7 +114,7 @@ def export(
 
 def _example_inputs(info, data: Optional[str], batches: Optional[int], batch_size: Optional[int]):
     """What the model is traced with: the checkpoint's sample inputs, else the first batch of --data."""
-    from qdebug.data import batches_from_inputs
+    from qdebug.data.spec import batches_from_inputs
 
     if info.sample_inputs is not None:
         return batches_from_inputs(info.sample_inputs, 1)[0].inputs
@@ -138,7 +138,7 @@ def _check(proto, net, info, data: Optional[str], batches: Optional[int], batch_
 
 
 def _write(proto, output: Path) -> None:
-    from qdebug.atomic import atomic_open
+    from qdebug.io.atomic import atomic_open
 
     with atomic_open(output, "wb") as fh:
         fh.write(proto.SerializeToString())

@@ -113,7 +113,7 @@ def fix(
     qcfg = build_qconfig(qconfig, observer, per_channel, bits, like_qconfig)
     spec = metric or STATE.config().get("metric")
 
-    from qdebug.metrics import resolve_metric
+    from qdebug.data.metrics import resolve_metric
 
     metric_fn = resolve_metric(spec) if spec else None
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("float",), command="fix")

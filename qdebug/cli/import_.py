@@ -201,7 +201,7 @@ def _import(state: dict, src: str, target: str, data: Optional[str], backend: st
     from qdebug.interop import from_torch_ao, import_check
     from qdebug.interop.build import REPORT_COLUMNS, import_report
     from qdebug.interop.state_dict import is_converted_state, rebuild, rebuild_converted
-    from qdebug.modelspec import ModelSpec, build, is_model_class
+    from qdebug.io.modelspec import ModelSpec, build, is_model_class
 
     spec = ModelSpec(target, dict(user_model_kwargs() or {}))
     float_model = build(spec, from_user=True)
@@ -242,7 +242,7 @@ def _import_onnx(proto, src: str, target: str, data: Optional[str], output: Path
     from qdebug.engine import engine_state
     from qdebug.interop import import_check
     from qdebug.interop.build import REPORT_COLUMNS, import_report
-    from qdebug.modelspec import ModelSpec, build, is_model_class
+    from qdebug.io.modelspec import ModelSpec, build, is_model_class
     from qdebug.onnx.qdq_import import import_qdq
     from qdebug.onnx.qdq_source import FLOW, NODES_ATTR
 

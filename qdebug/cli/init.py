@@ -5,7 +5,7 @@ It writes ``qdebug.toml`` in the current directory, or adds to the config alread
 effect there (a ``qdebug.toml`` or ``pyproject.toml`` ``[tool.qdebug]`` found upward, or
 ``--config FILE``), since a new file beside it would hide it.  Keys the file lacks are
 added, ``trust`` lists are merged, other keys it sets differently need ``--force``; the
-file is edited in place (qdebug.config_edit), written atomically and read back.
+file is edited in place (qdebug.config.edit), written atomically and read back.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ PATH_OPTIONS = ("float", "calibrated", "qat", "quantized")
 
 def _target() -> tuple[Path, bool]:
     """(the config file to write, whether it exists)."""
-    from qdebug.config import find_config, unsafe_problem
+    from qdebug.config.project import find_config, unsafe_problem
 
     if STATE.config_path is not None:
         path = Path(STATE.config_path)
@@ -53,7 +53,7 @@ def _relative_to(value: str, folder: Path) -> str:
 
 
 def _check_trust(entries: list[str]) -> list[str]:
-    from qdebug.config import trust_problem
+    from qdebug.config.project import trust_problem
 
     for entry in entries:
         problem, package = trust_problem(entry)
@@ -125,7 +125,7 @@ def init(
         if is_file and not Path(data).exists():
             missing.append(data)
     if metric:
-        from qdebug.metrics import BUILTIN
+        from qdebug.data.metrics import BUILTIN
 
         if metric not in BUILTIN:
             _check_spec("--metric", metric, "top1 (or mypkg.metrics:evaluate)")
@@ -133,9 +133,9 @@ def init(
 
     import tomllib
 
-    from qdebug.atomic import atomic_open
-    from qdebug.config import load_config, qdebug_table, toml_value, validate
-    from qdebug.config_edit import TABLE, edit_text, new_text, plan
+    from qdebug.io.atomic import atomic_open
+    from qdebug.config.project import load_config, qdebug_table, toml_value, validate
+    from qdebug.config.edit import TABLE, edit_text, new_text, plan
 
     pyproject = target.name == "pyproject.toml"
     if exists:

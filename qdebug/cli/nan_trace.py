@@ -27,7 +27,7 @@ from qdebug.errors import QDebugError
 if TYPE_CHECKING:
     import pandas as pd
 
-    from qdebug.staged import StagedDir
+    from qdebug.io.staged import StagedDir
 
 SHOWN_STEPS = 12  # timeline rows on the terminal (the last ones); --wide, CSV and JSON have them all
 BUNDLE_KEY = "nan_trace"  # the meta key of a repro bundle's before.pt
@@ -52,7 +52,7 @@ def render_timeline(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] =
 
 def headline(first: dict) -> list[str]:
     """The first event in a few lines: where, what, why, what to do."""
-    from qdebug.tools.nan_watch import Finding, counts_text
+    from qdebug.tools.nan.detect import Finding, counts_text
 
     finding = Finding(**{k: v for k, v in first.items() if k in Finding.__dataclass_fields__})
     verb = "created" if first.get("created") else "passed on"
@@ -129,7 +129,7 @@ def float_check_line(check: dict | None, first: dict | None) -> str:
 def _float_model(net, info, float_path: Optional[str], model: Optional[str], unsafe: bool):
     """The plain float architecture with the checkpoint's weights (``--float`` names another
     architecture, e.g. the float class of a user's own QAT module)."""
-    from qdebug.tools.nan_trace import plain_float_model
+    from qdebug.tools.nan.trace import plain_float_model
 
     spec = info.model
     if float_path:
@@ -145,7 +145,7 @@ def _bundle(info, path: str) -> dict:
     is not trusted to hold the types the replay feeds to float(), int() and the optimizer."""
     import torch
 
-    from qdebug.data import SEED_RANGE
+    from qdebug.data.limits import SEED_RANGE
 
     found = (info.meta or {}).get(BUNDLE_KEY)
     if not isinstance(found, dict):
@@ -168,9 +168,9 @@ def _bundle(info, path: str) -> dict:
 
 
 def _run_record_ok(value: Any) -> bool:
-    """A bundle's record of the run's finding (``qdebug.tools.nan_trace.run_record``): every key,
+    """A bundle's record of the run's finding (``qdebug.tools.nan.trace.run_record``): every key,
     text as text (shown escaped), counts as non-negative ints."""
-    from qdebug.tools.nan_trace import RUN_COUNT_KEYS, RUN_TEXT_KEYS
+    from qdebug.tools.nan.trace import RUN_COUNT_KEYS, RUN_TEXT_KEYS
 
     return isinstance(value, dict) and set(value) == set(RUN_TEXT_KEYS + RUN_COUNT_KEYS) \
         and all(isinstance(value[k], str) for k in RUN_TEXT_KEYS) \
@@ -235,7 +235,7 @@ def nan_trace(
     out = prepare_out(out)
     trainer = _trainer(train)
 
-    from qdebug.tools.nan_trace import against_run, trace_steps
+    from qdebug.tools.nan.trace import against_run, trace_steps
 
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, command="nan-trace")
     if info.stage == "quantized" and steps:
@@ -279,7 +279,7 @@ def nan_trace(
             out.drop_stale("before.pt", "batch.pt")
         files.append(plot_nan_timeline(result.frame, out.file("nan_trace.png"), first=first))
     meta["repro"] = repro
-    from qdebug.tools.watch_run import dead_run_of
+    from qdebug.tools.watch.run import dead_run_of
 
     collapse = dead_run_of(result) if steps else None
     meta["dead_run"] = collapse
@@ -331,10 +331,10 @@ def _write_bundle(out: "StagedDir", net, info, result, settings: dict, train: Op
     A replay's bundle keeps the diagnosis of the run it replays (``run``) when it agreed."""
     import torch
 
-    from qdebug.atomic import atomic_path
+    from qdebug.io.atomic import atomic_path
     from qdebug.checkpoint import save
-    from qdebug.device import to_device
-    from qdebug.tools.nan_trace import run_record
+    from qdebug.config.device import to_device
+    from qdebug.tools.nan.trace import run_record
 
     snapshot, batch = result.snapshot, result.failing_batch
     net.load_state_dict(snapshot.model_state)

@@ -3,9 +3,9 @@
 - ``--format table|json|csv``: what goes to stdout (``--json`` = ``--format json``);
 - ``--out DIR``: also write the results as a folder of files: ``<command>.csv`` (one
   per table), ``<command>.json`` and the command's plots, all appearing at once at the end
-  (``qdebug.atomic.StagedDir``): a failed run leaves the folder as it was;
+  (``qdebug.io.atomic.StagedDir``): a failed run leaves the folder as it was;
 - a command's other output (``-o FILE``, ``--junit FILE``) written inside ``with_out(out)``
-  appears with the ``--out`` folder or not at all (``qdebug.together``);
+  appears with the ``--out`` folder or not at all (``qdebug.io.together``);
 - ``--wide``: the table with every column at its natural width;
 - notes ("wrote ...", warnings) go to stderr, so stdout stays one table or one document.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import typer
 
 from qdebug.cli.common import console, err_console, writable_dir
-from qdebug.distributed import is_rank_zero
+from qdebug.config.distributed import is_rank_zero
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped, one_line
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from rich.table import Table
 
-    from qdebug.staged import StagedDir
+    from qdebug.io.staged import StagedDir
 
 FORMATS = ("table", "json", "csv")
 
@@ -70,7 +70,7 @@ def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional["Staged
     """``--out`` (else, with ``config``, the config's ``out``) checked -- creatable, writable --
     before the work starts, as the folder the run writes into: files go to ``out.file(name)``,
     ``emit`` moves them into place together; a run that ends before that leaves nothing."""
-    from qdebug.staged import StagedDir
+    from qdebug.io.staged import StagedDir
     from qdebug.cli.common import STATE
 
     if out is None and config and STATE.config().get("out"):
@@ -85,12 +85,12 @@ def prepare_out(out: Optional[Path], *, config: bool = True) -> Optional["Staged
 def with_out(out: Optional["StagedDir"]):
     """The context to write the command's other output in (``-o FILE``, ``--junit FILE``): with
     ``--out``, the file is renamed into place by ``emit`` together with the folder -- both or
-    neither (``qdebug.together``); without, as it is written."""
+    neither (``qdebug.io.together``); without, as it is written."""
     import contextlib
 
     if out is None:
         return contextlib.nullcontext()
-    from qdebug import together
+    from qdebug.io import together
 
     _when_the_command_ends(together.discard)
     return together.holding()
@@ -143,7 +143,7 @@ def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[
     then stdout in ``fmt``; ``render`` prints the table view."""
     from qdebug.report.output import records, to_csv, to_json, write_csv, write_json
 
-    if not is_rank_zero():  # under torchrun rank 0 alone prints and writes (qdebug.distributed)
+    if not is_rank_zero():  # under torchrun rank 0 alone prints and writes (qdebug.config.distributed)
         return
     written = list(report.files)
     if out is not None:
@@ -154,7 +154,7 @@ def emit(report: Report, fmt: str, out: Optional["StagedDir"], render: Callable[
         written.append(write_json(out.file(f"{report.command}.json"), report.frame, report.meta,
                                   rows_key=report.rows_key, **extra))
         written = [out.shown(p) for p in written]
-        from qdebug import together
+        from qdebug.io import together
 
         together.commit_with(out.commit)  # every file of the run appears at once (-o/--junit's too)
     if fmt == "json":

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from qdebug.cli.common import STATE
-from qdebug.config import check_ratio_range
+from qdebug.config.project import check_ratio_range
 
 METRIC_OPTION = typer.Option(None, "--metric", metavar="NAME",
                              help="Metric: top1, top5, mse, agreement or package.module:function.")
@@ -30,7 +30,7 @@ def ratio_in_force(ratio: Optional[float]) -> float:
 
 def task_rules(metric_fn: Any, default_ratio: float, ratio_given: bool) -> dict:
     """Baseline's rule per task: the config's [tasks] entries, and "metric" for a single-number metric."""
-    from qdebug.metrics import metric_direction
+    from qdebug.data.metrics import metric_direction
     from qdebug.tools.baseline import TaskRule
 
     cfg_tasks = STATE.config().get("tasks") or {}

@@ -169,7 +169,7 @@ def step(
         raise QDebugError(f"cannot sort by {sort!r}", f"choose from {', '.join(sortable)}")
     out = prepare_out(out)
 
-    from qdebug.metrics import resolve_metric
+    from qdebug.data.metrics import resolve_metric
     from qdebug.tools.step import check_selection, step as run_step
 
     metric_fn = resolve_metric(spec) if spec else None

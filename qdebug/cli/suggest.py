@@ -67,7 +67,7 @@ def merged_overrides(old: Mapping[str, Mapping], plan: Mapping[str, Mapping]) ->
 def _plan_toml(meta: dict, qconfig: dict, command: str) -> str:
     """The plan as a qconfig file ``qdebug calibrate --qconfig`` applies as it is: the
     checkpoint's own weight/activation settings and overrides, then the plan's."""
-    from qdebug.config import toml_key, toml_value
+    from qdebug.config.project import toml_key, toml_value
     from qdebug.safe_text import escaped
 
     # Every string is TOML-escaped, every key quoted unless bare, and a comment (which TOML
@@ -203,7 +203,7 @@ def suggest(
     if to is not None and out is None:
         raise QDebugError(f"--to {to} writes {' and '.join(WRITE_BACK[to])} into a folder", "add --out DIR")
 
-    from qdebug.metrics import resolve_metric
+    from qdebug.data.metrics import resolve_metric
     from qdebug.tools.suggest import DEFAULT_MIN_SQNR, diagnoses_of, suggest as run_suggest
 
     metric_fn = resolve_metric(spec) if spec else None
@@ -249,7 +249,7 @@ def suggest(
     written_back = None
     plan_ok = meta["plan"]["passed"] and meta["plan"]["points"]
     if out is not None:
-        from qdebug.atomic import atomic_path
+        from qdebug.io.atomic import atomic_path
         from qdebug.report.plots import plot_suggest
 
         qconfig = found.info.qconfig.to_dict() if found.info.qconfig is not None else {}

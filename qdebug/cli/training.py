@@ -1,7 +1,7 @@
 """The training options the commands that train QAT steps share (``nan-trace``, ``watch``):
 ``--lr``, ``--optimizer``, ``--loss``, ``--train``, ``--seed``, their checks, and the user's
 ``--train`` function wrapped so that its errors become one clear line.  Both commands run
-``qdebug.tools.nan_trace.trace_steps``: the same loop, the same options, the same errors."""
+``qdebug.tools.nan.trace.trace_steps``: the same loop, the same options, the same errors."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def check_training(*, lr: Optional[float], optimizer: Optional[str], loss: Optio
     if train and loss is not None:
         raise QDebugError("--train computes the loss itself: --loss does not apply", "give one of --train and --loss")
     if seed is not None:
-        from qdebug.data import check_seed
+        from qdebug.data.limits import check_seed
 
         check_seed(seed, "--seed", "e.g. --seed 1")
 
@@ -46,8 +46,8 @@ def trainer(spec: Optional[str]):
     own errors become one clear line."""
     if not spec:
         return None
-    from qdebug.modelspec import resolve
-    from qdebug.usercode import raised_by_user_code, where_raised
+    from qdebug.io.modelspec import resolve
+    from qdebug.io.usercode import raised_by_user_code, where_raised
 
     fn = resolve(spec, from_user=True, what="train function")
     if not callable(fn):

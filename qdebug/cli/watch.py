@@ -1,6 +1,6 @@
 """``qdebug watch``: train QAT steps (nan-trace's loop) under ``qdebug.watch`` and say what goes wrong.
 
-The run is ``qdebug.tools.watch_run.watch_steps``; this module parses, checks, renders the
+The run is ``qdebug.tools.watch.run.watch_steps``; this module parses, checks, renders the
 findings table, and writes ``--out DIR`` (CSV, JSON, PNG plots, TensorBoard event files)."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def watch(
     out = prepare_out(out)
     step_fn = trainer(train)
 
-    from qdebug.tools.watch_run import held_out_inputs, watch_steps
+    from qdebug.tools.watch.run import held_out_inputs, watch_steps
 
     net, info = load_checkpoint(path, model=model, unsafe=unsafe_load, expect=("qat", "calibrated"), command="watch")
     float_net = None

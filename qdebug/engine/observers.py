@@ -861,7 +861,7 @@ _OBSERVER_CLASSES: dict[str, type[Observer]] = {
 
 def merge_ranks(group, observers: dict[str, Observer]) -> None:
     """The observers of every rank of a data-parallel run merged into these (``Observer.merge``,
-    exact), the same on every rank.  ``group``: a ``qdebug.distributed.Group``."""
+    exact), the same on every rank.  ``group``: a ``qdebug.config.distributed.Group``."""
     def merge(a: dict, b: dict) -> dict:
         merged = {}
         for name, saved in a.items():

@@ -23,8 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from qdebug import distributed, vocab
-from qdebug.device import model_device
+from qdebug import vocab
+from qdebug.config import distributed
+from qdebug.config.device import model_device
 from qdebug.engine.attention import attention_softmax_spec, swap_attention
 from qdebug.engine.context import Call, ForwardContext, active_context, run_model
 from qdebug.engine.embedding import QEmbedding, quantizable_embedding
@@ -407,7 +408,7 @@ def calibrate(
     Each batch is the model's input (a tensor, a tuple of args or a dict of kwargs) or a
     ``qdebug.data.Batch``.  Afterwards every point is in mode "fake".  Points never reached
     keep no scale and are reported by ``quant_points`` as uninitialised.  Under torchrun
-    (``qdebug.distributed``) each rank observes its share of the batches and the ranks'
+    (``qdebug.config.distributed``) each rank observes its share of the batches and the ranks'
     observers are merged before the scales freeze, so every rank freezes the same scales.
     """
     state = engine_state(model)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine.modules import _QWeighted
-from qdebug import distributed
+from qdebug.config import distributed
 from qdebug.engine.observers import make_observer, merge_ranks
 from qdebug.engine.point import QuantPoint
 from qdebug.engine.spec import qparams_from_range

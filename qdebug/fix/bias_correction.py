@@ -14,7 +14,7 @@ Measurement, one pass for every layer (per-layer error):
 1. a deep copy of the float model is prepared with ``qconfig`` and ``mode`` and calibrated on
    ``batches`` (``qdebug.engine.prepare``/``calibrate``);
 2. the batches are run through it again, the points in "fake" mode, and at every conv/linear
-   call of the traced plan (``qdebug.tap``) the quantized call's output before its output point
+   call of the traced plan (``qdebug.measure.tap``) the quantized call's output before its output point
    (``Event.raw``: conv(x_q, W_q) + b, with mode "fuse_bn" and a folded BN W = W_bn f,
    b = (b - mu) f + beta, i.e. the BN is part of the call) is compared with the float layer
    (and, when folded, its BN in eval, applied in float64) computed on the SAME input x_q the
@@ -161,7 +161,7 @@ def _per_channel(t: torch.Tensor, axis: int) -> torch.Tensor:
 def _guarded(what: str | Callable[[], str], run: Callable[[], Any]) -> Any:
     """``run()``, an exception raised by the user's model (or data) turned into one QDebugError
     saying ``what`` was run (a string, or a callable giving it once it failed)."""
-    from qdebug.usercode import raised_by_user_code, where_raised
+    from qdebug.io.usercode import raised_by_user_code, where_raised
 
     try:
         return run()
@@ -245,7 +245,7 @@ def _refusal(plan, path: str, module: nn.Module | None, prepared_layer: nn.Modul
 
 def _measure(prepared: nn.Module, layers: dict[str, _Layer], batches: list) -> None:
     """Run ``batches`` through the calibrated ``prepared`` model, accumulating every layer's sums."""
-    from qdebug.tap import tap
+    from qdebug.measure.tap import tap
 
     def listener(event) -> None:
         layer = layers.get(event.call.name)

@@ -343,7 +343,7 @@ class _Proxy:
         self.signal = sum(float(((y + b if b is not None else y) ** 2).sum()) for y, b in zip(self.reference, biases))
 
     def sqnr_db(self, scale: torch.Tensor) -> float:
-        from qdebug.stats import sqnr_db
+        from qdebug.measure.stats import sqnr_db
 
         x = self.x / scale
         spec = self.act_spec

@@ -37,23 +37,17 @@ from qdebug.engine.prepare import engine_state, prepare
 from qdebug.engine.recurrent import CELL_STATE_BITS, activation_spec_from
 from qdebug.engine.spec import QConfig, QuantSpec, default_activation_spec, default_weight_spec
 from qdebug.errors import QDebugError
+from qdebug.engine.imported import FLOW_ATTR, REPORT_ATTR, REPORT_COLUMNS, import_report  # noqa: F401 (importable from here too)
 from qdebug.interop.attention import attention_points
 from qdebug.interop.recurrent import recurrent_points
 from qdebug.interop.source import (APPROXIMATE, EXACT, FLOAT, FROZEN, MOVED, TRANSPOSED_CONVS, UNMAPPED, SourceModel,
                                    SourceQuantizer, layer_bn_pairs, spec_of, transposed_weight_note)
-
-REPORT_COLUMNS = ["source", "kind", "point", "status", "spec", "scale_min", "scale_max", "note"]
-
 
 def _module_at(model: nn.Module, path: str | None) -> nn.Module | None:
     try:
         return model.get_submodule(path) if path else None
     except AttributeError:
         return None
-REPORT_ATTR = "import_report"  # on the engine state; saved in the checkpoint's meta["import"]
-FLOW_ATTR = "import_flow"  # on the engine state: the torch.ao flow; saved as meta["import_flow"]
-
-
 def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold") -> nn.Module:
     """The engine model of ``source`` (``plan``: ``trace_plan`` of ``source.float_model``).
 
@@ -95,11 +89,6 @@ def build(source: SourceModel, plan: Plan, qat_mode: str = "with_bn_reverse_fold
     setattr(state, FLOW_ATTR, source.flow)
     model.eval()
     return model
-
-
-def import_report(model: nn.Module) -> list[dict[str, Any]]:
-    """The import report of an engine model built by ``build`` (rows of ``REPORT_COLUMNS``), or []."""
-    return list(getattr(engine_state(model), REPORT_ATTR, None) or [])
 
 
 def _row(source: str, kind: str, point: str, status: str, note: str = "") -> dict[str, Any]:

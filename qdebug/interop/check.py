@@ -227,7 +227,7 @@ def _dequantized(out: Any) -> Any:
 
 def _run_engine(model: nn.Module, example_inputs: Any, values: dict[str, list[torch.Tensor]]) -> Any:
     """The import's outputs; ``values``: call name -> the values flowing on from it."""
-    from qdebug.tap import tap
+    from qdebug.measure.tap import tap
 
     def listener(event) -> None:
         if isinstance(event.out, torch.Tensor) and torch.is_floating_point(event.out):

@@ -1,6 +1,6 @@
 """A torch.ao prepared model's ``state_dict`` -> that prepared model again, rebuilt by torch.
 
-``qdebug import`` reads a file of tensors only (never code from a file: ``qdebug.torchfile``)
+``qdebug import`` reads a file of tensors only (never code from a file: ``qdebug.io.torchfile``)
 and the user's float class (``--model``, which the user trusts), and makes torch prepare the
 float model the way the file's keys say it was prepared:
 
@@ -85,7 +85,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a saved state_dict (a prepared model's, or a converted one's: see
     ``is_converted_state``), refused with one clear error when the file is anything else."""
     from qdebug.checkpoint import FORMAT, check_state, extract_state_dict
-    from qdebug.torchfile import pickled_class, read_file
+    from qdebug.io.torchfile import pickled_class, read_file
 
     p = Path(path)
     try:

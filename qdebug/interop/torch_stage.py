@@ -14,7 +14,7 @@ output at its ReLU, a conv whose BN torch folded at the BN.  The tensor is torch
 output of the dequantize op reading them).  The model's own output, when no quantizer reads it
 (a PT2E graph's last linear is float), is the row of the one call that returns it.
 
-While ``qdebug.tap`` listens (``qdebug_tap``), each forward reports those tensors as the calls
+While ``qdebug.measure.tap`` listens (``qdebug_tap``), each forward reports those tensors as the calls
 of an engine run: compare's listener sees events named like the float model's calls.  Only the
 propagated error is measured (``propagated_only``): the isolated error replays one layer of the
 compared model on the reference's inputs, a replay the engine makes of its own calls; torch's
@@ -39,7 +39,7 @@ import torch.nn as nn
 from qdebug.engine.context import Event, split_inputs
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.errors import QDebugError
-from qdebug.tap import ReportsCalls
+from qdebug.measure.tap import ReportsCalls
 
 CONVERTED_FLOWS = ("eager-converted", "fx-converted", "pt2e-converted")
 PROPAGATED_ONLY = ("torch's own kernels: propagated error only (the isolated columns are blank: "

@@ -54,7 +54,7 @@ import torch.nn as nn
 from qdebug.engine.context import Event, split_inputs
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.errors import QDebugError
-from qdebug.tap import ReportsCalls
+from qdebug.measure.tap import ReportsCalls
 from qdebug.onnx.model_file import first_line, require, tensor_array
 from qdebug.onnx.session import cpu_session
 from qdebug.safe_text import one_line

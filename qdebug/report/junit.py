@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qdebug.atomic import atomic_open
+from qdebug.io.atomic import atomic_open
 from qdebug.safe_text import escaped
 
 

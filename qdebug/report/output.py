@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from qdebug.atomic import atomic_open
+from qdebug.io.atomic import atomic_open
 from qdebug.safe_text import escaped
 
 

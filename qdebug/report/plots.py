@@ -18,7 +18,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from qdebug.atomic import atomic_path  # noqa: E402
+from qdebug.io.atomic import atomic_path  # noqa: E402
 from qdebug.safe_text import escaped  # noqa: E402
 
 
@@ -327,7 +327,7 @@ def plot_outlier_channels(layer: str, evidence: dict, path: str | Path, *, refer
     ax = axes[0, 0]
     ax.bar(xs, [h - lo for lo, h in zip(low, high)], bottom=low, color=colours(len(low)), width=0.8)
     ax.axhline(0.0, color="gray", linewidth=0.8)
-    # The median as the range ratio takes it (qdebug.stats: torch's, the lower middle).
+    # The median as the range ratio takes it (qdebug.measure.stats: torch's, the lower middle).
     median = float((evidence["channel_max"] - evidence["channel_min"]).clamp(min=0).median())
     outlier = f"channel {channel}: {evidence['channel_range_ratio']:.0f}x\nthe median channel's range"
     others = "the other channels: min to max"

@@ -1,5 +1,5 @@
 """PNG plots of a watched QAT run (``qdebug watch --out DIR``): one figure per kind of the
-timeline (``qdebug.tools.qat_watch``), each finding's first step marked on its figure.
+timeline (``qdebug.tools.watch.timeline``), each finding's first step marked on its figure.
 
 - ``watch_points.png``: each activation point's tracked range as a fraction of the data's
   range, and its saturation, over steps;
@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from qdebug.report.plots import _finite, _save, _text, plt
-from qdebug.tools.qat_rules import BN_DRIFT, OSCILLATION_FRACTION, RANGE_INSIDE_DATA
+from qdebug.tools.watch.rules import BN_DRIFT, OSCILLATION_FRACTION, RANGE_INSIDE_DATA
 
 LEGEND_MAX = 8  # lines named in a legend; past that the worst ones are named, the others drawn grey
 RULE_KIND = {"ema_startup_bias": "point", "range_frozen_early": "point", "scale_collapse": "point",

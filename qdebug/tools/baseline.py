@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from qdebug.errors import QDebugError
-from qdebug.metrics import check_nonnegative
+from qdebug.data.metrics import check_nonnegative
 
 COLUMNS = ["task", "direction", "float", "quantized", "score", "ratio", "required", "margin",
            "ci_low", "ci_high", "mcnemar_p", "flipped", "verdict"]

@@ -20,12 +20,12 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from qdebug import distributed
+from qdebug.config import distributed
 from qdebug.engine import engine_state, quantization_off
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.members import named_members
-from qdebug.stats import sqnr_db
-from qdebug.tap import tap
+from qdebug.measure.stats import sqnr_db
+from qdebug.measure.tap import tap
 from qdebug.tools.experiment import named_outputs
 
 CLIPPING = 0.01  # a point clipping more than this fraction of its values is listed

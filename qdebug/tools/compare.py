@@ -18,7 +18,7 @@ conv, an ``nn.Identity`` at the BN's path) is measured in the BN's row, as a pai
 folds: the folded conv's output against the reference BN's, replayed from the reference conv's
 input for the isolated error (``_measured_at_bn``).
 
-Statistics stream into float64 sums (``qdebug.stats``); nothing is stored across
+Statistics stream into float64 sums (``qdebug.measure.stats``); nothing is stored across
 batches, so memory does not grow with the number of batches.  Flagged rows get a
 diagnosis: ``nonfinite``, ``clipping``, ``outlier_channels``, ``rounding``,
 ``propagated``; then, where a layer's kind explains it, a more precise name
@@ -37,7 +37,8 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from qdebug import distributed, vocab
+from qdebug import vocab
+from qdebug.config import distributed
 from qdebug.engine import engine_state, is_prepared, quantization_off
 from qdebug.engine.attention import decomposed_copy
 from qdebug.engine.context import Event, run_model
@@ -48,8 +49,8 @@ from qdebug.engine.ops import tensors_in
 from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
-from qdebug.stats import ErrorStats
-from qdebug.tap import Capture, tap
+from qdebug.measure.stats import ErrorStats
+from qdebug.measure.tap import Capture, tap
 from qdebug.tools.isolated import IsolatedReplay
 from qdebug.tools.recurrent_rows import inner_rows, measure, row_op
 
@@ -481,7 +482,7 @@ def _outlier_evidence(frame: pd.DataFrame, stats: dict, models: dict[str, nn.Mod
 
 @dataclass
 class _RankState:
-    """What one rank of a data-parallel compare accumulated (``qdebug.distributed``)."""
+    """What one rank of a data-parallel compare accumulated (``qdebug.config.distributed``)."""
 
     stats: dict
     notes: dict

@@ -2,9 +2,9 @@
 
 ``evaluate(metric, model, batches)`` returns ``(values, samples)`` -- task -> value, and
 task -> per-sample scores in data order (None without a per-sample function) -- as
-``qdebug.metrics.run_metric_with_samples`` does on one process, which it calls there.
+``qdebug.data.metrics.run_metric_with_samples`` does on one process, which it calls there.
 
-Under torchrun (``qdebug.distributed``) each rank takes its share of the batches:
+Under torchrun (``qdebug.config.distributed``) each rank takes its share of the batches:
 
 - a metric with a per-sample function is called batch by batch on the rank's batches;
   the ranks' sums, counts and per-sample scores (keyed by batch index) combine into
@@ -22,9 +22,9 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from qdebug import distributed
+from qdebug.config import distributed
 from qdebug.engine.context import run_model
-from qdebug.metrics import Metric, call_metric, run_metric, run_metric_with_samples
+from qdebug.data.metrics import Metric, call_metric, run_metric, run_metric_with_samples
 from qdebug.tools.metric_replay import MetricRun, ReplayModel, per_sample_function
 
 

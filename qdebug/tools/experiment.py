@@ -9,10 +9,10 @@ the batches:
 - **batches outside, trials inside.**  Per batch the float reference runs once
   (in the first run; its outputs -- model outputs only -- are kept for later runs);
   they and the recorded runs of one batch are all that is held.  The batches are a
-  ``qdebug.batch_source.BatchSource``: each run reads them anew, one at a time;
+  ``qdebug.data.source.BatchSource``: each run reads them anew, one at a time;
 - **the float prefix is cached.**  Per batch the model first runs with every
   point in float (the *base* run) and every call's output is recorded
-  (``qdebug.tap.Capture``).  A trial's forward then takes the stored output of
+  (``qdebug.measure.tap.Capture``).  A trial's forward then takes the stored output of
   every call before its first quantized point instead of computing it
   (``qdebug.engine.served``): those calls compute the same function, with the
   same parameters, on the same inputs -- the isolated replay's reuse rule -- so
@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from qdebug import distributed
+from qdebug.config import distributed
 from qdebug.engine import engine_state
 from qdebug.engine.context import Call, Event, run_model, writes_its_inputs
 from qdebug.engine.members import named_members
@@ -52,11 +52,11 @@ from qdebug.engine.recurrent import RecurrentLayer
 from qdebug.engine.respec import raise_bits, set_qparams
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.served import ServedCalls, serving
-from qdebug.batch_source import as_source
+from qdebug.data.spec import as_source
 from qdebug.errors import QDebugError
-from qdebug.metrics import Metric, call_metric, run_metric
-from qdebug.stats import cosine_of_sums, sqnr_db
-from qdebug.tap import Capture, tap
+from qdebug.data.metrics import Metric, call_metric, run_metric
+from qdebug.measure.stats import cosine_of_sums, sqnr_db
+from qdebug.measure.tap import Capture, tap
 from qdebug.tools.baseline import TaskRule, check_metric_values, evaluate_rule
 from qdebug.tools.metric_replay import MetricRun, ReplayModel, input_fingerprint, per_sample_function
 

@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch.nn as nn
 
 from qdebug import vocab
-from qdebug.batch_source import BatchSource, as_source
+from qdebug.data.source import BatchSource
+from qdebug.data.spec import as_source
 from qdebug.errors import QDebugError
 
 METHODS = vocab.FIX_METHODS

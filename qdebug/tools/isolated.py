@@ -36,7 +36,7 @@ from qdebug.engine.context import Event, active_context
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.ops import map_tensors, tensors_in
 from qdebug.engine.point import QuantPoint, grid_of
-from qdebug.tap import Record
+from qdebug.measure.tap import Record
 
 _PLAIN = (bool, int, float, str, tuple, type(None))
 

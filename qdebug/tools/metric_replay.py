@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from qdebug.engine.ops import tensors_in
 from qdebug.errors import QDebugError
-from qdebug.metrics import Metric
+from qdebug.data.metrics import Metric
 
 
 class ReplayModel(nn.Module):
@@ -74,7 +74,7 @@ def input_fingerprint(batch: Any) -> bytes:
 
 
 def _fingerprint(tensor: torch.Tensor | None) -> bytes:
-    from qdebug.batch_source import fingerprint
+    from qdebug.data.batch import fingerprint
 
     return fingerprint(tensor)
 
@@ -97,7 +97,7 @@ class MetricRun:
     """One trial's metric: per-sample sums streamed batch by batch, or stored outputs.
 
     Per-sample scores and stored outputs carry their batch's index in the data, so the
-    runs of several ranks (``qdebug.distributed``) merge back into data order."""
+    runs of several ranks (``qdebug.config.distributed``) merge back into data order."""
 
     def __init__(self, streaming: bool, keep_samples: bool = False):
         self.streaming = streaming
@@ -135,7 +135,7 @@ class MetricRun:
         """Task -> every sample's score, in data order ({} unless kept)."""
         return {task: torch.cat([parts[i] for i in sorted(parts)]) for task, parts in (self.samples or {}).items()}
 
-    # -- combining ranks (qdebug.distributed) ------------------------------------------------
+    # -- combining ranks (qdebug.config.distributed) ------------------------------------------------
     def state(self) -> dict:
         return {"sums": self.sums, "counts": self.counts, "samples": self.samples,
                 "outputs": dict(zip(self.output_index, self.outputs))}

@@ -27,14 +27,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qdebug import distributed
+from qdebug.config import distributed
 from qdebug.engine import engine_state
 from qdebug.engine.context import Event, run_model
 from qdebug.engine.members import member_at, named_members
 from qdebug.engine.modules import _QWeighted, bn_scale_factor
 from qdebug.engine.ops import map_tensors
 from qdebug.errors import QDebugError
-from qdebug.tap import tap
+from qdebug.measure.tap import tap
 from qdebug.tools.experiment import named_outputs
 
 

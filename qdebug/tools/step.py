@@ -50,7 +50,7 @@ import torch.nn as nn
 from qdebug.engine import engine_state
 from qdebug.engine.prepare import name_matches
 from qdebug.errors import QDebugError
-from qdebug.metrics import Metric
+from qdebug.data.metrics import Metric
 from qdebug.safe_text import escaped
 from qdebug.tools.baseline import TaskRule
 from qdebug.tools.experiment import Experiment, Trial, TrialResult, nan_low, worst

@@ -60,12 +60,13 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from qdebug import distributed
-from qdebug.batch_source import BatchSource, Origin, as_source
+from qdebug.config import distributed
+from qdebug.data.source import BatchSource, Origin
+from qdebug.data.spec import as_source
 from qdebug.engine import engine_state
 from qdebug.engine.context import run_model
 from qdebug.errors import QDebugError
-from qdebug.metrics import Metric
+from qdebug.data.metrics import Metric
 from qdebug.safe_text import escaped
 from qdebug.tools.baseline import TaskRule, bootstrap_interval
 from qdebug.tools.experiment import Experiment, Trial, TrialResult, named_outputs, nan_low

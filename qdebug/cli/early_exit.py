@@ -4,7 +4,7 @@
 no ``finally``, no atexit, no verdict -- and exit code 0, a baseline gate that passed.  While
 a command runs, ``os._exit`` (and ``posix._exit``, the same function) in this process raises
 ``EarlyExit``, a ``SystemExit``: the user-code guards report it as one error naming the caller
-(``qdebug.usercode.exit_error``), exit code 2.  In a process the command forked (a
+(``qdebug.io.usercode.exit_error``), exit code 2.  In a process the command forked (a
 ``DataLoader`` worker) ``os._exit`` is the real one: the pid is checked.
 
 Not covered, because no process can catch it in itself: a C-level exit (``ctypes``'s

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qdebug.config import toml_value
+from qdebug.config.project import toml_value
 from qdebug.errors import QDebugError
 
 TABLE = ("tool", "qdebug")  # where the keys live in pyproject.toml

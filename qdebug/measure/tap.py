@@ -95,7 +95,7 @@ class ReportsCalls:
 
     @contextlib.contextmanager
     def qdebug_tap(self, listener: Callable[[Event], None]) -> Iterator[None]:
-        """``qdebug.tap``'s entry for this model: ``listener`` sees each forward's tapped rows."""
+        """``qdebug.measure.tap``'s entry for this model: ``listener`` sees each forward's tapped rows."""
         self._listeners.append(listener)
         try:
             yield

@@ -12,7 +12,7 @@ float value, and for a value of 0 or less the ratio means nothing (0.99 x -1 ask
 quantized model to be *better*).  A metric that ends the process (``sys.exit``) is an
 error, like one that raises.
 
-Ready-made (name them by short name or ``qdebug.metrics:NAME``):
+Ready-made (name them by short name or ``qdebug.data.metrics:NAME``):
 
 - ``top1`` / ``top5``: accuracy of the arg-max (top-k) class against the targets;
   a model returning a dict of logits with dict targets gets one value per task.
@@ -162,7 +162,7 @@ def resolve_metric(spec: str | Metric) -> Metric:
         raise QDebugError(f"unknown metric {spec!r}",
                           f"choose {', '.join(n for n in BUILTIN if n != 'top1_per_sample')}, or your own as "
                           "package.module:function")
-    from qdebug.modelspec import resolve
+    from qdebug.io.modelspec import resolve
 
     fn = resolve(spec, from_user=True, what="metric (package.module:function)")
     if not callable(fn):
@@ -212,11 +212,11 @@ def call_metric(metric: Metric, model, batches, reference, name: str):
     except QDebugError:
         raise
     except SystemExit as exc:
-        from qdebug.usercode import exit_error
+        from qdebug.io.usercode import exit_error
 
         raise exit_error(exc, f"metric {getattr(metric, '__name__', name)}") from exc
     except BaseException as exc:
-        from qdebug.usercode import raised_by_user_code
+        from qdebug.io.usercode import raised_by_user_code
 
         if not raised_by_user_code(exc):
             raise
@@ -259,7 +259,7 @@ PROTOCOL = (
 def metric_error(metric: Metric, exc: BaseException, name: str = "metric") -> QDebugError:
     """A raising metric as one error: the metric, the exception and the user's line that raised
     it; the hint states the protocol (a built-in metric fails on the model or the data instead)."""
-    from qdebug.usercode import where_raised
+    from qdebug.io.usercode import where_raised
 
     label = getattr(metric, "__name__", name)
     where = where_raised(exc)
@@ -284,7 +284,7 @@ def _line_in(metric: Metric, exc: BaseException) -> str | None:
     """``file:line`` of the innermost frame of ``exc`` inside the metric's own source file."""
     import traceback
 
-    from qdebug.usercode import shown_path
+    from qdebug.io.usercode import shown_path
 
     try:
         source = inspect.getsourcefile(metric)

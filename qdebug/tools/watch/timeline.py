@@ -5,7 +5,7 @@
             loss = criterion(qm(x), y); loss.backward(); opt.step(); opt.zero_grad()
             w.step(loss)              # the end of a step
     w.timeline                        # long format: step, kind, name, metric, value
-    w.findings                        # qdebug.tools.qat_rules: rule, name, from_step, evidence, fix
+    w.findings                        # qdebug.tools.watch.rules: rule, name, from_step, evidence, fix
 
 A *look* happens at step 0 and every ``every`` steps; the steps in between pay nothing (no
 hook is installed).  For a look at step k, hooks are installed after step k - 1: a listener on
@@ -57,8 +57,8 @@ from qdebug.engine.members import named_members
 from qdebug.engine.modules import _QWeighted
 from qdebug.engine.ops import tensors_in
 from qdebug.errors import QDebugError
-from qdebug.stats import sqnr_db
-from qdebug.tools.nan_watch import clipped_fraction, is_float
+from qdebug.measure.stats import sqnr_db
+from qdebug.tools.nan.detect import clipped_fraction, is_float
 
 COLUMNS = ["step", "kind", "name", "metric", "value"]
 SAMPLE = 4096  # weight values a layer's codes are read on: a fraction known to about +-1.5%, at any layer size
@@ -337,7 +337,7 @@ class QatWatch:
 
     @property
     def findings(self):
-        from qdebug.tools.qat_rules import findings
+        from qdebug.tools.watch.rules import findings
 
         return findings(self.timeline)
 

@@ -9,7 +9,7 @@ Any ``nn.Module`` (engine-prepared or not).  The user's loop cannot be re-run, s
 tensor is checked as it appears (``Watch(detail=True)``): the first non-finite one raises
 ``qdebug.NonFiniteError`` from where it appeared -- the forward, ``loss.backward()`` or
 ``trace.step()`` (the optimizer's update, a learned scale) -- with ``report`` holding the
-finding, its cause and a fix (``qdebug.tools.nan_causes``), as ``trace.report`` does.
+finding, its cause and a fix (``qdebug.tools.nan.causes``), as ``trace.report`` does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
-from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
-from qdebug.tools.nan_watch import NonFiniteError, Watch, consumers_of
+from qdebug.tools.nan.causes import StepStats, diagnose, evidence_for
+from qdebug.tools.nan.detect import NonFiniteError, Watch, consumers_of
 
 
 class NanTrace:

@@ -1,8 +1,8 @@
 """Two outputs of one command, written both or neither: a file (``-o FILE``, ``--junit FILE``)
 and the ``--out DIR`` folder.
 
-Inside ``holding()``, ``qdebug.atomic.atomic_path`` writes a file's temp file as usual but does
-not rename it into place: the temp file waits, locked (``qdebug.leftovers``), in the pending
+Inside ``holding()``, ``qdebug.io.atomic.atomic_path`` writes a file's temp file as usual but does
+not rename it into place: the temp file waits, locked (``qdebug.io.leftovers``), in the pending
 list. ``commit_with(commit_folder)`` then renames the pending files into place -- each keeping
 the file it replaces as a hard link (a copy where links are refused) -- and commits the folder;
 if the folder's commit fails, the files get their previous content back (or are removed where
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from qdebug import leftovers
+from qdebug.io import leftovers
 
 
 @dataclass
@@ -29,7 +29,7 @@ class _Pending:
     tmp: Path  # the written temp file, beside its target
     real: Path  # the target (links resolved)
     target: Path  # the target as given (for errors)
-    lock: int | None  # the temp file's lock (qdebug.leftovers)
+    lock: int | None  # the temp file's lock (qdebug.io.leftovers)
     made: list[Path]  # the folders atomic_path created for it
 
 
@@ -60,7 +60,7 @@ def held(tmp: Path, real: Path, target: Path, lock: int | None, made: list[Path]
 def commit_with(commit_folder: Callable[[], None]) -> None:
     """The pending files renamed into place, then ``commit_folder()``; on any failure the files
     replaced so far are put back as they were, the rest dropped, and the error goes on."""
-    from qdebug.filesystem import write_errors
+    from qdebug.io.filesystem import write_errors
 
     pending, _PENDING[:] = list(_PENDING), []
     undo: list[tuple[_Pending, Path | None, int | None]] = []
@@ -109,7 +109,7 @@ def _keep_previous(real: Path) -> tuple[Path | None, int | None]:
 
 
 def _put_back(item: _Pending, backup: Path | None, lock: int | None) -> None:
-    from qdebug.filesystem import remove_dirs
+    from qdebug.io.filesystem import remove_dirs
 
     with contextlib.suppress(OSError):
         if backup is not None:
@@ -128,7 +128,7 @@ def _forget(backup: Path | None, lock: int | None) -> None:
 
 
 def _drop(pending: list[_Pending]) -> None:
-    from qdebug.filesystem import remove_dirs
+    from qdebug.io.filesystem import remove_dirs
 
     for item in pending:
         with contextlib.suppress(OSError):

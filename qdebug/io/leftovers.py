@@ -2,7 +2,7 @@
 and the next run into the same place removes the ones no live run holds.
 
 A run that SIGKILL (or a power cut) ends cannot clean up: it leaves a ``.x.pt.*.tmp`` temp file
-(``qdebug.atomic``) or a ``.DIR.qdebug-*.partial`` staging folder (``qdebug.staged``) behind.
+(``qdebug.io.atomic``) or a ``.DIR.qdebug-*.partial`` staging folder (``qdebug.io.staged``) behind.
 Every run therefore holds an exclusive ``flock`` on each such file or folder it creates, for as
 long as it uses it; the kernel releases the lock when the process ends, however it ends. Before
 it creates its own, a run removes those of the same target whose lock it can take: their run is

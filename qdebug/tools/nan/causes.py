@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import engine_state, is_prepared
-from qdebug.tools.nan_watch import Finding, finite
+from qdebug.tools.nan.detect import Finding, finite
 
 SATURATED = 0.9  # a point clipping more than this fraction of its input is saturated
 GROWTH = 10.0  # weights or gradient norms growing this many times is growth, not noise

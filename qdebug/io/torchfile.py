@@ -5,7 +5,7 @@ A file that names Python objects is refused unless the user passes ``--unsafe-lo
 the refusal reads the pickle's opcodes (never running them) to say what it holds -- a
 whole model saved with ``torch.save(model)`` and its class -- and how to re-save it.
 With ``--unsafe-load`` the classes it names are found from the current directory too
-(``qdebug.usercode``), and one that cannot be found is named, not called "damaged".
+(``qdebug.io.usercode``), and one that cannot be found is named, not called "damaged".
 
 Before torch opens anything (``check_readable``): only a regular file is read (a named pipe
 would block forever, a link to /dev/zero never ends); a zip archive whose records expand to
@@ -15,7 +15,7 @@ an intact pickle that names a Python class is said to hold pickled objects, with
 ``--unsafe-load`` hint.
 
 ``read_file(path, mmap=True)`` maps a zip archive's tensors rather than reading them, after the
-same checks: a data file is then sliced batch by batch (``qdebug.data_file``).
+same checks: a data file is then sliced batch by batch (``qdebug.data.file``).
 
 ``check_dense`` is the rule every tensor read from a file obeys before it is used: dense, and
 holding no more values than its storage (an expanded, stride-0 or overlapping view of a few
@@ -231,7 +231,7 @@ def _pickle_refusal(p: Path, whole: str | None, named: str | None) -> QDebugErro
                 f"in that script, save torch.save(model.state_dict(), path), move {name} into a module of "
                 f"your project (e.g. mypkg/net.py) and pass --model mypkg.net:{name}",
             )
-        from qdebug.modelspec import suggestable
+        from qdebug.io.modelspec import suggestable
 
         # The class name is the file's: suggested only when its source defines such a class
         # (a crafted pickle's top object may be posix.system).
@@ -253,7 +253,7 @@ def _pickle_refusal(p: Path, whole: str | None, named: str | None) -> QDebugErro
 
 
 def _searched() -> str:
-    from qdebug.usercode import import_roots
+    from qdebug.io.usercode import import_roots
 
     return ", ".join(str(r) for r in import_roots())
 
@@ -261,7 +261,7 @@ def _searched() -> str:
 def _unsafe_load(p: Path, whole: str | None, named: str | None) -> Any:
     """``torch.load(weights_only=False)``, asked for with --unsafe-load: the classes it names
     are found from the current directory too, and a class that cannot be found is named."""
-    from qdebug.usercode import make_findable
+    from qdebug.io.usercode import make_findable
 
     cls = whole or named
     if cls:

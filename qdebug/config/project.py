@@ -21,7 +21,7 @@ CLI flags override it.  Keys (docs/config.md):
 The directory of the file read is also where modules are looked for: those the
 config names (``model``, ``metric``, ``data``, ``trust``) there only, those named
 on the command line after the current directory (``config_root``,
-``config_packages``; see qdebug.usercode).
+``config_packages``; see qdebug.io.usercode).
 
 Only ``[tool.qdebug]`` of a ``pyproject.toml`` matters: one met on the way up that
 cannot be read or parsed (another tool's file, a bad ``[tool.black]``) is skipped
@@ -319,7 +319,7 @@ def load_config(path: str | Path | None = None, *, start: Path | None = None) ->
 
 def config_packages() -> set[str]:
     """The top-level packages the config read last names (``trust``, ``model``, ``metric``,
-    ``data``): they are found from the config's folder only (``qdebug.usercode``)."""
+    ``data``): they are found from the config's folder only (``qdebug.io.usercode``)."""
     return set(_config_packages) if _config_root is not None else set()
 
 
@@ -367,7 +367,7 @@ def validate(data: dict[str, Any], source: Path) -> dict[str, Any]:
             raise QDebugError(f"{source}: mode {values['mode']!r} is not a QAT mode",
                               f"choose one of {', '.join(QAT_MODES)}")
     if "device" in values:  # the name now; whether this machine has that device when a model loads
-        from qdebug.device import check_device_name
+        from qdebug.config.device import check_device_name
 
         check_device_name(values["device"], f"{source}: device", device_hint(source))
     if "trust" in values:

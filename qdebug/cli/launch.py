@@ -13,7 +13,7 @@ process would:
 - else 2 when a rank said an input error (2), 1 when a rank's check failed (1), else the code
   of the first failure (``128 + N`` for a rank killed by signal N);
 - the ranks say their own errors (rank 0 alone says an error every rank shares:
-  ``qdebug.distributed``); torchrun's logging of the failure and its traceback stay out.
+  ``qdebug.config.distributed``); torchrun's logging of the failure and its traceback stay out.
 
 ``python -m qdebug.launch --nproc-per-node 2 compare float.pt qat.pt --data eval.pt`` is
 ``torchrun --nproc-per-node 2 -m qdebug compare ...`` with those exit codes (docs/scale.md).

@@ -2,11 +2,11 @@
 
 ``trace_steps(model, batches, steps=...)`` runs ``steps`` training steps (forward, loss,
 backward, optimizer step) cycling over ``batches`` -- or, with ``steps=0``, one forward
-per batch -- watching every tensor cheaply (``qdebug.tools.nan_watch``).  Before each
+per batch -- watching every tensor cheaply (``qdebug.tools.nan.detect``).  Before each
 step it snapshots the model, the optimizer and the RNG; when a step's cheap check
 flags a non-finite value it restores the snapshot and re-runs that step in detail, so
 the finding names the phase, the call, its quant point, the counts and whether the
-call created the value.  ``qdebug.tools.nan_causes`` then says why, from the finding
+call created the value.  ``qdebug.tools.nan.causes`` then says why, from the finding
 and the timeline of the steps before.  With ``float_model`` the same steps are run on
 the plain float architecture: whether quantization is to blame at all.
 
@@ -32,14 +32,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qdebug.batch_source import BatchSource, as_source
-from qdebug.data import Batch
+from qdebug.data.source import BatchSource
+from qdebug.data.spec import as_source
+from qdebug.data.batch import Batch
 from qdebug.engine import engine_state, is_prepared, quantization_off
 from qdebug.engine.context import run_model
 from qdebug.engine.fusebn import freeze_bn_stats, frozen_bn_paths
 from qdebug.errors import QDebugError, shown
-from qdebug.tools.nan_causes import StepStats, diagnose, evidence_for
-from qdebug.tools.nan_watch import Finding, NonFiniteError, Watch, consumers_of
+from qdebug.tools.nan.causes import StepStats, diagnose, evidence_for
+from qdebug.tools.nan.detect import Finding, NonFiniteError, Watch, consumers_of
 
 LOSSES = ("auto", "ce", "mse", "distill")
 CONTAINED_EVERY = 16  # cheap steps that also look for contained non-finite values: 0, 16, 32, ...
@@ -556,8 +557,8 @@ def plain_float_model(model: nn.Module, spec, *, strict: bool = False) -> tuple[
     When ``model`` lacks some (BN folded away by fuse_bn), a copy of ``model`` with every quant
     point off stands in: the same float function, computed by the engine's modules.  Returns
     (the model, "plain" or "quantization off")."""
-    from qdebug.device import model_device
-    from qdebug.modelspec import build
+    from qdebug.config.device import model_device
+    from qdebug.io.modelspec import build
 
     plain = build(spec, from_user=True)
     device = model_device(model)

@@ -1,8 +1,9 @@
 """A ``.pt`` data file read lazily: its batches sliced from a memory map, a few at a time.
 
-When the data is loaded the file is checked and mapped once (``qdebug.torchfile.read_file``
+When the data is loaded the file is checked and mapped once (``qdebug.io.torchfile.read_file``
 with ``mmap=True``: every check of a checkpoint, weights-only): what it holds
-(``qdebug.data.data_kind``), its shapes and its number of batches are known then, and no
+(``data_kind``, the one recognition rule of data files: the checkpoint
+loader uses it too, to call a data file passed as a checkpoint by its name), its shapes and its number of batches are known then, and no
 tensor data is read.  Each pass maps it again and makes its batches one by one: the slice
 of the inputs (and targets), copied out of the map and decoded (``input_scale`` /
 ``input_offset``, half precision) -- the same values, bit for bit, as decoding the whole
@@ -17,8 +18,8 @@ changed between passes is an error, never a silent mix of two datasets.
 
 What a file describes is bounded when it is opened, on shapes, before any batch is made (a
 few KB may describe terabytes; docs/cli.md, "Data"): every tensor is dense and no larger
-than what the file stores for it (``qdebug.torchfile.check_dense``: no expanded views); at
-most ``MAX_BATCHES`` batches are read; one batch may hold at most ``batch_bytes_limit()``
+than what the file stores for it (``qdebug.io.torchfile.check_dense``: no expanded views); at
+most ``limits.MAX_BATCHES`` batches are read; one batch may hold at most ``limits.batch_bytes_limit()``
 bytes once decoded; and a list's batches together at most ``REUSE_FACTOR`` times the file's
 size plus ``REUSE_SLACK`` (torch.save stores a tensor listed 20,000 times once).
 """
@@ -28,10 +29,17 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from qdebug.batch_source import Origin
+from qdebug.data.batch import Batch, to_batch
+# limits read at call time (module attributes): a test or a user may lower them
+from qdebug.data import limits
+from qdebug.data.source import Origin
 from qdebug.errors import QDebugError, first_line
+from qdebug.io.torchfile import check_dense, read_file
+
+if TYPE_CHECKING:
+    import torch
 
 REMAP_BYTES = 32 << 20  # batches taken from one map of the file before it is mapped again
 REUSE_FACTOR, REUSE_SLACK = 4, 256 << 20  # a list's batches hold at most 4 x its file's bytes + 256 MiB
@@ -44,9 +52,6 @@ class FileOrigin(Origin):
     dict) cut into ``batch_size`` samples, or a list of ready batches; at most ``limit``."""
 
     def __init__(self, path: Path, batch_size: int, limit: int | None):
-        from qdebug.data import data_kind, to_batch
-        from qdebug.torchfile import read_file
-
         self.name, self._path, self._batch_size = str(path), path, batch_size
         obj = read_file(path, mmap=True)
         self._stamp = _stamp(path)
@@ -83,7 +88,6 @@ class FileOrigin(Origin):
     def _open(self) -> Any:
         if self._held is not None:
             return self._held
-        from qdebug.torchfile import read_file
 
         if _stamp(self._path) != self._stamp:
             raise QDebugError(f"{self._path} changed while qdebug was reading it",
@@ -92,7 +96,6 @@ class FileOrigin(Origin):
 
     def _batch(self, obj: Any, index: int) -> Any:
         """Batch ``index``, copied out of the map (nothing of it stays mapped)."""
-        from qdebug.data import Batch, _decode, to_batch
 
         if isinstance(obj, list):
             return _copied(to_batch(obj[index], f"{self._path}: batch {index}", LIST_HINT))
@@ -117,7 +120,6 @@ def _dataset(obj: Any, source: str) -> tuple[Any, Any, dict]:
     ``qdebug.data`` checks a dataset; reads no tensor data but the (small) scale and offset."""
     import torch
 
-    from qdebug.data import INPUT_KEYS, TARGET_KEYS, _check_dataset, _first
 
     if isinstance(obj, torch.Tensor):
         inputs, target, codes = obj, None, {}
@@ -137,10 +139,9 @@ def _dataset(obj: Any, source: str) -> tuple[Any, Any, dict]:
 # -- limits: what a small file may describe ---------------------------------------------------
 def _checked(obj: Any, where: str, source: Any) -> Any:
     """``obj`` with each of its tensors checked dense, no larger than what the file stores for
-    it (``qdebug.torchfile.check_dense``: a 1 KB expanded view may describe 10**12 samples)."""
+    it (``qdebug.io.torchfile.check_dense``: a 1 KB expanded view may describe 10**12 samples)."""
     import torch
 
-    from qdebug.torchfile import check_dense
 
     if isinstance(obj, torch.Tensor):
         check_dense(obj, where, source)
@@ -155,13 +156,12 @@ def _checked(obj: Any, where: str, source: Any) -> Any:
 
 
 def _checked_count(count: int, limit: int | None, path: Path, batch_size: int | None) -> int:
-    """The batches a pass reads (``count``, at most ``limit``), refused past ``MAX_BATCHES``."""
-    from qdebug.data import MAX_BATCHES
+    """The batches a pass reads (``count``, at most ``limit``), refused past ``limits.MAX_BATCHES``."""
 
     total = count if limit is None else min(limit, count)
-    if total > MAX_BATCHES:
+    if total > limits.MAX_BATCHES:
         what = f"is cut into {count} batches of {batch_size}" if batch_size else f"lists {count} batches"
-        raise QDebugError(f"{path} {what}; qdebug reads at most {MAX_BATCHES} batches of a file",
+        raise QDebugError(f"{path} {what}; qdebug reads at most {limits.MAX_BATCHES} batches of a file",
                           f"pass --batches N to read the first N{' (or a larger --batch-size)' if batch_size else ''}")
     return total
 
@@ -171,11 +171,10 @@ def _check_reuse(described: int, path: Path) -> None:
     torch.save stores a tensor listed many times once, so a small file may list one tensor
     20,000 times -- hours of work from a few KB.  Honest batches hold their own tensors (a
     small one shared by all, a mask or the targets, fits in the slack)."""
-    from qdebug.data import gib
 
     stored = os.stat(path).st_size
     if described > REUSE_FACTOR * stored + REUSE_SLACK:
-        raise QDebugError(f"{path}: its batches hold {gib(described)} from {stored} bytes on disk: "
+        raise QDebugError(f"{path}: its batches hold {limits.gib(described)} from {stored} bytes on disk: "
                           "it lists the same tensors again and again",
                           "save each batch's own tensors (or pass --batches N to read the first N)")
 
@@ -194,12 +193,11 @@ def _first_batch_bytes(inputs: Any, target: Any, codes: dict, batch_size: int) -
 
 
 def _check_batch_bytes(size: int, index: int, path: Path, batch_size: int | None) -> None:
-    """One batch is held in memory whole: past ``batch_bytes_limit()`` it is refused, not allocated."""
-    from qdebug.data import batch_bytes_limit, gib
+    """One batch is held in memory whole: past ``limits.batch_bytes_limit()`` it is refused, not allocated."""
 
-    if size > batch_bytes_limit():
-        raise QDebugError(f"{path}: batch {index} is {gib(size)}, "
-                          f"over the {gib(batch_bytes_limit())} one batch may hold",
+    if size > limits.batch_bytes_limit():
+        raise QDebugError(f"{path}: batch {index} is {limits.gib(size)}, "
+                          f"over the {limits.gib(limits.batch_bytes_limit())} one batch may hold",
                           "use a smaller --batch-size" if batch_size else "save the data in smaller batches")
 
 
@@ -258,3 +256,88 @@ def _nbytes(obj: Any) -> int:
 def _stamp(path: Path) -> tuple[int, int, int, int]:
     info = os.stat(path)
     return info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev
+
+
+INPUT_KEYS = ("inputs", "x", "images", "data")
+
+
+TARGET_KEYS = ("targets", "target", "y", "labels")
+
+
+def data_kind(obj: Any) -> str | None:
+    """What ``obj`` (a loaded file) holds as data, in words, or None when it is not data.
+
+    The one recognition rule of data files: ``qdebug.data.file`` reads exactly the objects
+    this names, and ``checkpoint.load`` uses it to call a data file by its name.
+    """
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of {_count(obj)} input(s), no targets"
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(t, torch.Tensor) for t in obj):
+        return f"{_count(obj[0])} input(s) and their targets"
+    if isinstance(obj, dict):
+        inputs = _first(obj, INPUT_KEYS)
+        if isinstance(inputs, torch.Tensor):
+            has_target = _first(obj, TARGET_KEYS) is not None
+            return f"{_count(inputs)} input(s) and their targets" if has_target else f"{_count(inputs)} input(s), no targets"
+        return None
+    if isinstance(obj, list) and obj:
+        try:
+            for item in obj:
+                to_batch(item)
+        except QDebugError:
+            return None
+        return f"a list of {len(obj)} batch(es)"
+    return None
+
+
+def _count(tensor: torch.Tensor) -> int:
+    return int(tensor.shape[0]) if tensor.dim() else 1
+
+
+def _decode(inputs: torch.Tensor, obj: dict, source: str) -> torch.Tensor:
+    """Compactly stored inputs: integer data with input_scale/input_offset, or half precision."""
+    import torch
+
+    if "input_scale" in obj or "input_offset" in obj:
+        try:
+            scale = torch.as_tensor(obj.get("input_scale", 1.0), dtype=torch.float32)
+            offset = torch.as_tensor(obj.get("input_offset", 0.0), dtype=torch.float32)
+            return inputs.to(torch.float32) * scale + offset
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise QDebugError(f"{source}: input_scale/input_offset cannot decode the inputs: {first_line(exc)}",
+                              "store them as numbers, or tensors that broadcast to the inputs' shape") from None
+    if inputs.dtype in (torch.float16, torch.bfloat16):
+        return inputs.to(torch.float32)
+    return inputs
+
+
+def _first(obj: dict, keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if key in obj:
+            return obj[key]
+    return None
+
+
+def _check_dataset(inputs: torch.Tensor, target: Any, source: str) -> None:
+    """A dataset is cut along its first dimension: the inputs and every target tensor need one,
+    of the same length.  A 0-d tensor (one number) or a list of labels has none to cut."""
+    import torch
+
+    if inputs.dim() == 0:
+        raise QDebugError(f"{source}: the inputs are a 0-d tensor (one number), not samples",
+                          "save the samples stacked along a first dimension, e.g. x.reshape(1, *x.shape)")
+    n = inputs.shape[0]
+    targets = target.items() if isinstance(target, dict) else [("", target)] if target is not None else []
+    for task, value in targets:
+        what = f"the targets of {task!r}" if task else "the targets"
+        if not isinstance(value, torch.Tensor):
+            raise QDebugError(f"{source}: {what} are a {type(value).__name__}, not a tensor",
+                              "save targets as a tensor with one entry per sample, e.g. torch.tensor(labels)")
+        if value.dim() == 0:
+            raise QDebugError(f"{source}: {what} are a 0-d tensor (one number) for {n} input(s)",
+                              "save one target per sample: a tensor whose first dimension matches the inputs'")
+        if value.shape[0] != n:
+            raise QDebugError(f"{source}: data has {n} inputs but {value.shape[0]} targets"
+                              + (f" for {task!r}" if task else ""), "inputs and targets must align")

@@ -19,7 +19,7 @@ whatever device the code asks for -- so its size can be checked against the file
 before any memory is allocated (``qdebug.checkpoint``).
 
 Importing what is allowed, and naming the user's line when it raises, is
-``qdebug.usercode``.
+``qdebug.io.usercode``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch.nn as nn
 
 from qdebug.errors import QDebugError, first_line, shown
-from qdebug.usercode import import_user_module, raised_by_user_code, where_raised
+from qdebug.io.usercode import import_user_module, raised_by_user_code, where_raised
 
 SPEC_ATTR = "qdebug_model"  # set on models built here so save() can record them
 ALWAYS_TRUSTED_PREFIXES = ("qdebug.zoo",)
@@ -242,7 +242,7 @@ def _top_level_kind(module_name: str, attr: str) -> str | None:
     import ast
     from importlib.machinery import PathFinder
 
-    from qdebug.usercode import import_roots
+    from qdebug.io.usercode import import_roots
 
     search: Any = [*sys.path, *(str(root) for root in import_roots())]
     parts = module_name.split(".")

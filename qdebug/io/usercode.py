@@ -4,7 +4,7 @@ line when it raises.
 A module the user named or trusted is found from the current directory (and then the
 directory of the config file read), as ``python -m`` and pytest's rootdir find it, when
 ``sys.path`` does not hold it: no ``PYTHONPATH=.`` needed.  This only locates modules
-qdebug may import anyway: what a file may name is decided before (``qdebug.modelspec``).
+qdebug may import anyway: what a file may name is decided before (``qdebug.io.modelspec``).
 ``where_raised`` turns an exception from the user's metric, data function or model into
 ``file:line (code)`` of their own frame.
 """
@@ -67,7 +67,7 @@ def check_module_name(module_name: str, what: str | None = None) -> None:
     """``module_name`` as an absolute, importable name (``pkg.mod``): a relative one (``.mod``)
     or one with spaces or slashes would reach importlib and fail there with a message about
     its own arguments.  ``what`` names the spec in the message."""
-    from qdebug.config import MODULE_NAME
+    from qdebug.config.project import MODULE_NAME
 
     if not MODULE_NAME.fullmatch(module_name):
         raise QDebugError(f"{module_name!r} is not an importable module name" + (f" (in {what})" if what else ""),
@@ -83,7 +83,7 @@ def exit_error(exc: SystemExit, what: str, hint: str = EXIT_HINT) -> QDebugError
     imported) as an error naming it: let through, it would end qdebug silently with the
     exit code the user's code chose -- often 0, a pass with no verdict."""
     where = where_raised(exc)
-    called = getattr(exc, "called", "sys.exit")  # os._exit: qdebug.early_exit
+    called = getattr(exc, "called", "sys.exit")  # os._exit: qdebug.cli.early_exit
     return QDebugError(f"{what} called {called}({exc.code!r})" + (f", at {where}" if where else ""), hint)
 
 
@@ -104,7 +104,7 @@ def import_roots(module_name: str = "") -> list[Path]:
     only the latter for a package the config itself names (its ``trust``, ``model``,
     ``metric``, ``data``): a config's names resolve against its own folder, never against
     whatever folder qdebug runs in."""
-    from qdebug.config import config_packages, config_root
+    from qdebug.config.project import config_packages, config_root
 
     root = config_root()
     if root is not None and module_name.partition(".")[0] in config_packages():
@@ -142,7 +142,7 @@ def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(qdebug's and torch's directories, those plus the standard library and site-packages)."""
     import torch
 
-    core = {str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent)}
+    core = {str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent)}  # qdebug/, torch/
     every = set(core)
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)

@@ -1,13 +1,13 @@
 """``qdebug watch``'s run: QAT steps with nan-trace's training loop, watched by ``qdebug.watch``.
 
-``watch_steps`` trains ``steps`` steps with ``qdebug.tools.nan_trace.trace_steps`` (the same
+``watch_steps`` trains ``steps`` steps with ``qdebug.tools.nan.trace.trace_steps`` (the same
 loop, losses, optimizers and seeding as ``nan-trace``; its cheap non-finite checks too, so a
 run that goes NaN stops there and says where) and calls ``QatWatch.step`` after each step's
 update.  ``held_out_inputs`` makes the held-out batch of ``output_sqnr_db``: the inputs of the
 last batches of the data, which the run does not train on.
 
 ``dead_run_of(result)`` reads a nan-trace run the same way: a run that stayed finite but died
-(``qdebug.tools.qat_rules.dead_run`` over its steps).
+(``qdebug.tools.watch.rules.dead_run`` over its steps).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from qdebug.data import Batch
+from qdebug.data.batch import Batch
 from qdebug.errors import QDebugError
-from qdebug.tools.qat_watch import watch
+from qdebug.tools.watch.timeline import watch
 
 
 @dataclass
 class WatchRun:
-    """What a watched run gives: the timeline and findings (``qdebug.tools.qat_watch``), the
+    """What a watched run gives: the timeline and findings (``qdebug.tools.watch.timeline``), the
     steps it ran, and nan-trace's first non-finite value when the run went non-finite."""
 
     timeline: Any  # pandas DataFrame: step, kind, name, metric, value
@@ -64,7 +64,7 @@ def watch_steps(model: nn.Module, batches: Sequence[Batch], *, steps: int, every
                 optimizer: str = "sgd", lr: float = 0.01, seed: int = 0, train: Callable | None = None,
                 progress: Callable[[int, int], None] | None = None) -> WatchRun:
     """Train ``steps`` QAT steps on ``batches`` (module docstring), looking every ``every`` steps."""
-    from qdebug.tools.nan_trace import trace_steps
+    from qdebug.tools.nan.trace import trace_steps
 
     if steps < 1:
         raise QDebugError(f"watch trains steps: steps must be >= 1, got {steps}", "e.g. --steps 500")
@@ -80,12 +80,12 @@ def watch_steps(model: nn.Module, batches: Sequence[Batch], *, steps: int, every
 def dead_run_of(result: Any) -> dict | None:
     """When every step of a nan-trace run (``TraceResult``) stayed finite but its timeline shows a
     dead run -- the gradient norm gone to 0, the points saturating, the loss no lower
-    (``qdebug.tools.qat_rules.dead_run``, each step a look) -- that finding (``rule``, ``name``,
+    (``qdebug.tools.watch.rules.dead_run``, each step a look) -- that finding (``rule``, ``name``,
     ``from_step``, ``evidence``, ``fix``); else None."""
     import pandas as pd
 
-    from qdebug.tools.qat_rules import FINDING_COLUMNS, dead_run
-    from qdebug.tools.qat_watch import COLUMNS
+    from qdebug.tools.watch.rules import FINDING_COLUMNS, dead_run
+    from qdebug.tools.watch.timeline import COLUMNS
 
     if result.first is not None:
         return None

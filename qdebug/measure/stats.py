@@ -338,7 +338,7 @@ class ErrorStats:
             self._add_channels(per_channel, torch.zeros_like(per_channel), None, None)
         return True
 
-    # -- combining runs over shards of the batches (qdebug.distributed) -------------------
+    # -- combining runs over shards of the batches (qdebug.config.distributed) -------------------
     _SUMMED = ("n", "sxx", "syy", "sxy", "see", "sae", "nonfinite", "saturated", "saturation_n", "kl_sum", "kl_n")
 
     def state(self) -> dict:

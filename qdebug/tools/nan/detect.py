@@ -25,8 +25,8 @@ Two ways to look, one set of hooks:
   whether the call *created* the value (its inputs finite) or only propagated it.
 
 A training loop runs cheaply and re-runs a flagged step in detail from a snapshot
-taken before it (``qdebug.tools.nan_trace``); a user's own loop runs in detail
-(``qdebug.tools.nan_guard``), as it cannot be re-run.
+taken before it (``qdebug.tools.nan.trace``); a user's own loop runs in detail
+(``qdebug.tools.nan.guard``), as it cannot be re-run.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from qdebug.engine import engine_state, is_prepared
 from qdebug.engine.context import Event
 from qdebug.engine.members import named_members
 from qdebug.engine.ops import tensors_in
-from qdebug.tap import tap
+from qdebug.measure.tap import tap
 
 # The smallest normal float32: a scale below it is subnormal (1/s overflows, precision is gone).
 TINY = torch.finfo(torch.float32).tiny

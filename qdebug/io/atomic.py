@@ -20,9 +20,9 @@ A write that fails (a full disk, a file-size limit, a device that refuses) raise
 error, and an ``OSError`` for callers that catch those. The target keeps its old content,
 and neither the temp file nor a folder created for it is left behind.
 
-Folders (the ``--out DIR`` of every command) are ``qdebug.staged.StagedDir``'s, built on these
+Folders (the ``--out DIR`` of every command) are ``qdebug.io.staged.StagedDir``'s, built on these
 rules. A temp file is locked while its run writes it: one that a killed run left is removed by the
-next write of the same file (``qdebug.leftovers``). Inside ``qdebug.together.holding()`` the
+next write of the same file (``qdebug.io.leftovers``). Inside ``qdebug.io.together.holding()`` the
 finished temp file waits to be renamed with the ``--out`` folder (both outputs, or neither).
 """
 
@@ -36,9 +36,9 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Literal
 
-from qdebug import leftovers, together
+from qdebug.io import leftovers, together
 from qdebug.errors import QDebugError, checked_path
-from qdebug.filesystem import SHOWN, _write_error, make_dirs, mode_for, remove_dirs, shown, write_errors
+from qdebug.io.filesystem import SHOWN, _write_error, make_dirs, mode_for, remove_dirs, shown, write_errors
 
 Kind = Literal["file", "stream"]
 
@@ -128,7 +128,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 def _locked_temp(real: Path) -> tuple[int | None, str]:
     """A new temp file beside ``real``, locked while this run writes it; the temp files of ``real``
-    that a killed run left are removed first (``qdebug.leftovers``). In a staging folder of this
+    that a killed run left are removed first (``qdebug.io.leftovers``). In a staging folder of this
     run (new, and locked by it) there is nothing to sweep."""
     if real.parent in SHOWN:
         fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)

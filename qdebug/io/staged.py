@@ -2,9 +2,9 @@
 
 The files of a run are written into a hidden staging folder and moved into place together at
 the end, under a lock, so that a failed run changes nothing and two runs on the same folder
-never mix their files.  Each file moves by the rules of ``qdebug.atomic`` (through a link, into
+never mix their files.  Each file moves by the rules of ``qdebug.io.atomic`` (through a link, into
 a device).  The staging folder is locked while its run lives, so the next run removes one that a
-killed run left, and only such a one (``qdebug.leftovers``).
+killed run left, and only such a one (``qdebug.io.leftovers``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import weakref
 from pathlib import Path
 from typing import Iterator
 
-from qdebug.atomic import output_kind, refuse_dangling_link
-from qdebug.filesystem import SHOWN, WriteError, make_dirs, mode_for, remove_dirs, shown, umask_now, write_errors
-from qdebug import leftovers
+from qdebug.io.atomic import output_kind, refuse_dangling_link
+from qdebug.io.filesystem import SHOWN, WriteError, make_dirs, mode_for, remove_dirs, shown, umask_now, write_errors
+from qdebug.io import leftovers
 from qdebug.errors import QDebugError
 
 
@@ -40,7 +40,7 @@ class StagedDir:
         self._made: list[Path] = []
         self._stale: set[str] = set()
         self._cleanup: weakref.finalize | None = None
-        self._lock: int | None = None  # the staging folder's lock while this run uses it (qdebug.leftovers)
+        self._lock: int | None = None  # the staging folder's lock while this run uses it (qdebug.io.leftovers)
 
     def file(self, name: str) -> Path:
         """Where to write the file ``name`` of this folder now."""
@@ -143,7 +143,7 @@ def _remove_staging(staging: Path, made: list[Path], lock: int | None = None) ->
 def _new_staging(real: Path, inside: bool) -> tuple[Path, int | None]:
     """A new staging folder for the folder ``real``, locked while this run uses it: inside it when it
     exists, else beside it. The staging folders of ``real`` that a killed run left (in either place)
-    are removed first (``qdebug.leftovers``)."""
+    are removed first (``qdebug.io.leftovers``)."""
     if inside:  # one left beside it, when the folder did not exist yet
         leftovers.sweep(real.parent, leftovers.staging_pattern(real.name))
     lock, staging = leftovers.new_staging_dir(real if inside else real.parent, real.name)
