@@ -1,4 +1,4 @@
-"""What the benchmarks share: seeded ResNet-18 workloads, and peak memory readings.
+"""What the benchmarks share: seeded ResNet-18 and MobileNetV2 workloads, and peak memory readings.
 
 The scripts in this folder run as ``python benchmarks/<script>.py``, so this module
 is importable by its plain name from them.
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from qdebug.engine import QConfig, calibrate, prepare
-from qdebug.zoo import ResNet
+from qdebug.zoo import MobileNetV2, ResNet
 
 
 def random_batches(n: int, batch: int, size: int, seed: int) -> Iterator[torch.Tensor]:
@@ -27,8 +27,22 @@ def random_batches(n: int, batch: int, size: int, seed: int) -> Iterator[torch.T
 def resnet18(batch: int, size: int, seed: int, warmups: int) -> nn.Module:
     """ResNet-18 (seeded weights) whose BN statistics are the average of ``warmups`` train-mode
     forwards on random data, in eval mode: realistic, non-trivial BN folding."""
+    return warmed(ResNet, batch, size, seed, warmups)
+
+
+def mobilenetv2(batch: int, size: int, seed: int, warmups: int) -> nn.Module:
+    """MobileNetV2 (``qdebug.zoo``: depthwise convs, ReLU6, residual adds), warmed like ``resnet18``."""
+    return warmed(MobileNetV2, batch, size, seed, warmups)
+
+
+MODELS = {"resnet18": resnet18, "mobilenetv2": mobilenetv2}
+
+
+def warmed(cls: type, batch: int, size: int, seed: int, warmups: int) -> nn.Module:
+    """``cls()`` (seeded weights) whose BN statistics are the average of ``warmups`` train-mode
+    forwards on random data, in eval mode."""
     torch.manual_seed(seed)
-    model = ResNet()
+    model = cls()
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     for bn in bns:
         bn.momentum = None  # cumulative average of the warm-up batches

@@ -69,6 +69,9 @@ def _global(
     STATE.config_path = config
     STATE.debug = debug
     STATE.quiet = quiet
+    from qdebug.config.memory import reuse_freed_memory
+
+    reuse_freed_memory()  # a command is about to run: freed tensors' memory kept for the next ones
 
 
 def _register() -> None:
