@@ -37,6 +37,9 @@ app = typer.Typer(
         "Every command takes --format table|json|csv and --out DIR; see docs/cli.md.\n\n"
         "Progress goes to stderr: a bar on a terminal, else one line every 10 s (QDEBUG_PROGRESS_SECONDS); "
         "--quiet drops it. Example: qdebug --quiet compare fixtures/demo/float.pt fixtures/demo/qat.pt "
+        "--data fixtures/demo/eval.pt\n\n"
+        "A command keeps the memory of freed tensors for the next ones (glibc's malloc; QDEBUG_MALLOC=default leaves "
+        "it as it is). Example: QDEBUG_MALLOC=default qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt "
         "--data fixtures/demo/eval.pt"
     ),
     no_args_is_help=True,
