@@ -57,6 +57,7 @@ from qdebug.engine import quant_points
 from qdebug.engine.context import run_model
 from qdebug.tools.experiment import Experiment, Trial
 from qdebug.tools.step import Units
+from qdebug.config.memory import reuse_freed_memory
 from workload import calibrated, maxrss_mb, peak_rss_mb, random_batches, resnet18
 
 TIME_TARGET = 0.7
@@ -154,6 +155,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    reuse_freed_memory()  # as the command line does (qdebug.config.memory); QDEBUG_MALLOC=default: glibc's own
     if args.child is not None:
         child(args)
         return 0

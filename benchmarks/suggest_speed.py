@@ -72,6 +72,7 @@ import qdebug.tools.suggest as suggest_module
 from qdebug.engine.context import run_model
 from qdebug.tools.experiment import Experiment, Trial
 from qdebug.tools.suggest import candidates, diagnoses_of, suggest
+from qdebug.config.memory import reuse_freed_memory
 from workload import calibrated, random_batches, resnet18
 
 BN_WARMUP_FORWARDS = 3
@@ -217,6 +218,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    reuse_freed_memory()  # as the command line does (qdebug.config.memory); QDEBUG_MALLOC=default: glibc's own
 
     started = time.perf_counter()
     load_start = os.getloadavg()

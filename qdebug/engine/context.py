@@ -181,11 +181,23 @@ class ForwardContext(TorchFunctionMode):
         self.root = root
         self.handler = handler or Handler()
         self.listeners = list(listeners or [])
-        self.module_names = {id(m): n for n, m in root.named_modules()}
-        self.module_paths = {n for n, _ in root.named_modules(remove_duplicate=False)}
-        # Norm-act layers by path, and their nn.Identity children, which are no calls (``ops.is_norm_act``).
-        self.norm_acts = {n: m for n, m in root.named_modules() if is_norm_act(m)}
-        owners = [*self.norm_acts.values(), *(m for m in root.modules() if getattr(type(m), "norm_act_tail", False))]
+        # One walk of the tree (a forward's set-up, paid by every forward): each module's first path
+        # (``named_modules``' own), every path, and the norm-act layers by path and their
+        # nn.Identity children, which are no calls (``ops.is_norm_act``).
+        self.module_names: dict[int, str] = {}
+        self.module_paths: set[str] = set()
+        self.norm_acts: dict[str, nn.Module] = {}
+        tails = []
+        for name, module in root.named_modules(remove_duplicate=False):
+            self.module_paths.add(name)
+            if id(module) in self.module_names:
+                continue
+            self.module_names[id(module)] = name
+            if is_norm_act(module):
+                self.norm_acts[name] = module
+            if getattr(type(module), "norm_act_tail", False):
+                tails.append(module)
+        owners = [*self.norm_acts.values(), *tails]
         self.silent = {id(c) for m in owners for c in m.children() if type(c) is nn.Identity}
         self.counts: dict[str, int] = defaultdict(int)
         self.frames: list[_Frame] = [_Frame("container", "")]

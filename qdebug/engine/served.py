@@ -23,6 +23,7 @@ they are cheap, and fallbacks are only recognised after they ran.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -65,6 +66,20 @@ def _serving_forward(module: nn.Module, original):
     return forward
 
 
+# model -> its modules whose calls are named (``module_category``), found once: an experiment
+# serves every trial's every batch, and walking a deep model's tree each time cost ~1 ms a
+# forward at 64 px (7% of step's sweep).  A module added later is simply not served (computed,
+# the same values); one removed is patched harmlessly.
+_CALLABLE: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def _callable_modules(model: nn.Module) -> list[nn.Module]:
+    found = _CALLABLE.get(model)
+    if found is None:
+        found = _CALLABLE[model] = [m for m in model.modules() if module_category(m) is not None]
+    return found
+
+
 @contextlib.contextmanager
 def serving(model: nn.Module, served: ServedCalls | None) -> Iterator[None]:
     """While active, ``model``'s forwards take the outputs ``served`` knows (see module docstring)."""
@@ -73,9 +88,8 @@ def serving(model: nn.Module, served: ServedCalls | None) -> Iterator[None]:
         yield
         return
     patched = []
-    for module in model.modules():
-        category = module_category(module)
-        if category is None or "forward" in module.__dict__:
+    for module in _callable_modules(model):
+        if "forward" in module.__dict__:
             continue
         module.__dict__["forward"] = _serving_forward(module, module.forward)
         patched.append(module)
