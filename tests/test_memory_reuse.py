@@ -49,7 +49,7 @@ def test_freed_blocks_are_reused_not_faulted_in_again():
 
 
 def test_it_is_done_once_and_says_so(monkeypatch):
-    monkeypatch.setattr(memory, "_done", [])
+    memory.reuse_freed_memory.cache_clear()
     first = memory.reuse_freed_memory()
     assert first == GLIBC
     monkeypatch.setenv("QDEBUG_MALLOC", "default")  # read once: a later call answers from the first
@@ -57,7 +57,7 @@ def test_it_is_done_once_and_says_so(monkeypatch):
 
 
 def test_qdebug_malloc_default_leaves_malloc_alone(monkeypatch):
-    monkeypatch.setattr(memory, "_done", [])
+    memory.reuse_freed_memory.cache_clear()
     monkeypatch.setenv("QDEBUG_MALLOC", "default")
     assert memory.reuse_freed_memory() is False
 

@@ -23,31 +23,28 @@ yourself (it changes malloc for the whole process).  Nothing is done elsewhere t
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 ENV = "QDEBUG_MALLOC"  # "default": leave malloc as it is
 KEEP_BYTES = 2**31 - 1  # mallopt takes an int: the most it can say
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-_done: list[bool] = []
 
 
+@functools.cache  # once per process: the first call's answer stands
 def reuse_freed_memory() -> bool:
     """Keep freed memory in the heap for reuse (module docstring); True when malloc was told so
     (now or by an earlier call), False where it cannot be (not glibc) or ``QDEBUG_MALLOC=default``."""
-    if _done:
-        return _done[0]
-    applied = False
-    if os.environ.get(ENV, "").strip().lower() != "default" and sys.platform.startswith("linux"):
-        import ctypes
+    if os.environ.get(ENV, "").strip().lower() == "default" or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
 
-        try:
-            libc = ctypes.CDLL(None)
-            mallopt = getattr(libc, "mallopt", None)
-            gnu = getattr(libc, "gnu_get_libc_version", None)  # glibc's own: musl has mallopt, not this
-            if mallopt is not None and gnu is not None:
-                applied = bool(mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))
-        except OSError:  # no C library to load: nothing to tune
-            applied = False
-    _done.append(applied)
-    return applied
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:  # no C library to load: nothing to tune
+        return False
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or getattr(libc, "gnu_get_libc_version", None) is None:  # glibc's own: musl has mallopt
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES))

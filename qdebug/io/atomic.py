@@ -38,7 +38,7 @@ from typing import IO, Iterator, Literal
 
 from qdebug.io import leftovers, together
 from qdebug.errors import QDebugError, checked_path
-from qdebug.io.filesystem import SHOWN, _write_error, make_dirs, mode_for, remove_dirs, shown, write_errors
+from qdebug.io.filesystem import SHOWN, write_error, make_dirs, mode_for, remove_dirs, shown, write_errors
 
 Kind = Literal["file", "stream"]
 
@@ -56,7 +56,7 @@ def output_kind(path: str | os.PathLike) -> Kind:
     except FileNotFoundError:
         return "file"
     except OSError as exc:
-        raise _write_error(target, exc) from None
+        raise write_error(target, exc) from None
     try:
         mode = os.stat(target).st_mode
     except OSError as exc:
@@ -64,7 +64,7 @@ def output_kind(path: str | os.PathLike) -> Kind:
             raise QDebugError(f"cannot write {target}: it is a symbolic link to {os.readlink(target)}, "
                               f"which {'does not exist' if exc.errno == errno.ENOENT else 'loops'}",
                               "remove the link, or create the file it points to first") from None
-        raise _write_error(target, exc) from None
+        raise write_error(target, exc) from None
     if stat.S_ISCHR(mode) or (link and _in_device_tree(target)):
         return "stream"
     if stat.S_ISFIFO(mode):  # no reader: open() would wait forever; a reader: it is no file to replace
@@ -108,7 +108,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         lock, tmp = _locked_temp(real)
     except OSError as exc:
         remove_dirs(made)
-        raise _write_error(target, exc) from None
+        raise write_error(target, exc) from None
     tmp_path = Path(tmp)
     try:
         with write_errors(target):

@@ -48,7 +48,7 @@ def shown(path: str | os.PathLike) -> Path:
     return path
 
 
-def _write_error(target: Path, exc: OSError) -> WriteError:
+def write_error(target: Path, exc: OSError) -> WriteError:
     """``exc`` as an error that names the output (never a temp file) and says what to do."""
     hint = _WRITE_HINT + (" (and the file-size limit: ulimit -f)" if exc.errno == errno.EFBIG else "")
     name = shown(target)
@@ -64,7 +64,7 @@ def write_errors(target: Path) -> Iterator[None]:
     except QDebugError:
         raise
     except OSError as exc:
-        raise _write_error(target, exc) from exc
+        raise write_error(target, exc) from exc
     except RuntimeError as exc:
         if not any(marker in str(exc) for marker in _TORCH_WRITE_FAILURES):
             raise
