@@ -3,7 +3,8 @@
 - ``project``: the config file, found upward, validated (``load_config``, ``Config``);
 - ``edit``: writing its keys in place (``qdebug init``);
 - ``device``: the device a command runs on, checked without torch;
-- ``distributed``: the ranks of a data-parallel run under torchrun, and their exact merges.
+- ``distributed``: the ranks of a data-parallel run under torchrun, and their exact merges;
+- ``memory``: glibc's malloc told to keep freed memory for the next tensor (the command line's).
 
 The bottom of the house above ``qdebug.errors``: the engine may read the device and the ranks,
 and nothing here imports the engine, the user's code or a file reader.
