@@ -14,6 +14,7 @@ import qdebug
 from qdebug.data.batch import Batch
 from qdebug.engine import QConfig, calibrate, prepare, quant_points
 from qdebug.errors import QDebugError
+import qdebug.tools.suggest as suggest_module
 from qdebug.tools.suggest import candidates, diagnoses_of, suggest, summarize
 
 OUTLIER = 3  # the channel of layer1.0's BN output made 64x larger, compensated in layer1.0.conv2
@@ -293,3 +294,69 @@ def test_apply_with_nothing_to_apply_writes_nothing(cli, outlier_files, tmp_path
     (tmp_path / "file").write_text("x")
     cli("suggest", d / "float.pt", d / "calibrated.pt", "--apply", "-o", tmp_path / "file" / "x.pt").assert_error(
         "is a file")
+
+
+def _cumulative(errors_per_batch, signal=100.0):
+    """Cumulative [sum x^2, sum e^2, sum xy, sum y^2] after each batch of ``signal`` energy and these errors."""
+    out, total = [], 0.0
+    for b, error in enumerate(errors_per_batch, start=1):
+        total += error
+        out.append([signal * b, total, 0.0, 0.0])
+    return out
+
+
+def test_surely_below_zero_by_hand():
+    """mean + t(n - 1) sd / sqrt(n) < 0, t the one-sided 99.5% quantile (9.925 for 2 degrees of freedom)."""
+    below = suggest_module._surely_below_zero
+    # -0.1, -0.12: mean -0.11, sd 0.01414, t(1) = 63.657: -0.11 + 0.6366 > 0.
+    assert not below([-0.1, -0.12])
+    # -0.1, -0.12, -0.09: mean -0.10333, sd 0.015275, -0.10333 + 9.925 x 0.008819 = -0.0158 < 0.
+    assert below([-0.1, -0.12, -0.09])
+    assert not below([-0.1, -0.12, -0.02])  # -0.08 + 9.925 x 0.0306 > 0
+    assert not below([-0.5])  # one batch is no evidence
+    assert not below([-0.1, math.nan, -0.1])
+    assert below([-0.1, -0.1])  # no spread at all
+
+
+def test_early_rejection_by_hand():
+    """Anchor error 1.0 per batch (signal 100); trial 1 removes -10%, -12%, -9% of it (worse, surely
+    so after 3 batches); trial 2 helps; trial 3 is noisy; trial 4 has no signal (NaN)."""
+    stop = suggest_module._EarlyRejection(range(1, 5))
+    anchor = _cumulative([1.0, 1.0, 1.0, 1.0])
+    trials = {1: _cumulative([1.1, 1.12, 1.09, 1.1]), 2: _cumulative([0.9, 0.95, 0.92, 0.9]),
+              3: _cumulative([1.5, 0.6, 1.5, 0.6]), 4: _cumulative([1.0] * 4, signal=0.0)}
+    asked = [stop(b, {0: {"output": anchor[b]}, **{k: {"output": v[b]} for k, v in trials.items()}})
+             for b in range(3)]
+    assert asked == [set(), set(), {1}]
+    assert stop.anchor_at == {1: {"output": anchor[2]}}  # its gain is over those 3 batches
+    # Several outputs: rejected only when every output says so.
+    two = suggest_module._EarlyRejection(range(1, 2))
+    better = _cumulative([0.9, 0.9, 0.9])
+    assert [two(b, {0: {"a": anchor[b], "b": anchor[b]}, 1: {"a": trials[1][b], "b": better[b]}})
+            for b in range(3)] == [set(), set(), set()]
+
+
+def test_early_rejection_keeps_the_plan(outlier, images, monkeypatch):
+    """On 8 searched batches the plan with candidates rejected early is the plan without rejection;
+    the rejected rank last, each with the batches it was measured on."""
+    float_model, model = outlier
+    batches = [Batch(images(8, seed=s), None) for s in range(40, 48)]
+    diagnoses = diagnoses_of(float_model, model, batches)
+    early = suggest(model, batches, reference=float_model, min_sqnr=35, diagnoses=diagnoses, confidence=None)
+    monkeypatch.setattr(suggest_module, "_EarlyRejection", lambda singles: None)
+    full = suggest(model, batches, reference=float_model, min_sqnr=35, diagnoses=diagnoses, confidence=None)
+    searched = early.meta["search_batches"]
+    assert full.meta["rejected_early"] == 0 and (full.frame["ranked_batches"] == searched).all()
+    rejected = early.meta["rejected_early"]
+    assert rejected > 0
+    assert early.meta["plan"]["points"] == full.meta["plan"]["points"]
+    assert early.meta["plan"]["after"]["sqnr_db"] == full.meta["plan"]["after"]["sqnr_db"]
+    ranked_on = list(early.frame["ranked_batches"])
+    assert ranked_on[:len(ranked_on) - rejected] == [searched] * (len(ranked_on) - rejected)
+    assert all(3 <= b < searched for b in ranked_on[len(ranked_on) - rejected:])
+    saved = sum(searched - b for b in ranked_on)
+    assert early.meta["forwards_by_phase"]["ranking"] == full.meta["forwards_by_phase"]["ranking"] - saved
+    assert f"ranking: {rejected} of {early.meta['candidates']} candidate(s) rejected early" in " ".join(
+        early.summary.split())
+    # A rejected candidate's gain is over the batches it ran on: it makes the output worse.
+    assert (early.frame["gain_db"].tail(rejected) < 0).all()

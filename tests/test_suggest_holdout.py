@@ -143,8 +143,12 @@ def test_the_reported_forward_passes_are_the_forwards_run(outlier, images, monke
     if rank == "exact":
         # Every candidate alone is a setting of the ranking (the old count said 2: the runs).
         assert meta["ranking_evaluations"] == 1 + meta["candidates"]
-        # Each of those settings ran on every searched batch at least once.
-        assert meta["forwards_by_phase"]["ranking"] >= meta["ranking_evaluations"] * meta["search_batches"]
+        # Each of those settings ran on every searched batch at least once, but the ones rejected
+        # early (after the first batch), which ran on one.
+        rejected = meta["rejected_early"]
+        assert (result.frame["ranked_batches"] == 1).sum() == rejected
+        assert meta["forwards_by_phase"]["ranking"] >= ((meta["ranking_evaluations"] - rejected) * meta["search_batches"]
+                                                        + rejected)
     assert f"cost: {meta['forwards']} forward pass(es)" in result.summary
 
 

@@ -40,7 +40,7 @@ def render_suggest(frame: "pd.DataFrame", meta: dict, *, width: Optional[int] = 
     gains = [c for c in view.columns if c.endswith("_gain")]
     lead = "noise_score" if "noise_score" in view and view["gain_db"].isna().all() else "gain_db"
     priority = ["rank", "point", "kind", lead, "in_plan", "diagnosis", "recalibrate", *gains, "macs_share", "act_share",
-                "bits", "layer"]
+                "bits", "layer", "ranked_batches"]
     formats = {"gain_db": fixed(2), "macs_share": fixed(3), "act_share": fixed(3)}
     formats.update({c: fixed(4) for c in gains})
     highlight = [i for i, v in enumerate(view["in_plan"]) if v]
@@ -129,7 +129,11 @@ WRITE_BACK = {"torch-ao": ("plan_torch_ao.py", "plan_torch_ao.json"),
         "or applied (--apply -o FILE). Points that clip are left to recalibration, not int16. From 4 "
         "batches on, the last quarter is held out: the plan searched on the rest is confirmed there, with "
         "its margin and that margin's bootstrap interval (--confidence), grown when it misses, and a warning "
-        "when the margin is inside the noise; the summary counts every forward pass the command made.\n\n"
+        "when the margin is inside the noise; the summary counts every forward pass the command made. With "
+        "--min-sqnr, a candidate that surely makes the output worse (99.5% confidence over the batches so "
+        "far) is measured on no further batch (ranked last; ranked_batches in --wide).\n\n"
+        "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "
+        "--min-sqnr 38 --wide\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data "
         "fixtures/demo/eval.pt --metric top1 --out suggest-out\n\n"
         "Example: qdebug suggest fixtures/demo/float.pt fixtures/demo/calibrated.pt --data fixtures/demo/eval.pt "

@@ -25,7 +25,11 @@ the batches:
   ``sqnr_db`` = 10 log10(sum x^2 / sum (x - y)^2) and ``cosine``;
 - **the metric**: one with a per-sample function (``top1``) is evaluated batch by
   batch, nothing stored; any other metric is evaluated once per trial at the end,
-  on that trial's model outputs (outputs only, not feature maps), held until then.
+  on that trial's model outputs (outputs only, not feature maps), held until then;
+- **trials may stop early** (``run(..., stop=)``): after each batch the caller sees
+  every running trial's output sums so far and may name trials to measure no
+  further; their results are over the batches they ran (``TrialResult.batches``).
+  The first trial (the anchor later trials resume from) always runs to the end.
 
 The reference is the float model when one is given, else the model itself with
 every point in float (its base run).  A point counts as quantizable when it is in
@@ -222,6 +226,7 @@ class TrialResult:
     served_calls: int = 0
     row: dict[str, Any] = field(default_factory=dict)  # what the calling tool derives from it
     samples: dict[str, torch.Tensor] = field(default_factory=dict)  # task -> per-sample scores (keep_samples)
+    batches: int = 0  # the batches it was measured on (fewer than the run's when ``stop`` ended it early)
 
     @property
     def worst_sqnr_db(self) -> float:
@@ -282,11 +287,25 @@ class Experiment:
         self._done = 0
 
     # -- public -------------------------------------------------------------------
-    def run(self, trials: Sequence[Trial], *, keep_samples: bool = False) -> list[TrialResult]:
+    def run(self, trials: Sequence[Trial], *, keep_samples: bool = False,
+            stop: Callable[[int, dict[int, dict[str, list[float]]]], Iterable[int]] | None = None,
+            ) -> list[TrialResult]:
         """Measure every trial over all batches (one pass; see module docstring).  ``keep_samples``:
         with a per-sample metric, each trial's per-sample scores in ``TrialResult.samples`` (the
-        float model's are always in ``float_samples``), for a bootstrap interval."""
+        float model's are always in ``float_samples``), for a bootstrap interval.
+
+        ``stop(position, partial)``: called after each batch but the last with the float64 sums
+        so far of every trial still running (trial index -> output name -> [sum x^2, sum (x - y)^2,
+        sum x y, sum y^2], x the reference's output); the trials it returns are not run on the
+        later batches.  Trial 0 always runs on.  Not
+        with a metric (a metric's value over part of the data is another quantity), and ignored
+        under torchrun (each rank sees only its share of the batches, and they must agree).
+        """
         trials = list(trials)
+        if stop is not None and self.metric is not None:
+            raise ValueError("Experiment.run: stop= measures output statistics only, not a metric")
+        if self.group.active:
+            stop = None
         unknown = sorted({p for t in trials for p in (*t.quantized, *t.bits, *t.qparams)} - set(self.quantizable))
         if unknown:
             raise QDebugError(f"not a quantized point of this model: {', '.join(unknown[:5])}",
@@ -315,6 +334,8 @@ class Experiment:
         total = count * (len(trials) + with_base + (first and self.reference is not None)) if count is not None else None
         samples = 0
         self._done = 0
+        running = list(range(len(trials)))  # the trials not stopped early
+        measured = [0] * len(trials)  # batches each trial ran on
         for module, _ in modes:
             module.eval()
         try:
@@ -346,11 +367,22 @@ class Experiment:
                     if float_run is not None:
                         self._score(float_run, sampler, ref_out, ref_out, batch)
                     index = {name: i for i, name in enumerate(self.call_order)}
-                    self._run_trials(trials, loaded, inputs, index, base, anchor, recordings, served_counts,
-                                     lambda k, out: self._measure(k, out, stats, runs, sampler, ref_named, ref_out,
-                                                                  batch, total))
+                    served_now = [0] * len(running)
+                    self._run_trials([trials[k] for k in running], loaded, inputs, index, base, anchor, recordings,
+                                     served_now,
+                                     lambda j, out: self._measure(running[j], out, stats, runs, sampler, ref_named,
+                                                                  ref_out, batch, total))
+                    for j, k in enumerate(running):
+                        served_counts[k] += served_now[j]
+                        measured[k] += 1
                     for recording in (base, anchor, *recordings):
                         recording.clear()
+                    if stop is not None and (count is None or position + 1 < count):
+                        sums = {k: {name: list(v) for name, v in stats[k].sums.items()} for k in running}
+                        ended = set(stop(position, sums)) & set(running[1:])
+                        running = [k for k in running if k not in ended]
+                        if total is not None:  # the progress bar's end: the stopped trials' forwards are not coming
+                            total -= len(ended) * (count - position - 1)
         finally:
             for name, mode in loaded.items():
                 self.state.points[name].mode = mode
@@ -359,7 +391,8 @@ class Experiment:
             for recording in (base, anchor, *recordings):
                 recording.capture.release()
         if self.group.active:
-            samples = self._combine_ranks(stats, floor if first else None, runs, float_run, served_counts, samples)
+            samples = self._combine_ranks(stats, floor if first else None, runs, float_run, served_counts, measured,
+                                          samples)
         if first:
             self._references = references
             self.samples = samples
@@ -374,13 +407,14 @@ class Experiment:
             metric = self._finish(runs[k]) if self.metric is not None else {}
             results.append(TrialResult(trial, stats[k].result(), metric, len(trial.quantized),
                                        *self.shares(trial.quantized), served_calls=served_counts[k],
-                                       samples=self._named(runs[k].sample_scores())))
+                                       samples=self._named(runs[k].sample_scores()), batches=measured[k]))
         return results
 
     def _combine_ranks(self, stats: list["_OutputStats"], floor: "_OutputStats | None", runs: list[MetricRun],
-                       float_run: MetricRun | None, served: list[int], samples: int) -> int:
-        """Under torchrun: every rank's sums, metric runs and counts merged into this rank's
-        (the same on every rank, so every rank takes the same next step); the samples counted."""
+                       float_run: MetricRun | None, served: list[int], measured: list[int], samples: int) -> int:
+        """Under torchrun: every rank's sums, metric runs and counts (served calls, batches measured)
+        merged into this rank's (the same on every rank, so every rank takes the same next step);
+        the samples counted."""
         def merge(a: dict, b: dict) -> dict:
             return {
                 "stats": [_OutputStats.merge_sums(x, y) for x, y in zip(a["stats"], b["stats"])],
@@ -388,6 +422,7 @@ class Experiment:
                 "runs": [MetricRun.merge(x, y) for x, y in zip(a["runs"], b["runs"])],
                 "float_run": MetricRun.merge(a["float_run"], b["float_run"]) if a["float_run"] is not None else None,
                 "served": [x + y for x, y in zip(a["served"], b["served"])],
+                "measured": [x + y for x, y in zip(a["measured"], b["measured"])],
                 "samples": a["samples"] + b["samples"],
                 # Costs and call order come from a rank that ran a batch (rank 0, unless it had none).
                 "costs": a["costs"] if a["costs"][2] else b["costs"],
@@ -395,7 +430,7 @@ class Experiment:
 
         mine = {"stats": [s.sums for s in stats], "floor": floor.sums if floor is not None else None,
                 "runs": [r.state() for r in runs], "float_run": float_run.state() if float_run is not None else None,
-                "served": served, "samples": samples, "costs": (self.macs, self.sizes, self.call_order)}
+                "served": served, "measured": measured, "samples": samples, "costs": (self.macs, self.sizes, self.call_order)}
         merged = self.group.combine(mine, merge)
         for s, sums in zip(stats, merged["stats"]):
             s.sums = sums
@@ -406,6 +441,7 @@ class Experiment:
         if float_run is not None:
             float_run.absorb(merged["float_run"])
         served[:] = merged["served"]
+        measured[:] = merged["measured"]
         self.macs, self.sizes, self.call_order = (dict(merged["costs"][0]), dict(merged["costs"][1]),
                                                   list(merged["costs"][2]))
         return merged["samples"]

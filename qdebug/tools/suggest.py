@@ -16,7 +16,14 @@ Ranking (``rank="exact"``): every candidate alone at ``bits``, the rest as loade
 one pass of the experiment primitive (each trial resumes from the "everything
 quantized" run at its point); the gain is the output SQNR gained over everything
 quantized (and each task's metric gain).  Candidates are ordered by metric gain --
-gains within one sample's worth are tied -- then by SQNR gain.  ``rank="fast"``:
+gains within one sample's worth are tied -- then by SQNR gain.  Early rejection (SQNR
+target): from the second searched batch on, a candidate whose share of each batch's
+output error removed, 1 - E_c / E_all per batch (E: error over signal energy, the
+candidate alone and everything quantized, paired on the batch), has a mean below 0 at
+99.5% one-sided confidence (Student's t over the batches so far) on every output is
+measured on no further batch: it makes the output worse, so it ranks below every
+candidate that helps, where the plan search reaches only when nothing shorter passes.
+The rejected rank last, by the gain over the batches they ran.  ``rank="fast"``:
 every candidate scored at once by its gradient-weighted quantization noise, one
 forward+backward per batch (``qdebug.tools.noise_score``); the plan search verifies
 the result all the same.
@@ -69,7 +76,8 @@ from qdebug.errors import QDebugError
 from qdebug.data.metrics import Metric
 from qdebug.safe_text import escaped
 from qdebug.tools.baseline import TaskRule, bootstrap_interval
-from qdebug.tools.experiment import Experiment, Trial, TrialResult, named_outputs, nan_low
+from qdebug.measure.stats import sqnr_db
+from qdebug.tools.experiment import Experiment, Trial, TrialResult, named_outputs, nan_low, worst
 
 DEFAULT_MIN_SQNR = 30.0
 RANKS = ("exact", "fast")
@@ -451,19 +459,26 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         singles_trials = [raised([c]) for c in ranked_pool] if rank == "exact" and not done else []
         extra = [*singles_trials, *(t for _, _, t in recalibrations)]
         # "Everything quantized" leads again: its run is the anchor every single-point trial resumes from.
-        measured = experiment.run([whole, *extra])[1:] if extra else []
+        reject = _EarlyRejection(range(1, len(singles_trials) + 1)) if metric is None else None
+        ran = experiment.run([whole, *extra], stop=reject) if extra else []
+        measured = ran[1:]
         fixes = measured[len(singles_trials):]
         singles = measured[:len(singles_trials)]
+        rejected = {c.key for c, r in zip(ranked_pool, singles) if r.batches < ran[0].batches}
         ranking = [base, *singles]
         base_sqnr = _sqnr(base)
         gains = []
         if rank == "exact":
-            for c, result in zip(ranked_pool, singles):
+            for k, (c, result) in enumerate(zip(ranked_pool, singles), start=1):
                 task_gain = {t: result.metric[t] - base.metric[t] for t in result.metric}
-                gains.append((c, _sqnr(result) - base_sqnr, task_gain, math.nan))
+                # Rejected early: its gain over the anchor on the batches it ran on.
+                anchor_sqnr = base_sqnr if reject is None or k not in reject.anchor_at else worst(
+                    sqnr_db(signal, error) for signal, error, *_ in reject.anchor_at[k].values())
+                gains.append((c, _sqnr(result) - anchor_sqnr, task_gain, math.nan))
             samples = experiment.samples  # counted by the first run
             tolerance = 1.0 / samples if metric is not None and samples else 0.0
-            gains.sort(key=lambda g: (-_bucket(min(g[2].values(), default=0.0), tolerance), -nan_low(g[1])))
+            gains.sort(key=lambda g: (g[0].key in rejected, -_bucket(min(g[2].values(), default=0.0), tolerance),
+                                      -nan_low(g[1])))
         elif not done:
             from qdebug.tools.noise_score import noise_scores
 
@@ -505,7 +520,8 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
                                     **{f"{t}_gain": result.metric[t] - base.metric[t] for t in result.metric}}
     if plan.passed and plan.candidates and plan.final is not None and confidence is not None:
         plan.after.update(_interval(experiment, plan.final, rules, confidence))
-    frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None, recalibrated)
+    ranked_on = {c.key: r.batches for c, r in zip(ranked_pool, singles)}
+    frame = _frame(gains, clipping, plan, experiment, diagnoses, metric is not None, recalibrated, ranked_on)
     plan_meta = _plan_meta(plan, bits)
     # The plan's points whose wide channels stretch their range: a float-side fix may keep them int8.
     plan_meta["outlier_points"] = [row.point for row in frame.itertuples()
@@ -520,6 +536,7 @@ def suggest(model: nn.Module, batches: Sequence[Any], *, reference: nn.Module | 
         # Settings measured over the searched batches in the ranking: the model as loaded, each
         # candidate alone, each recalibrated range (the fast rank's noise-score pass: one).
         "rank": rank, "ranking_evaluations": 1 + len(extra) + (rank == "fast" and not done),
+        "rejected_early": len(rejected) if rank == "exact" and not done else 0,
         "forwards": sum(by_phase.values()), "forwards_by_phase": by_phase,
         "confidence": confidence, "served_calls": sum(r.served_calls for r in ranking),
         "plan": plan_meta,
@@ -601,6 +618,56 @@ def _interval(experiment: Experiment, result: TrialResult, rules: Mapping[str, T
     return out
 
 
+class _EarlyRejection:
+    """The ranking's ``stop`` (module docstring, Ranking): the single-candidate trials ``singles``
+    whose share of each batch's output error removed is, at 99.5% one-sided confidence, below 0
+    on every output.  ``anchor_at[k]``: the anchor's sums over the batches trial k ran on, for its
+    gain over those same batches."""
+
+    def __init__(self, singles: range):
+        self.singles = singles
+        self.anchor_at: dict[int, dict[str, list[float]]] = {}
+        self._previous: dict[int, dict[str, list[float]]] = {}
+        self._removed: dict[tuple[int, str], list[float]] = {}  # (trial, output) -> the share removed, per batch
+
+    def _batch_error(self, sums: dict, k: int, name: str) -> float:
+        """Trial k's error energy over signal energy on the last batch alone (NaN: no signal)."""
+        before = self._previous.get(k, {}).get(name, [0.0, 0.0])
+        signal, error = sums[k][name][0] - before[0], sums[k][name][1] - before[1]
+        return error / signal if signal > 0 else math.nan
+
+    def __call__(self, position: int, sums: dict[int, dict[str, list[float]]]) -> set[int]:
+        rejected = set()
+        for k in (k for k in self.singles if k in sums):
+            confident = []
+            for name in sums[0]:
+                anchor, alone = self._batch_error(sums, 0, name), self._batch_error(sums, k, name)
+                shares = self._removed.setdefault((k, name), [])
+                shares.append(1.0 - alone / anchor if anchor > 0 else math.nan)
+                confident.append(_surely_below_zero(shares))
+            if confident and all(confident):
+                rejected.add(k)
+                self.anchor_at[k] = sums[0]
+        self._previous = sums
+        return rejected
+
+
+# One-sided 99.5% quantiles of Student's t by degrees of freedom (1..30; beyond, the one for 30).
+T_995 = (63.657, 9.925, 5.841, 4.604, 4.032, 3.707, 3.499, 3.355, 3.250, 3.169, 3.106, 3.055, 3.012, 2.977, 2.947,
+         2.921, 2.898, 2.878, 2.861, 2.845, 2.831, 2.819, 2.807, 2.797, 2.787, 2.779, 2.771, 2.763, 2.756, 2.750)
+
+
+def _surely_below_zero(values: Sequence[float]) -> bool:
+    """Whether the mean of ``values`` (per-batch measurements) is below 0 at 99.5% one-sided
+    confidence: mean + t * sd / sqrt(n) < 0, from 2 values on; never with a NaN among them."""
+    n = len(values)
+    if n < 2 or any(math.isnan(v) or math.isinf(v) for v in values):
+        return False
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean + T_995[min(n - 1, len(T_995)) - 1] * sd / math.sqrt(n) < 0
+
+
 def _search(order: list[Candidate], evaluate: Callable[[Sequence[Candidate]], TrialResult],
             meets: Callable[[TrialResult], bool], plan: Plan, experiment: Experiment,
             rules: Mapping[str, TaskRule] | None) -> Plan:
@@ -660,7 +727,7 @@ def _values(result: TrialResult, experiment: Experiment, rules: Mapping[str, Tas
 
 
 def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mapping[str, str],
-           with_metric: bool, recalibrated: Mapping[str, dict]) -> pd.DataFrame:
+           with_metric: bool, recalibrated: Mapping[str, dict], ranked_on: Mapping[str, int]) -> pd.DataFrame:
     chosen = {c.key for c in plan.candidates} if plan.passed else set()
     rows = []
     for position, (c, gain_db, task_gain, score) in enumerate(gains, start=1):
@@ -673,6 +740,8 @@ def _frame(gains, clipping, plan: Plan, experiment: Experiment, diagnoses: Mappi
             row[f"{task}_gain"] = value
         row.update(macs_share=macs, act_share=experiment.activation_share(c.points) if c.kind == "activation" else 0.0,
                    in_plan=c.key in chosen)
+        if c.key in ranked_on:  # the exact rank: the batches its gain is measured on
+            row["ranked_batches"] = ranked_on[c.key]
         rows.append(row)
     for c in clipping:
         fix = recalibrated.get(c.glob, {})
@@ -752,6 +821,10 @@ def summarize(meta: Mapping[str, Any]) -> str:
         for glob, fix in (meta.get("recalibrate") or {}).items():
             lines.append(f"  {glob}: the {fix['observer']} observer's range wins {fix['gain_db']:+.1f} dB "
                          f"(qdebug calibrate --observer {fix['observer']})")
+    if meta.get("rejected_early"):
+        lines += textwrap.wrap(f"ranking: {meta['rejected_early']} of {meta['candidates']} candidate(s) rejected "
+                               "early, surely making the output worse (ranked last, on the batches in "
+                               "ranked_batches)", width=80, subsequent_indent="  ")
     if "forwards" in meta:
         phases = ", ".join(f"{phase} {n}" for phase, n in meta["forwards_by_phase"].items() if n)
         lines += textwrap.wrap(f"cost: {meta['forwards']} forward pass(es) of a batch through the model or its "
