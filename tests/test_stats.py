@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from qdebug.measure.stats import ErrorStats
+from qdebug.measure.stats import ErrorStats, update_together
 
 REL = 1e-6
 REL64 = 1e-12
@@ -384,3 +384,61 @@ def test_the_same_tensor_with_nan_still_counts_it():
     stats = ErrorStats(want_channels=False, want_kl=False)
     stats.update(x, x)
     assert stats.result()["nonfinite"] == 1.0 and math.isnan(stats.result()["sqnr_db"])
+
+
+def test_errors_folded_together_are_the_errors_folded_apart():
+    """``update_together`` reads x once for several compared outputs; every sum, channel tensor and
+    count equals the separate updates', bit for bit: ranges for one, KL for another, saturation from
+    raw values, a NaN in one output, a float32 overflow redone in float64, and a block walk of
+    several blocks (x larger than BLOCK)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 6, 300, 400, generator=gen)  # 2.16M values: 3 blocks of the channel walk
+    y1 = x + 0.05 * torch.randn(x.shape, generator=gen)
+    y2 = x + 0.2 * torch.randn(x.shape, generator=gen)
+    y2[1, 2, 5, 7] = float("nan")
+    y3 = x.clone()
+    y3[0, 0, 0, 0] = 3e19  # finite, but its square overflows float32
+    raw = y1 * 1.5
+    grid = (0.02, 128, 0, 255)
+    compared = [
+        (lambda: ErrorStats(), y1, {"grid": grid, "raw": raw}),
+        (lambda: ErrorStats(want_ranges=False, want_kl=False), y2, {}),
+        (lambda: ErrorStats(want_kl=True), y3, {}),
+        (lambda: ErrorStats(want_channels=False, want_kl=False), y1, {}),
+    ]
+    together = [(make(), y, kw) for make, y, kw in compared]
+    update_together(x, together)
+    for (stats, y, kw), (make, _, _) in zip(together, compared):
+        apart = make()
+        apart.update(x, y, **kw)
+        a, b = stats.state(), apart.state()
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], torch.Tensor) or a[key] is None:
+                assert (a[key] is None) == (b[key] is None), key
+                if a[key] is not None:
+                    assert torch.equal(a[key], b[key]) or (a[key].isnan() == b[key].isnan()).all(), key
+            elif isinstance(a[key], float) and math.isnan(a[key]):
+                assert math.isnan(b[key]), key
+            else:
+                assert a[key] == b[key], key
+    assert together[1][0].nonfinite == 1 and math.isfinite(together[2][0].result()["sqnr_db"])
+    assert together[0][0].saturation_n == x.numel() and together[0][0].kl_n == x.numel() // 6
+    # The shared reference sums are copies: growing one stats' channel sums leaves the other's.
+    assert together[0][0].ch_xx is not together[1][0].ch_xx
+
+
+def test_errors_folded_together_keep_their_own_channel_sums_over_batches():
+    """One block per batch: the reference's channel sums, shared by both outputs within a batch,
+    must not be one tensor that both grow in place over the next batches."""
+    gen = torch.Generator().manual_seed(8)
+    together, apart = [ErrorStats(), ErrorStats(want_ranges=False)], [ErrorStats(), ErrorStats(want_ranges=False)]
+    for _ in range(3):
+        x = torch.randn(2, 4, 5, 5, generator=gen, dtype=torch.float64)  # float64: no conversion copy either
+        ys = [x + 0.1 * torch.randn(x.shape, generator=gen, dtype=torch.float64) for _ in range(2)]
+        update_together(x, [(stats, y, {}) for stats, y in zip(together, ys)])
+        for stats, y in zip(apart, ys):
+            stats.update(x, y)
+    for a, b in zip(together, apart):
+        assert torch.equal(a.ch_xx, b.ch_xx) and torch.equal(a.ch_ee, b.ch_ee)
+        assert a.result() == b.result()

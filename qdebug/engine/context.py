@@ -43,6 +43,7 @@ try:  # private helpers of torch.overrides (present since torch 2.0); without th
 except ImportError:  # pragma: no cover
     _current_mode = _pop_mode = _push_mode = None
 
+from qdebug.engine.module_tree import every_path
 from qdebug.engine.ops import (
     NORM_FUNCTIONS,
     canonical_op_name,
@@ -188,7 +189,7 @@ class ForwardContext(TorchFunctionMode):
         self.module_paths: set[str] = set()
         self.norm_acts: dict[str, nn.Module] = {}
         tails = []
-        for name, module in root.named_modules(remove_duplicate=False):
+        for name, module in every_path(root):
             self.module_paths.add(name)
             if id(module) in self.module_names:
                 continue

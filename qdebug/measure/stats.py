@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -135,32 +136,53 @@ def _channel_min_max(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _SXX, _SYY, _SEE, _SAE, _KL, _MAX, _SAT = range(7)
 
 
-def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, channels: bool, ranges: bool,
-                want_kl: bool, clip: tuple[float, float] | None,
+@dataclass
+class _Target:
+    """One output compared with the reference x in a walk of x's blocks (``_fold``)."""
+
+    yv: torch.Tensor  # y in x's block layout
+    rv: torch.Tensor | None  # y before its output point, for saturation counted here (with ``clip``)
+    channels: bool  # per-channel sums of x^2 and e^2
+    ranges: bool  # per-channel min and max of x
+    want_kl: bool
+    clip: tuple[float, float] | None
+
+
+def _reference_block(xb: torch.Tensor, channels: bool, ranges: bool) -> list:
+    """The reference's part of a block, the same for every output compared with it:
+    [sum x^2 (per channel with ``channels``), per-channel min x, max x (None without ``ranges``)]."""
+    square = torch.mul(xb, xb, out=_scratch(1, xb))
+    xx = square.sum((0, 2)) if channels else square.sum()
+    lo, hi = _channel_min_max(xb) if ranges else (None, None)
+    return [xx, lo, hi]
+
+
+def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, reference: list, target: _Target,
                 dtype: torch.dtype) -> tuple[torch.Tensor, list | None]:
-    """One block's partial results in ``dtype`` (see the positions above) and per-channel parts.
+    """One block's partial results in ``dtype`` (see the positions above) and per-channel parts,
+    given the reference's part (``_reference_block``, of x in ``dtype``).
 
     sum(x y) is not reduced here: it is (sxx + syy - see) / 2 exactly, one pass fewer.
     Temporaries live in this thread's scratch tensors (``_scratch``).
     """
-    xb, yb = xb.to(dtype), yb.to(dtype)
+    yb = yb.to(dtype)
     e = torch.sub(yb, xb, out=_scratch(0, xb))
     square = _scratch(1, xb)
-    reduce_dims = (0, 2) if channels else None
-    ch_xx = torch.mul(xb, xb, out=square).sum(reduce_dims) if channels else torch.mul(xb, xb, out=square).sum()
-    ch_ee = torch.mul(e, e, out=square).sum(reduce_dims) if channels else torch.mul(e, e, out=square).sum()
+    ch_xx = reference[0]
+    ch_ee = torch.mul(e, e, out=square).sum((0, 2)) if target.channels else torch.mul(e, e, out=square).sum()
     syy = torch.mul(yb, yb, out=square).sum()
     ch = None
-    if channels:
-        lo, hi = _channel_min_max(xb) if ranges else (None, None)
+    if target.channels:
+        lo, hi = (reference[1], reference[2]) if target.ranges else (None, None)
         ch = [ch_xx, ch_ee, lo, hi]
         sxx, see = ch_xx.sum(), ch_ee.sum()
     else:
-        sxx, see = ch_xx, ch_ee
+        sxx, see = (ch_xx if ch_xx.dim() == 0 else ch_xx.sum()), ch_ee
     zero = xb.new_zeros(())
-    kl = _block_kl(xb, e) if want_kl else zero
+    kl = _block_kl(xb, e) if target.want_kl else zero
     abs_err = e.abs_()  # e is not needed any more
     saturated = zero
+    clip = target.clip
     if clip is not None:
         low, high = torch.aminmax(rb)
         if bool(low < clip[0]) or bool(high > clip[1]):
@@ -171,42 +193,56 @@ def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, cha
     return sums, ch
 
 
-def _fold(xv: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor | None, blocks: list, channels: bool,
-          ranges: bool, want_kl: bool, clip: tuple[float, float] | None, dtype: torch.dtype) -> dict:
-    """The sums of ``ErrorStats.update`` over some blocks of the views of x, y (and raw).
+def _fold(xv: torch.Tensor, targets: list[_Target], blocks: list, dtype: torch.dtype) -> list[dict]:
+    """The sums of ``ErrorStats.update`` over some blocks of the view of x, for each target.
 
-    Each block is reduced in ``dtype`` (torch's pairwise summation: relative error ~1e-7 in
-    float32) and the block results accumulate in float64.  A block whose float32 results
-    overflow although its values are finite (|values| beyond ~1e19) is redone in float64.
+    Each block of x is read once for all targets: its reference part (sum of squares, channel
+    ranges) is computed once, and the targets' blocks are folded while it is in cache.  Each
+    block is reduced in ``dtype`` (torch's pairwise summation: relative error ~1e-7 in float32)
+    and the block results accumulate in float64.  A block whose float32 results overflow
+    although its values are finite (|values| beyond ~1e19) is redone in float64.
     """
-    totals = [0.0] * 7
-    batch_max = 0.0
-    nonfinite = 0
-    ch = None
+    channels = any(t.channels for t in targets)
+    ranges = any(t.channels and t.ranges for t in targets)
+    out = []
+    for _ in targets:
+        out.append({"totals": [0.0] * 7, "max": 0.0, "nonfinite": 0, "ch": None})
     for block in blocks:
-        xb, yb = xv[block], yv[block]
-        rb = rv[block] if clip is not None else None
-        sums, ch_part = _block_sums(xb, yb, rb, channels, ranges, want_kl, clip, dtype)
-        values = sums.tolist()
-        if not all(map(math.isfinite, values)):
-            bad = int((~torch.isfinite(yb)).sum())
-            nonfinite += bad
-            if bad == 0 and dtype != torch.float64 and bool(torch.isfinite(xb).all()):
-                sums, ch_part = _block_sums(xb, yb, rb, channels, ranges, want_kl, clip, torch.float64)
-                values = sums.tolist()
-        for i in (_SXX, _SYY, _SEE, _SAE, _KL, _SAT):
-            totals[i] += values[i]
-        block_max = values[_MAX]
-        if not math.isnan(batch_max):
-            batch_max = block_max if math.isnan(block_max) else max(batch_max, block_max)
-        if ch_part is not None:
-            ch_part = [t.double() if t is not None else None for t in ch_part]
-            ch = ch_part if ch is None else _merge_channels(ch, ch_part)
-    # sum(x y) = (sum(x^2) + sum(y^2) - sum((y - x)^2)) / 2, in float64 from the block sums.
-    sxy = (totals[_SXX] + totals[_SYY] - totals[_SEE]) / 2.0
-    return {"sxx": totals[_SXX], "syy": totals[_SYY], "sxy": sxy, "see": totals[_SEE],
-            "sae": totals[_SAE], "max": batch_max, "nonfinite": nonfinite, "saturated": int(totals[_SAT]),
-            "kl_sum": totals[_KL], "ch": ch}
+        xb = xv[block].to(dtype)
+        reference = _reference_block(xb, channels, ranges)
+        for target, acc in zip(targets, out):
+            yb = target.yv[block]
+            rb = target.rv[block] if target.clip is not None else None
+            own = reference if target.channels or not channels else [reference[0].sum(), None, None]
+            sums, ch_part = _block_sums(xb, yb, rb, own, target, dtype)
+            values = sums.tolist()
+            if not all(map(math.isfinite, values)):
+                bad = int((~torch.isfinite(yb)).sum())
+                acc["nonfinite"] += bad
+                if bad == 0 and dtype != torch.float64 and bool(torch.isfinite(xb).all()):
+                    x64 = xb.to(torch.float64)
+                    again = _reference_block(x64, target.channels, target.channels and target.ranges)
+                    sums, ch_part = _block_sums(x64, yb, rb, again, target, torch.float64)
+                    values = sums.tolist()
+            totals = acc["totals"]
+            for i in (_SXX, _SYY, _SEE, _SAE, _KL, _SAT):
+                totals[i] += values[i]
+            block_max = values[_MAX]
+            if not math.isnan(acc["max"]):
+                acc["max"] = block_max if math.isnan(block_max) else max(acc["max"], block_max)
+            if ch_part is not None:
+                # Copies: the reference's part is shared by the targets, and their sums grow in place.
+                ch_part = [t.to(torch.float64, copy=True) if t is not None else None for t in ch_part]
+                acc["ch"] = ch_part if acc["ch"] is None else _merge_channels(acc["ch"], ch_part)
+    results = []
+    for acc in out:
+        totals = acc["totals"]
+        # sum(x y) = (sum(x^2) + sum(y^2) - sum((y - x)^2)) / 2, in float64 from the block sums.
+        sxy = (totals[_SXX] + totals[_SYY] - totals[_SEE]) / 2.0
+        results.append({"sxx": totals[_SXX], "syy": totals[_SYY], "sxy": sxy, "see": totals[_SEE],
+                        "sae": totals[_SAE], "max": acc["max"], "nonfinite": acc["nonfinite"],
+                        "saturated": int(totals[_SAT]), "kl_sum": totals[_KL], "ch": acc["ch"]})
+    return results
 
 
 @dataclass
@@ -248,11 +284,18 @@ class ErrorStats:
         """Fold one batch.  ``grid`` = (scale, zero_point, qmin, qmax) of y's output point; for
         saturation either ``clipped`` = how many of y's values that point clipped (counted by
         the point itself, see ``QuantPoint.count_clipped``) or ``raw`` = y before the point."""
+        update_together(x, [(self, y, {"grid": grid, "raw": raw, "clipped": clipped})])
+
+    def _plan(self, x: torch.Tensor, y: torch.Tensor, grid: tuple[float, int, int, int] | None = None,
+              raw: torch.Tensor | None = None, clipped: torch.Tensor | int | None = None,
+              ) -> tuple[_Target, bool, torch.dtype] | None:
+        """``update``'s checks and bookkeeping: what is left to fold -- the target, whether it
+        is walked by channel, its precision -- or None when nothing is."""
         if x.shape != y.shape:
             self.shape_mismatch = f"{list(x.shape)} vs {list(y.shape)}"
-            return
+            return None
         if x.numel() == 0:
-            return
+            return None
         clip = None
         if grid is not None:
             scale, zero_point, qmin, qmax = grid
@@ -267,39 +310,33 @@ class ErrorStats:
         channels, want_kl = self.want_channels and per_channel, self.want_kl and per_channel
         if (y is x and clip is None and not want_kl and not (channels and self.want_ranges)
                 and self._fold_identical(x, channels)):
-            return
+            return None
         # Block by block (see BLOCK, _fold): float32 block sums accumulated in float64.
-        layout = (x.shape[0], x.shape[1], -1) if channels or want_kl else (-1,)
-        xv, yv = x.detach().reshape(layout), y.detach().reshape(layout)
-        rv = raw.detach().reshape(layout) if clip is not None else None
-        blocks = _blocks(x.shape, channels or want_kl)
-        # One thread walks the blocks; torch's intra-op threads share out each op.  (Python
-        # threads folding blocks side by side fought torch's spinning worker threads for the
-        # cores and ran slower than this.)
-        parts = [_fold(xv, yv, rv, blocks, channels, self.want_ranges, want_kl, clip, work_dtype(x, y))]
-        batch_max, ch = 0.0, None
-        for part in parts:
-            self.sxx += part["sxx"]
-            self.syy += part["syy"]
-            self.sxy += part["sxy"]
-            self.see += part["see"]
-            self.sae += part["sae"]
-            self.nonfinite += part["nonfinite"]
-            self.saturated += part["saturated"]
-            self.kl_sum += part["kl_sum"]
-            if not math.isnan(batch_max):
-                batch_max = part["max"] if math.isnan(part["max"]) else max(batch_max, part["max"])
-            if part["ch"] is not None:
-                ch = part["ch"] if ch is None else _merge_channels(ch, part["ch"])
+        by_channel = channels or want_kl
+        layout = (x.shape[0], x.shape[1], -1) if by_channel else (-1,)
+        target = _Target(y.detach().reshape(layout), raw.detach().reshape(layout) if clip is not None else None,
+                         channels, self.want_ranges, want_kl, clip)
+        return target, by_channel, work_dtype(x, y)
+
+    def _absorb(self, part: dict, x: torch.Tensor, target: _Target) -> None:
+        """Add one batch's sums (``_fold``'s, for ``target``)."""
+        self.sxx += part["sxx"]
+        self.syy += part["syy"]
+        self.sxy += part["sxy"]
+        self.see += part["see"]
+        self.sae += part["sae"]
+        self.nonfinite += part["nonfinite"]
+        self.saturated += part["saturated"]
+        self.kl_sum += part["kl_sum"]
         self.n += x.numel()
+        batch_max = part["max"]
         self.max_abs = batch_max if math.isnan(batch_max) else max(self.max_abs, batch_max)
-        if clip is not None:
-            self.saturation_n += raw.numel()
-        if want_kl:
+        if target.clip is not None:
+            self.saturation_n += target.rv.numel()
+        if target.want_kl:
             self.kl_n += x.numel() // x.shape[1]
-        if ch is not None:
-            xx, ee, lo, hi = ch
-            self._add_channels(xx, ee, lo, hi)
+        if part["ch"] is not None:
+            self._add_channels(*part["ch"])
 
     def _add_channels(self, xx: torch.Tensor, ee: torch.Tensor, lo: torch.Tensor | None,
                       hi: torch.Tensor | None) -> None:
@@ -408,6 +445,27 @@ class ErrorStats:
             out["channel_range_ratio"] = float(ranges.max()) / median if median > 0 else (math.inf if float(ranges.max()) > 0 else 1.0)
             out["widest_channel"] = int(ranges.argmax())
         return {prefix + k: v for k, v in out.items()}
+
+
+def update_together(x: torch.Tensor, compared: Sequence[tuple["ErrorStats", torch.Tensor, dict]]) -> None:
+    """``stats.update(x, y, **kwargs)`` for each (stats, y, kwargs) compared with one reference x,
+    reading x once: per block, its sum of squares (and channel ranges) is computed once and
+    every y is folded while that block of x is in cache.  The same sums as separate updates,
+    bit for bit."""
+    groups: dict[tuple[bool, torch.dtype], list[tuple[ErrorStats, _Target]]] = {}
+    for stats, y, kwargs in compared:
+        planned = stats._plan(x, y, **kwargs)
+        if planned is not None:
+            target, by_channel, dtype = planned
+            groups.setdefault((by_channel, dtype), []).append((stats, target))
+    # One thread walks the blocks; torch's intra-op threads share out each op.  (Python threads
+    # folding blocks side by side fought torch's spinning worker threads for the cores and ran
+    # slower than this.)
+    for (by_channel, dtype), members in groups.items():
+        xv = x.detach().reshape((x.shape[0], x.shape[1], -1) if by_channel else (-1,))
+        parts = _fold(xv, [target for _, target in members], _blocks(x.shape, by_channel), dtype)
+        for (stats, target), part in zip(members, parts):
+            stats._absorb(part, x, target)
 
 
 def cosine_of_sums(sxy: float, sxx: float, syy: float) -> float:

@@ -49,7 +49,7 @@ from qdebug.engine.ops import tensors_in
 from qdebug.engine.point import QuantPoint
 from qdebug.errors import QDebugError
 from qdebug.safe_text import escaped
-from qdebug.measure.stats import ErrorStats
+from qdebug.measure.stats import ErrorStats, update_together
 from qdebug.measure.tap import Capture, tap
 from qdebug.tools.isolated import IsolatedReplay
 from qdebug.tools.recurrent_rows import inner_rows, measure, row_op
@@ -194,10 +194,12 @@ class _Listener:
             # applied once per call, so its count of clipped values is this tensor's.
             point = self.points.get(call if bn_record is not None else name)
             clipped = point.clipped if point is not None and (path or isinstance(event.out, torch.Tensor)) else None
-            stats[0].update(x, y, grid=_grid(point), raw=None if clipped is not None else raw, clipped=clipped)
+            cumulative = (stats[0], y, {"grid": _grid(point), "raw": None if clipped is not None else raw,
+                                        "clipped": clipped})
             if self.first_batch and key not in self.samples:
                 self.samples[key] = (_sample(x), _sample(y))
             self._gather_evidence(key, event, record, path, x, point)
+            base = iso_y = None
             if self.isolated and event.call.category != "input":
                 if self.own is None:
                     if isolated is None:
@@ -207,10 +209,14 @@ class _Listener:
                     if isolated is None:
                         isolated = self.own_replay.output(event, own_record, self.own.records)
                     base = member_at(own_record.output, path)
-                else:
-                    continue
-                iso_y = member_at(isolated, path)
-                if iso_y is not None and base is not None and base.shape == iso_y.shape:
+                iso_y = member_at(isolated, path) if base is not None else None
+                if iso_y is None or base is None or base.shape != iso_y.shape:
+                    base = iso_y = None
+            if base is x:  # both errors against the reference's output: its blocks read once
+                update_together(x, [cumulative, (stats[1], iso_y, {})])
+            else:
+                update_together(x, [cumulative])
+                if base is not None:
                     stats[1].update(base, iso_y)
         self._step_rows(event, record)
 
@@ -235,11 +241,10 @@ class _Listener:
                 self.stats[key] = (ErrorStats(want_kl=False), ErrorStats(want_ranges=False, want_kl=False))
             # The layer's points are its module's (``lstm.l0.cell``), shared by its calls.
             point = self.points.get(f"{event.call.owner}.{local}")
-            self.stats[key][0].update(x, y, grid=_grid(point), raw=raw)
             if self.first_batch and key not in self.samples:
                 self.samples[key] = (_sample(x), _sample(y))
-            if iso_y is not None:
-                self.stats[key][1].update(x, iso_y)
+            isolated = [(self.stats[key][1], iso_y, {})] if iso_y is not None else []
+            update_together(x, [(self.stats[key][0], y, {"grid": _grid(point), "raw": raw}), *isolated])
 
 
     def _gather_evidence(self, key: tuple[str, str], event: Event, record: Any, path: str, x: torch.Tensor,
