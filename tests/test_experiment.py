@@ -4,6 +4,8 @@ run and stays bit-identical to full reruns."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ def _sqnr_by_hand(model, trial, batches) -> float:
         out = _full_run(model, trial, x).double()
         signal += float((ref * ref).sum())
         error += float(((ref - out) ** 2).sum())
-    return 10 * torch.log10(torch.tensor(signal / error)).item()
+    return 10 * math.log10(signal / error)  # in float64: torch.tensor(float) would round it to float32
 
 
 def test_trials_stopped_early_are_measured_on_the_batches_they_ran(make_resnet, images):
@@ -102,3 +104,28 @@ def test_stop_is_for_output_statistics_only(make_resnet, images):
     experiment = Experiment(model, [images(2, seed=3)], metric=lambda m, batches: {"metric": 1.0})
     with pytest.raises(ValueError, match="output statistics only"):
         experiment.run([Trial(frozenset(quant_points(model)))], stop=lambda position, partial: set())
+
+
+def test_a_run_that_would_serve_only_model_inputs_is_not_recorded(make_resnet, images, monkeypatch):
+    """step's sweep: "everything quantized", then the unit quantizing the input.  The second
+    could resume from the first only at its first layer (the input is computed anyway), so the
+    first run is not recorded: one recording a batch, the base run's.  Both still measure what
+    full runs measure."""
+    import qdebug.tools.experiment as experiment
+
+    model = calibrate(prepare(make_resnet(0), QConfig(), example_inputs=images(4, seed=1)),
+                      [images(16, seed=s) for s in (10, 11)])
+    names = list(quant_points(model))
+    assert names[0] == "input"
+    later = frozenset(n for n in names if n.startswith("layer2"))
+    trials = [Trial(frozenset(names)), Trial(frozenset({"input"})), Trial(later)]
+    recorded = []
+    original = experiment.Experiment._record
+    monkeypatch.setattr(experiment.Experiment, "_record", lambda self, inputs, recording, costs=False: (
+        recorded.append(recording is not None), original(self, inputs, recording, costs))[1])
+    batches = [images(6, seed=s) for s in (30, 31)]
+    results = Experiment(model, batches).run(trials)
+    assert recorded.count(True) == len(batches)  # the base run of each batch, nothing else
+    assert results[2].served_calls > 0  # the third resumes from the base run at its first point
+    for k, trial in enumerate(trials):
+        assert results[k].outputs["output"]["sqnr_db"] == pytest.approx(_sqnr_by_hand(model, trial, batches), abs=1e-6)

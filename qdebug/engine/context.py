@@ -43,12 +43,11 @@ try:  # private helpers of torch.overrides (present since torch 2.0); without th
 except ImportError:  # pragma: no cover
     _current_mode = _pop_mode = _push_mode = None
 
-from qdebug.engine.module_tree import every_path
+from qdebug.engine.module_tree import TreeIndex
 from qdebug.engine.ops import (
     NORM_FUNCTIONS,
     canonical_op_name,
     function_category,
-    is_norm_act,
     map_tensors,
     module_category,
     norm_only,
@@ -177,29 +176,19 @@ class _Frame:
 class ForwardContext(TorchFunctionMode):
     """Names calls of ``root``'s forward and routes them to ``handler`` (see module docstring)."""
 
-    def __init__(self, root: nn.Module, handler: Handler | None = None, listeners: list[Listener] | None = None):
+    def __init__(self, root: nn.Module, handler: Handler | None = None, listeners: list[Listener] | None = None,
+                 tree: TreeIndex | None = None):
         super().__init__()
         self.root = root
         self.handler = handler or Handler()
         self.listeners = list(listeners or [])
-        # One walk of the tree (a forward's set-up, paid by every forward): each module's first path
-        # (``named_modules``' own), every path, and the norm-act layers by path and their
-        # nn.Identity children, which are no calls (``ops.is_norm_act``).
-        self.module_names: dict[int, str] = {}
-        self.module_paths: set[str] = set()
-        self.norm_acts: dict[str, nn.Module] = {}
-        tails = []
-        for name, module in every_path(root):
-            self.module_paths.add(name)
-            if id(module) in self.module_names:
-                continue
-            self.module_names[id(module)] = name
-            if is_norm_act(module):
-                self.norm_acts[name] = module
-            if getattr(type(module), "norm_act_tail", False):
-                tails.append(module)
-        owners = [*self.norm_acts.values(), *tails]
-        self.silent = {id(c) for m in owners for c in m.children() if type(c) is nn.Identity}
+        # ``tree``: the caller's index of ``root``'s tree, checked by the caller (a prepared
+        # model keeps one between forwards); else one walk now.
+        self.tree = tree if tree is not None else TreeIndex(root)
+        self.module_names = self.tree.module_names
+        self.module_paths = self.tree.module_paths
+        self.norm_acts = self.tree.norm_acts
+        self.silent = self.tree.silent
         self.counts: dict[str, int] = defaultdict(int)
         self.frames: list[_Frame] = [_Frame("container", "")]
         self.leaf_depth = 0
@@ -353,7 +342,7 @@ class ForwardContext(TorchFunctionMode):
         if name is None or self.leaf_depth or id(module) in self.silent:
             self.frames.append(_Frame("skip"))
             return None
-        category = module_category(module)
+        category = self.tree.category(module)
         if category is None:
             self.frames.append(_Frame("container", name))
             return None

@@ -175,7 +175,8 @@ class QuantPoint(nn.Module):
 
     def apply(self, x: torch.Tensor, cache_key: Any = None) -> torch.Tensor:
         """Quantize ``x`` according to the mode (the point's forward)."""
-        self.clipped = None
+        if self.clipped is not None:  # not through nn.Module.__setattr__ on every call of every forward
+            self.clipped = None
         if self.mode == "float" or not torch.is_floating_point(x):
             return x
         if self.mode == "observe":

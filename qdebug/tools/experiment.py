@@ -129,6 +129,11 @@ class _Recording:
         return ServedCalls(outputs, clone=self.written & set(names))
 
 
+def _input_calls(index: Mapping[str, int]) -> int:
+    """How many of the calls are model inputs: the first ones of a forward, never served."""
+    return sum(1 for name in index if name.split("#")[0] == "input")
+
+
 class _Costs:
     """Per sample (first batch): multiply-accumulates of each weighted layer, and the size of
     each call's output (the activation memory a quant point's width multiplies)."""
@@ -449,8 +454,7 @@ class Experiment:
     def _base_serves(self, trials: Sequence[Trial]) -> bool:
         """Whether a trial would take a call other than a model input from the base run."""
         index = {name: i for i, name in enumerate(self.call_order)}
-        inputs = sum(1 for name in self.call_order if name.split("#")[0] == "input")
-        return any(self._boundary(t.differs_at(NOTHING), index, len(index)) > inputs for t in trials)
+        return any(self._boundary(t.differs_at(NOTHING), index, len(index)) > _input_calls(index) for t in trials)
 
     def _run_trials(self, trials: list[Trial], loaded: Mapping[str, str], inputs: Any, index: Mapping[str, int],
                     base: "_Recording", anchor: "_Recording", recordings: tuple, served_counts: list[int],
@@ -458,11 +462,15 @@ class Experiment:
         """One batch through every trial, each serving from the recorded run (base, anchor or
         previous trial) that agrees with it on the longest prefix of calls."""
         end = len(index)
+        # A recorded run is worth its copies only where it serves more than the base run would and
+        # more than the model inputs, which are computed anyway (step's "all" trial, followed by a
+        # trial that quantizes from its first layer on, is not recorded).
+        input_calls = _input_calls(index)
 
         def start(a: Trial, b: Trial) -> int:
             return self._boundary(a.differs_at(b), index, end)
 
-        anchored = len(trials) > 1 and any(start(t, trials[0]) > start(t, NOTHING) for t in trials[1:])
+        anchored = len(trials) > 1 and any(start(t, trials[0]) > max(start(t, NOTHING), input_calls) for t in trials[1:])
         previous: tuple[Trial, _Recording] | None = None  # the last trial recorded, and where
         for k, trial in enumerate(trials):
             sources = [(start(trial, NOTHING), base)]
@@ -473,7 +481,7 @@ class Experiment:
             first, source = max(sources, key=lambda item: item[0])
             following = trials[k + 1] if k + 1 < len(trials) else None
             keep = following is not None and start(following, trial) > max(
-                start(following, NOTHING), start(following, trials[0]) if anchored else -1)
+                start(following, NOTHING), start(following, trials[0]) if anchored else -1, input_calls)
             record = anchor if (k == 0 and anchored) else (recordings[k % 2] if keep else None)
             served = source.served(first)
             self._set(trial.quantized, loaded)
@@ -551,7 +559,9 @@ class Experiment:
 
     def _set(self, quantized: frozenset[str], loaded: Mapping[str, str]) -> None:
         for name, point in self.state.points.items():
-            point.mode = loaded[name] if name in quantized or loaded[name] != "fake" else "float"
+            mode = loaded[name] if name in quantized or loaded[name] != "fake" else "float"
+            if point.mode != mode:  # nn.Module.__setattr__ costs ~2 us: hundreds of points, every run
+                point.mode = mode
 
     def _record(self, inputs: Any, recording: _Recording | None, costs: bool = False) -> Any:
         """One forward; with a recording, every call's output kept (and, once, the layers' costs)."""
