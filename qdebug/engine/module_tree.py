@@ -42,8 +42,8 @@ class TreeIndex:
     walk was ~1% of each), it is checked first by ``describes``: every module it saw has the
     same identity, class and children as when it was made.  By induction from the root that is
     the same tree, whichever way a module was swapped (``setattr``, ``add_module``, a write to
-    ``_modules`` as ``replace_modules`` and torch.ao's swaps do), at a few hundred nanoseconds
-    a module.  The identities are compared as ``id()`` numbers too, the keys naming looks
+    ``_modules`` as ``replace_modules`` and torch.ao's swaps do), at ~0.1 µs a module (17 µs on
+    the prepared ResNet-18's 173 modules, against 0.27 ms for the walk).  The identities are compared as ``id()`` numbers too, the keys naming looks
     modules up by: a deep copy of the model (and of the index with it) maps the modules
     through the copy's memo but not those numbers, so a copy's forward builds its own index.
     """
