@@ -9,7 +9,7 @@ prepared model keeps it between forwards for as long as ``TreeIndex.describes`` 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.nn as nn
 
@@ -53,6 +53,7 @@ class TreeIndex:
         self.module_paths: set[str] = set()
         self.norm_acts: dict[str, nn.Module] = {}
         self._categories: dict[int, str | None] = {}
+        self._call_modules: list[nn.Module] | None = None
         self._shape: list[tuple[nn.Module, int, type, dict]] = []  # (module, id, class, children)
         tails = []
         for name, module in every_path(root):
@@ -87,6 +88,23 @@ class TreeIndex:
         if category not in ("passthrough", "activation") or not isinstance(module, nn.Upsample):
             self._categories[key] = category
         return category
+
+
+    def call_modules(self) -> list[nn.Module]:
+        """The modules whose calls are named (a category of their own), each once, in
+        ``named_modules``' order: those ``qdebug.engine.served`` lets serve a stored output."""
+        if self._call_modules is None:
+            self._call_modules = [m for m, *_ in self._shape if self.category(m) is not None]
+        return self._call_modules
+
+
+def kept_index(holder: Any, root: nn.Module) -> TreeIndex:
+    """``holder.tree`` (a prepared model's engine state) when it still describes ``root``'s
+    tree, else a new index of it, kept there for the next forward."""
+    tree = getattr(holder, "tree", None)
+    if tree is None or not tree.describes(root):
+        tree = holder.tree = TreeIndex(root)
+    return tree
 
 
 def replace_modules(root: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> dict[int, nn.Module]:

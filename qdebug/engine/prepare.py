@@ -31,7 +31,7 @@ from qdebug.engine.context import Call, ForwardContext, active_context, run_mode
 from qdebug.engine.embedding import QEmbedding, quantizable_embedding
 from qdebug.engine.functional import QuantHandler
 from qdebug.engine.members import member_name, split_name
-from qdebug.engine.module_tree import TreeIndex, replace_modules
+from qdebug.engine.module_tree import kept_index, replace_modules
 from qdebug.engine.modules import QConv, QLinear, _QWeighted, bn_scale_factor, folded_placeholder
 from qdebug.engine.norm_input import norm_input_aliases
 from qdebug.engine.observers import merge_ranks
@@ -145,10 +145,7 @@ def activation_names(category: str, owner: str, point_name: str) -> tuple[str, .
 # -- root hooks: module-level functions so deep copies keep working ----------------------
 def _root_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     state: EngineState = getattr(module, STATE_ATTR)
-    tree = getattr(state, "tree", None)
-    if tree is None or not tree.describes(module):
-        tree = state.tree = TreeIndex(module)
-    ctx = ForwardContext(module, QuantHandler(state), state.listeners, tree)
+    ctx = ForwardContext(module, QuantHandler(state), state.listeners, kept_index(state, module))
     ctx.served = getattr(state, "served", None)
     ctx.on_passthrough_call = getattr(state, "passthrough_recorder", None)
     state.contexts[:] = [c for c in state.contexts if not c.closed]  # aborted forwards' (release_aborted)

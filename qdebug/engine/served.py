@@ -23,14 +23,14 @@ they are cheap, and fallbacks are only recognised after they ran.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
 from qdebug.engine.context import active_context
-from qdebug.engine.ops import map_tensors, module_category
+from qdebug.engine.module_tree import kept_index
+from qdebug.engine.ops import map_tensors
 from qdebug.engine.state import engine_state
 
 class ServedCalls:
@@ -66,20 +66,6 @@ def _serving_forward(module: nn.Module, original):
     return forward
 
 
-# model -> its modules whose calls are named (``module_category``), found once: an experiment
-# serves every trial's every batch, and walking a deep model's tree each time cost ~1 ms a
-# forward at 64 px (7% of step's sweep).  A module added later is simply not served (computed,
-# the same values); one removed is patched harmlessly.
-_CALLABLE: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
-
-
-def _callable_modules(model: nn.Module) -> list[nn.Module]:
-    found = _CALLABLE.get(model)
-    if found is None:
-        found = _CALLABLE[model] = [m for m in model.modules() if module_category(m) is not None]
-    return found
-
-
 @contextlib.contextmanager
 def serving(model: nn.Module, served: ServedCalls | None) -> Iterator[None]:
     """While active, ``model``'s forwards take the outputs ``served`` knows (see module docstring)."""
@@ -88,7 +74,9 @@ def serving(model: nn.Module, served: ServedCalls | None) -> Iterator[None]:
         yield
         return
     patched = []
-    for module in _callable_modules(model):
+    # The index the model's forwards keep: walking a deep model's tree on every trial's every
+    # batch cost ~1 ms a forward at 64 px (7% of step's sweep).
+    for module in kept_index(state, model).call_modules():
         if "forward" in module.__dict__:
             continue
         module.__dict__["forward"] = _serving_forward(module, module.forward)

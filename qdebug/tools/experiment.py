@@ -302,9 +302,9 @@ class Experiment:
         ``stop(position, partial)``: called after each batch but the last with the float64 sums
         so far of every trial still running (trial index -> output name -> [sum x^2, sum (x - y)^2,
         sum x y, sum y^2], x the reference's output); the trials it returns are not run on the
-        later batches.  Trial 0 always runs on.  Not
-        with a metric (a metric's value over part of the data is another quantity), and ignored
-        under torchrun (each rank sees only its share of the batches, and they must agree).
+        later batches.  Trial 0 always runs on.  Not with a metric (a metric's value over part
+        of the data is another quantity), and ignored under torchrun (each rank sees only its
+        share of the batches, and they must agree).
         """
         trials = list(trials)
         if stop is not None and self.metric is not None:
