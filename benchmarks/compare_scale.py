@@ -68,6 +68,8 @@ import torch.nn as nn
 from qdebug.engine.modules import QConv, QLinear
 from qdebug.tools.compare import compare
 import qdebug.measure.stats as stats_module
+from qdebug.measure import fused
+import qdebug.tools.compare as compare_module
 from qdebug.config.memory import reuse_freed_memory
 from qdebug.zoo import MobileNetV2, ResNet
 from workload import MODELS, calibrated, maxrss_mb, peak_rss_mb, proc_mb, random_batches
@@ -98,19 +100,26 @@ def run_compare(models: tuple[nn.Module, nn.Module], batches, isolated: bool):
 
 
 def compare_without_statistics(models: tuple[nn.Module, nn.Module], batches, isolated: bool, floor: bool) -> None:
-    """compare with ``ErrorStats.update`` a no-op (``floor`` False) or one fused pass over x and y
-    (``floor`` True): what the rest of compare costs, and the least its statistics could."""
-    real = stats_module.ErrorStats.update
+    """compare with its statistics off (``floor`` False) or replaced by one fused pass over each
+    (x, y) pair (``floor`` True): what the rest of compare costs, and the least its statistics
+    could.  Both ways in: ``update_together`` (as compare names it) and ``ErrorStats.update``."""
+    real_update, real_together = stats_module.ErrorStats.update, compare_module.update_together
 
-    def one_pass(self, x, y, **_):
+    def one_pass(x, y):
         if x.shape == y.shape and x.numel():
             float(torch.nn.functional.mse_loss(x.detach(), y.detach(), reduction="sum"))
 
-    stats_module.ErrorStats.update = one_pass if floor else (lambda self, *a, **k: None)
+    def together(x, compared):
+        for _, y, _ in compared:
+            if floor:
+                one_pass(x, y)
+
+    stats_module.ErrorStats.update = lambda self, x, y, **_: one_pass(x, y) if floor else None
+    compare_module.update_together = together
     try:
         run_compare(models, batches, isolated)
     finally:
-        stats_module.ErrorStats.update = real
+        stats_module.ErrorStats.update, compare_module.update_together = real_update, real_together
 
 
 def torch_ao_fake_quant(model: nn.Module, batch: int, size: int, seed: int) -> nn.Module:
@@ -413,6 +422,7 @@ def main() -> None:
                    "batch": args.batch, "batches": args.batches, "repeats": args.repeats,
                    "mem_size": args.mem_size, "mem_batch": args.mem_batch, "mem_batches": [few, many],
                    "parts": "".join(sorted(parts)), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "statistics": fused.describe(),
                    "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                    "seconds_total": time.perf_counter() - started},
         "time_s": times, "time_samples_s": samples, "memory": mem, "check": check, "notes": notes,
@@ -478,6 +488,7 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     cfg = results["config"]
     print(f"\n{NAMES[args.model]}, prepare mode {args.mode}, torch {cfg['torch']}, {cfg['threads']} threads, "
+          f"statistics by {cfg['statistics']}, "
           f"medians of {args.repeats}; load average {load_start[0]:.1f} at start, {cfg['loadavg_end'][0]:.1f} at end "
           f"(a shared machine: read the ratios); {cfg['seconds_total']:.0f} s in all.")
     if check is not None:

@@ -24,7 +24,11 @@ e = y - x, sums over every element of every batch):
 A perfect match gives sqnr_db = inf and cosine = 1; a NaN anywhere in y makes the
 sums NaN, and the metrics say so.
 
-Precision: each block of ``BLOCK`` values is reduced in the inputs' precision
+Two ways to the same sums.  Where the fused kernel is built (``qdebug.measure.fused``), the
+sums of float32 CPU tensors come from one pass of it, every value widened to float64 first;
+the KL and a saturation count from raw values still take torch ops.  Otherwise, and for a
+batch with a NaN/Inf (counted here), or other dtypes and devices: each block of ``BLOCK``
+values is reduced in the inputs' precision
 (float32 for float32/float16/bfloat16 inputs, float64 if either is float64) with
 torch's pairwise summation, and the block results accumulate in float64 across
 blocks and batches.  Every metric then has a relative error of about 1e-7 for
@@ -43,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from qdebug.measure import fused
 
 
 # Elements per block of ``ErrorStats.update`` (4 MB of float32): the working copies of a
@@ -157,6 +163,16 @@ def _reference_block(xb: torch.Tensor, channels: bool, ranges: bool) -> list:
     return [xx, lo, hi]
 
 
+def _count_outside(rb: torch.Tensor, clip: tuple[float, float]) -> torch.Tensor:
+    """How many values of a block of raw values lie outside ``clip`` (a 0-d tensor)."""
+    low, high = torch.aminmax(rb)
+    if not (bool(low < clip[0]) or bool(high > clip[1])):
+        return torch.zeros((), dtype=torch.int64)
+    outside = torch.lt(rb, clip[0], out=_scratch(0, rb, torch.bool))
+    outside |= torch.gt(rb, clip[1], out=_scratch(1, rb, torch.bool))
+    return torch.count_nonzero(outside)
+
+
 def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, reference: list, target: _Target,
                 dtype: torch.dtype) -> tuple[torch.Tensor, list | None]:
     """One block's partial results in ``dtype`` (see the positions above) and per-channel parts,
@@ -181,14 +197,7 @@ def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, ref
     zero = xb.new_zeros(())
     kl = _block_kl(xb, e) if target.want_kl else zero
     abs_err = e.abs_()  # e is not needed any more
-    saturated = zero
-    clip = target.clip
-    if clip is not None:
-        low, high = torch.aminmax(rb)
-        if bool(low < clip[0]) or bool(high > clip[1]):
-            outside = torch.lt(rb, clip[0], out=_scratch(0, rb, torch.bool))
-            outside |= torch.gt(rb, clip[1], out=_scratch(1, rb, torch.bool))
-            saturated = torch.count_nonzero(outside).to(dtype)
+    saturated = zero if target.clip is None else _count_outside(rb, target.clip).to(dtype)
     sums = torch.stack([sxx, syy, see, abs_err.sum(), kl, abs_err.max(), saturated])
     return sums, ch
 
@@ -243,6 +252,55 @@ def _fold(xv: torch.Tensor, targets: list[_Target], blocks: list, dtype: torch.d
                         "sae": totals[_SAE], "max": acc["max"], "nonfinite": acc["nonfinite"],
                         "saturated": int(totals[_SAT]), "kl_sum": totals[_KL], "ch": acc["ch"]})
     return results
+
+
+def _fold_fused(xv: torch.Tensor, targets: list[_Target], blocks: list, dtype: torch.dtype) -> list[dict | None]:
+    """``_fold``'s result for each target the fused kernel folds (``qdebug.measure.fused``: one
+    pass, sums in float64), None for the others: every target when there is no kernel or the
+    layout or dtype is not one it takes, and a target with a NaN/Inf (``_fold`` counts those).
+    Targets go through the kernel two at a time, and a target's sums are the same bits alone or
+    beside another, with or without its KL or saturation (``_kl_and_saturation``, torch ops)."""
+    results: list[dict | None] = [None] * len(targets)
+    if fused.KERNEL is None:
+        return results
+    as_rows = (lambda v: v) if xv.dim() == 3 else (lambda v: v.view(1, 1, -1))
+    x3, ys = as_rows(xv), [as_rows(t.yv) for t in targets]
+    if not fused.takes(x3, ys):
+        return results
+    for at in range(0, len(targets), 2):
+        for k, part in enumerate(fused.fold(x3, ys[at:at + 2]), start=at):
+            if part is None:
+                continue
+            target = targets[k]
+            ch = None
+            if target.channels:
+                ranges = (part["ch_min"], part["ch_max"]) if target.ranges else (None, None)
+                ch = [part["ch_xx"], part["ch_ee"], *ranges]
+            kl_sum, saturated = _kl_and_saturation(xv, target, blocks, dtype)
+            sxx, syy, see = part["sxx"], part["syy"], part["see"]
+            results[k] = {"sxx": sxx, "syy": syy, "sxy": (sxx + syy - see) / 2.0, "see": see,
+                          "sae": part["sae"], "max": part["max"], "nonfinite": 0, "saturated": saturated,
+                          "kl_sum": kl_sum, "ch": ch}
+    return results
+
+
+def _kl_and_saturation(xv: torch.Tensor, target: _Target, blocks: list, dtype: torch.dtype) -> tuple[float, int]:
+    """A finite target's KL sum and count of saturated raw values, block by block with torch ops
+    (0 for what it does not ask for); a block's KL that overflows float32 is redone in float64."""
+    kl, saturated = 0.0, 0
+    if not target.want_kl and target.clip is None:
+        return kl, saturated
+    for block in blocks:
+        if target.want_kl:
+            xb, yb = xv[block].to(dtype), target.yv[block].to(dtype)
+            value = float(_block_kl(xb, torch.sub(yb, xb, out=_scratch(0, xb))))
+            if not math.isfinite(value) and dtype != torch.float64:
+                x64 = xb.to(torch.float64)
+                value = float(_block_kl(x64, yb.to(torch.float64) - x64))
+            kl += value
+        if target.clip is not None:
+            saturated += int(_count_outside(target.rv[block], target.clip))
+    return kl, saturated
 
 
 @dataclass
@@ -308,7 +366,10 @@ class ErrorStats:
                 clip = ((qmin - zero_point - 0.5) * scale, (qmax - zero_point + 0.5) * scale)
         per_channel = x.dim() >= 2 and x.shape[1] > 1
         channels, want_kl = self.want_channels and per_channel, self.want_kl and per_channel
-        if (y is x and clip is None and not want_kl and not (channels and self.want_ranges)
+        # An exact match (y is x) takes one pass over x, unless the kernel folds x: then it folds
+        # x against itself, so the sums are those of an equal copy, bit for bit.
+        by_kernel = fused.KERNEL is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        if (y is x and clip is None and not want_kl and not (channels and self.want_ranges) and not by_kernel
                 and self._fold_identical(x, channels)):
             return None
         # Block by block (see BLOCK, _fold): float32 block sums accumulated in float64.
@@ -463,7 +524,13 @@ def update_together(x: torch.Tensor, compared: Sequence[tuple["ErrorStats", torc
     # slower than this.)
     for (by_channel, dtype), members in groups.items():
         xv = x.detach().reshape((x.shape[0], x.shape[1], -1) if by_channel else (-1,))
-        parts = _fold(xv, [target for _, target in members], _blocks(x.shape, by_channel), dtype)
+        targets = [target for _, target in members]
+        blocks = _blocks(x.shape, by_channel)
+        parts = _fold_fused(xv, targets, blocks, dtype)
+        rest = [k for k, part in enumerate(parts) if part is None]
+        if rest:
+            for k, part in zip(rest, _fold(xv, [targets[k] for k in rest], blocks, dtype)):
+                parts[k] = part
         for (stats, target), part in zip(members, parts):
             stats._absorb(part, x, target)
 

@@ -126,10 +126,22 @@ class Capture:
     agree, so after the first batch recording allocates nothing (no page faults,
     no heap fragmentation): records are valid until the next ``clear()``;
     ``release()`` drops the buffers.
+
+    With ``hold``, a value is recorded as the tensor itself, kept alive, unless an
+    earlier forward saw that slot written in place after it was recorded: a copy
+    costs a read and a write of every output, as much as the statistics' own pass.
+    ``settle()`` after the forward checks every held tensor's version counter (any
+    in-place op moves it); a held value that was written is marked for copying, and
+    the caller runs that forward again.
     """
 
     keep_inputs: bool | Callable[[Event], bool] = True  # or per call: whether to keep its inputs
+    hold: bool = False
     records: dict[str, Record] = field(default_factory=dict)
+    # (slot, the held tensor, its version when recorded), this forward
+    _held: list = field(default_factory=list, repr=False)
+    # slots seen written in place after they were recorded: copied from then on
+    _written: set = field(default_factory=set, repr=False)
     # id(original) -> (weak reference to it, its version when copied, the copy)
     _copies: dict[int, tuple] = field(default_factory=dict, repr=False)
     # (call name, part, index) -> the buffer that slot was copied into last time
@@ -155,28 +167,52 @@ class Capture:
         return map_tensors(obj, lambda t: self._copy(t, (*slot, next(index))))
 
     def _copy(self, t: torch.Tensor, slot: tuple) -> torch.Tensor:
+        version = _version(t)
         entry = self._copies.get(id(t))
-        if entry is not None:
-            ref, version, copy = entry
-            if ref() is t and t._version == version:  # the same tensor, not modified in place since
+        if entry is not None and version is not None:
+            ref, then, copy = entry
+            if ref() is t and version == then:  # the same tensor, not modified in place since
                 return copy
+        if self.hold and slot not in self._written and version is not None:
+            held = t.detach()  # the same storage and version counter
+            self._held.append((slot, held, version))
+            self._copies[id(t)] = (weakref.ref(t), version, held)
+            return held
         buffer = self._buffers.get(slot)
         if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype and buffer.device == t.device:
             copy = buffer.copy_(t.detach())
         else:
             copy = self._buffers[slot] = t.detach().clone()
-        self._copies[id(t)] = (weakref.ref(t), t._version, copy)
+        self._copies[id(t)] = (weakref.ref(t), version, copy)
         return copy
+
+    def settle(self) -> bool:
+        """After a forward with ``hold``: True when no held value was written in place since it
+        was recorded.  Otherwise those slots are copied from now on, and the records are not
+        the forward's values: run it again."""
+        written = {slot for slot, held, version in self._held if held._version != version}
+        self._written |= written
+        return not written
 
     def clear(self) -> None:
         """Forget the records (their buffers are reused by the next forward)."""
         self.records.clear()
         self._copies.clear()
+        self._held.clear()
 
     def release(self) -> None:
         """Forget the records and free the buffers."""
         self.clear()
         self._buffers.clear()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (moved by every in-place op), None for an inference tensor,
+    which keeps none: it is copied every time, never reused or held."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:

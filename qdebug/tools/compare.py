@@ -29,6 +29,7 @@ default thresholds).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -584,7 +585,9 @@ def compare(
         raise QDebugError("a model is compared with itself", "load each stage from its own checkpoint")
 
     # Inputs for the isolated replays; a recurrent layer's always (its step rows replay it).
-    capture = Capture(keep_inputs=True if isolated else (lambda event: bool(inner_rows("", event.call.module))))
+    # The reference's values are held, not copied, where no in-place op writes them (``Capture.hold``).
+    capture = Capture(keep_inputs=True if isolated else (lambda event: bool(inner_rows("", event.call.module))),
+                      hold=True)
     stats: dict = {}
     notes: dict = {}
     samples: dict = {}
@@ -618,9 +621,14 @@ def compare(
         with torch.no_grad():
             for batch_index, batch in group.shard(batches):  # every batch, or this rank's share (docs/scale.md)
                 inputs = getattr(batch, "inputs", batch)
-                capture.clear()
-                with tap(ref_model, capture):
-                    ref_out = run_model(ref_model, inputs)
+                for attempt in itertools.count():  # again when a held value was written in place
+                    capture.clear()
+                    with tap(ref_model, capture):
+                        ref_out = run_model(ref_model, inputs)
+                    if capture.settle():
+                        break
+                    if attempt:  # the slots written move from forward to forward: copy them all
+                        capture.hold = False
                 for call, record in capture.records.items():
                     for name, local in inner_rows(call, record.module):  # a recurrent layer's points first
                         if name not in kinds:
