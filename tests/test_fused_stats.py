@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from qdebug.engine import fake_quant
+from qdebug.engine.spec import QuantSpec
 from qdebug.measure import fused
 from qdebug.measure.stats import ErrorStats, update_together
 
@@ -242,3 +244,37 @@ def test_the_kernel_runs_on_torchs_own_openmp_runtime():
     with open("/proc/self/maps") as maps:
         runtimes = set(re.findall(r"\S*lib[gi]?omp[^/\s]*\.so[.\d]*", maps.read()))
     assert len(runtimes) <= 1, runtimes
+
+
+# -- the saturation count (qd_count_outside) ------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("size", [1, 15, 4097, 300_001])  # a tail; one thread; two threads
+def test_values_outside_a_range_are_counted_as_torch_counts_them(size):
+    gen = torch.Generator().manual_seed(size)
+    codes = (torch.randn(size, generator=gen) * 120).round()
+    codes[:: 7] = float("nan")  # never counted
+    codes[3 % size] = float("inf")
+    codes[5 % size] = -float("inf")
+    for lo, hi in ((-128.0, 127.0), (0.0, 255.0), (-1e30, 1e30)):
+        want = int(((codes < lo) | (codes > hi)).sum())
+        assert fused.count_outside(codes, lo, hi) == want == fake_quant._count_outside_by_torch(codes, lo, hi)
+
+
+@needs_kernel
+def test_the_count_leaves_to_torch_what_the_kernel_does_not_take():
+    codes = torch.arange(-300.0, 300.0)
+    assert fused.count_outside(codes.double(), -128, 127) is None
+    assert fused.count_outside(codes.view(20, 30).t(), -128, 127) is None  # not contiguous
+    assert fake_quant.count_outside(codes.view(20, 30).t(), -128, 127) == 600 - 256
+
+
+@needs_kernel
+def test_the_engine_counts_clipped_codes_with_the_kernel_and_gets_torchs_count(monkeypatch):
+    assert fake_quant._outside_counter is fused.count_outside  # installed when fused loads
+    x = torch.randn(4, 8, 30, 30) * 3
+    scale, zero_point = torch.tensor(0.02), torch.tensor(3)
+    spec = QuantSpec(symmetric=False)
+    out, clipped = fake_quant.fake_quantize_counting(x, scale, zero_point, spec)
+    monkeypatch.setattr(fake_quant, "_outside_counter", None)
+    out_torch, clipped_torch = fake_quant.fake_quantize_counting(x, scale, zero_point, spec)
+    assert clipped == clipped_torch > 0 and torch.equal(out, out_torch)

@@ -380,13 +380,38 @@ def fake_quantize_counting(
     only when some lie outside.  NaN is not counted; +-Inf is.
     """
     codes, z = _rounded_codes(x, scale, zero_point)
-    clipped = 0
-    if codes.numel():
-        low, high = torch.aminmax(codes)  # NaN in either: count (NaN compares false, so is not counted)
-        if not (float(low) >= spec.qmin and float(high) <= spec.qmax):
-            clipped = int(torch.count_nonzero(codes < spec.qmin)) + int(torch.count_nonzero(codes > spec.qmax))
+    clipped = count_outside(codes, spec.qmin, spec.qmax) if codes.numel() else 0
     out = codes.clamp_(spec.qmin, spec.qmax).sub_(z).mul_(scale.detach().reshape(()).to(torch.float32))
     return out, clipped
+
+
+def _count_outside_by_torch(t: torch.Tensor, lo: float, hi: float) -> int:
+    """How many values of ``t`` lie below ``lo`` or above ``hi`` (NaN is not counted, +-Inf is):
+    usually settled by one min/max pass, counted only when some lie outside."""
+    low, high = torch.aminmax(t)  # NaN in either: count (NaN compares false, so is not counted)
+    if float(low) >= lo and float(high) <= hi:
+        return 0
+    return int(torch.count_nonzero(t < lo)) + int(torch.count_nonzero(t > hi))
+
+
+def count_outside(t: torch.Tensor, lo: float, hi: float) -> int:
+    """``_count_outside_by_torch``'s count, by the one-pass counter ``use_outside_counter`` installed
+    where it takes ``t`` (``qdebug.measure.fused`` installs its C kernel's)."""
+    if _outside_counter is not None:
+        count = _outside_counter(t, lo, hi)
+        if count is not None:
+            return count
+    return _count_outside_by_torch(t, lo, hi)
+
+
+_outside_counter = None
+
+
+def use_outside_counter(counter) -> None:
+    """Count clipped codes with ``counter(t, lo, hi) -> int | None`` (None: not a tensor it
+    takes) before torch's ops.  The engine ships none: a measuring layer above installs one."""
+    global _outside_counter
+    _outside_counter = counter
 
 
 def quantize_to_int(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

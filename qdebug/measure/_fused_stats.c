@@ -28,6 +28,8 @@
  *     then per y number t, at 3c + t (c + 3):  sum e^2 per channel (c), sum y^2, sum |e|, max |e|
  * Sums add to what out holds and min/max fold with it: initialise min to +inf, max to -inf.
  * qd_fold returns 0, or -1 when it could not allocate its per-channel sums (out untouched).
+ *
+ * qd_count_outside, the saturation count of a fake quantizer's codes, shares the threads.
  */
 #include <Python.h>
 #include <stdint.h>
@@ -170,6 +172,35 @@ int qd_fold(const float *x, int64_t x_sn, int64_t x_sc, const float *y0, int64_t
     }
     free(parts);
     return failed ? -1 : 0;
+}
+
+/* How many of p's n values lie below lo or above hi (NaN is neither: not counted; +-Inf is):
+ * the values a fake quantizer's clamp changes, counted in one read where torch takes a min/max
+ * pass and, when some lie outside, two comparisons and two counts. */
+int64_t qd_count_outside(const float *p, int64_t n, float lo, float hi) {
+    int64_t count = 0;
+#ifdef _OPENMP
+#pragma omp parallel for reduction(+ : count) schedule(static) if (n >= SERIAL_BELOW)
+#endif
+    for (int64_t start = 0; start < n; start += 4096) {
+        const int64_t end = start + 4096 < n ? start + 4096 : n;
+        /* 4 lanes of 4096 / 4 counts at most: int32 lanes cannot overflow within a chunk. */
+        typedef float f4 __attribute__((vector_size(16)));
+        typedef int32_t i4 __attribute__((vector_size(16)));
+        i4 lanes = {0, 0, 0, 0};
+        int64_t i = start, outside = 0;
+        for (; i + 16 <= end; i += 16) {
+            __builtin_prefetch(p + i + AHEAD);
+            for (int k = 0; k < 16; k += 4) {
+                f4 v;
+                memcpy(&v, p + i + k, sizeof v);
+                lanes -= (v < lo) | (v > hi); /* a true comparison is -1 */
+            }
+        }
+        for (; i < end; i++) outside += (p[i] < lo) | (p[i] > hi);
+        count += outside + lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    }
+    return count;
 }
 
 /* An importable module, so that qdebug.measure.fused finds this file through the import system. */

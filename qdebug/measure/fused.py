@@ -13,6 +13,9 @@ is)::
 torch ops.  The kernel takes float32 CPU tensors whose rows are contiguous, and gives no
 result for an output with a NaN or Inf in it (or in x): the torch path counts those.  It runs
 on torch's own OpenMP threads, ``torch.get_num_threads()`` of them.
+
+The same library counts a fake quantizer's clipped codes in one pass (``count_outside``);
+loading this module installs it in the engine (``fake_quant.use_outside_counter``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import os
 from typing import Sequence
 
 import torch
+
+from qdebug.engine import fake_quant
 
 
 def _load():
@@ -38,10 +43,26 @@ def _load():
     function.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64, i64, i64, i64, pointer]
     function.restype = ctypes.c_int
     function.lanes = library.qd_lanes()  # doubles per vector register of the version this CPU runs
+    function.count_outside = library.qd_count_outside
+    function.count_outside.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_float]
+    function.count_outside.restype = i64
     return function
 
 
 KERNEL = _load()
+
+
+def count_outside(t: torch.Tensor, lo: float, hi: float) -> int | None:
+    """How many values of a contiguous float32 CPU tensor lie below ``lo`` or above ``hi`` (NaN
+    not counted, +-Inf counted), in one pass of the kernel; None for any other tensor.  ``lo``
+    and ``hi`` are a quantizer's integer code limits: exact in float32."""
+    if KERNEL is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return KERNEL.count_outside(t.data_ptr(), t.numel(), lo, hi)
+
+
+if KERNEL is not None:  # saturation counts in compare: one pass instead of up to five
+    fake_quant.use_outside_counter(count_outside)
 
 
 def describe() -> str:
