@@ -21,8 +21,8 @@ drawn from a seeded generator.
     layer of the compared model once more on the reference's inputs.  Reported beside them,
     for information: every time in units of F.  ``--breakdown`` adds where compare's time goes:
     compare with its statistics off (``ErrorStats.update`` a no-op: the forwards, the taps, the
-    replays) and with them replaced by one fused pass over each layer's two outputs
-    (``mse_loss(x, y, "sum")``: the least any statistic of x and y costs).
+    replays) and with them replaced by one read of each layer's two outputs (``x.sum()`` and
+    ``y.sum()``, torch's fastest pass over memory: the least any statistic of x and y costs).
 (b) Memory.  Peak RSS of ``compare`` over 32 batches / over 2 batches, each in a fresh
     subprocess (``--child``) whose batches are generated on the fly, so input data does not
     accumulate.  Target: <= 1.1.  The children run first, while this process is small, and
@@ -100,14 +100,13 @@ def run_compare(models: tuple[nn.Module, nn.Module], batches, isolated: bool):
 
 
 def compare_without_statistics(models: tuple[nn.Module, nn.Module], batches, isolated: bool, floor: bool) -> None:
-    """compare with its statistics off (``floor`` False) or replaced by one fused pass over each
-    (x, y) pair (``floor`` True): what the rest of compare costs, and the least its statistics
-    could.  Both ways in: ``update_together`` (as compare names it) and ``ErrorStats.update``."""
+    """compare with its statistics off (``floor`` False) or replaced by one read of each (x, y)
+    pair (``floor`` True): what the rest of compare costs, and the least its statistics could.  Both ways in: ``update_together`` (as compare names it) and ``ErrorStats.update``."""
     real_update, real_together = stats_module.ErrorStats.update, compare_module.update_together
 
     def one_pass(x, y):
         if x.shape == y.shape and x.numel():
-            float(torch.nn.functional.mse_loss(x.detach(), y.detach(), reduction="sum"))
+            float(x.detach().sum()) + float(y.detach().sum())
 
     def together(x, compared):
         for _, y, _ in compared:
@@ -333,7 +332,7 @@ def main() -> None:
     parser.add_argument("--mode", default="with_bn_reverse_fold", help="qdebug prepare mode of 'calibrated'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--breakdown", action="store_true",
-                        help="(a) also times compare with its statistics off and with a one-pass floor")
+                        help="(a) also times compare with its statistics off and with them one read of the outputs")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also cProfile one compare (isolated on) and print its top N functions to stderr")
     parser.add_argument("--json", default=None)
@@ -453,9 +452,17 @@ def main() -> None:
                                       ("compare", t_f + 2 * t_cal, "isolated, vs F + 2 C")):
                 full, none, floor = times[kind], times[f"{kind}_no_stats"], times[f"{kind}_floor"]
                 rows.append((f"(a) where compare's time goes, {label}: all / statistics off / statistics as one "
-                             "fused pass (mse_loss) -- the statistics' share, and the least they could cost",
+                             "read of x and y (sum) -- the statistics' share, and the least they could cost",
                              f"{base:.2f} s", f"{full:.2f} / {none:.2f} / {floor:.2f} s",
                              f"{full / base:.2f} / {none / base:.2f} / {floor / base:.2f}", "(info)"))
+            # Issue 36 restated: a comparison must read both outputs of every layer at least once, and
+            # where they outgrow the caches (MobileNetV2) that read alone costs more than 0.2 x (F + C).
+            # So the statistics are held to their floor: compare <= 1.2 x compare with them one read.
+            ratios = [times[kind] / times[f"{kind}_floor"] for kind in ("compare_noiso", "compare")]
+            rows.append(("(a') compare vs the same with its statistics one read of x and y: --no-isolated; isolated",
+                         f"{times['compare_noiso_floor']:.2f}; {times['compare_floor']:.2f} s",
+                         f"{times['compare_noiso']:.2f}; {times['compare']:.2f} s",
+                         f"{ratios[0]:.2f}; {ratios[1]:.2f}", "<= 1.2"))
     if "b" in parts:
         rss_few, rss_many = mem[f"compare_{few}"]["peak_rss_mb"], mem[f"compare_{many}"]["peak_rss_mb"]
         results["rss_ratio"] = rss_many / rss_few

@@ -396,7 +396,8 @@ def _unquantized_calls(model: nn.Module) -> set[str]:
     plan = engine_state(model).plan
     # A BN folded into its conv stands for conv + BN: its row carries the conv's weight point
     # (the conv's own row is skipped, "compared at its BN").
-    folded = {bn: conv for conv, bn in plan.pairs if conv in _folded_convs(model)}
+    folded_convs = _folded_convs(model)  # once: not once a pair (it walks the pairs itself)
+    folded = {bn: conv for conv, bn in plan.pairs if conv in folded_convs}
     found = set()
     for name, rec in plan.calls.items():
         if rec.point is not None or rec.category == "input":
