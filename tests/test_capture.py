@@ -97,6 +97,11 @@ class _Forwards:
         model.register_forward_pre_hook(lambda *_: setattr(self, "count", self.count + 1))
 
 
+def _calibrated(fp: nn.Module, batches: list) -> nn.Module:
+    cal = _calibrated(fp, batches)
+    return cal
+
+
 def _copying_capture(*args, **kwargs):
     kwargs["hold"] = False
     return Capture(*args, **kwargs)
@@ -106,8 +111,7 @@ def test_compare_gives_the_same_numbers_holding_or_copying_and_runs_the_first_ba
     torch.manual_seed(3)
     fp = _Chain().eval()
     batches = [torch.randn(3, 2, 8, 8) for _ in range(3)]
-    cal = prepare(fp, QConfig(), example_inputs=batches[0])
-    calibrate(cal, batches)
+    cal = _calibrated(fp, batches)
     forwards = _Forwards(fp)
     held = compare([("float", fp), ("calibrated", cal)], batches).frame
     # compare runs a copy of the reference (decomposed_copy) that shares its hooks: 3 batches + 1 rerun
@@ -144,8 +148,7 @@ def test_compare_copies_everything_when_the_written_values_move_between_forwards
     torch.manual_seed(4)
     fp = _Moving().eval()
     batches = [torch.randn(2, 2, 4, 4) for _ in range(2)]
-    cal = prepare(fp, QConfig(), example_inputs=batches[0])
-    calibrate(cal, batches)
+    cal = _calibrated(fp, batches)
     forwards = _Forwards(fp)
     result = compare([("float", fp), ("calibrated", cal)], batches)
     assert forwards.count == 3 + 1  # the first batch: held, held again, then all copied
@@ -172,7 +175,6 @@ def test_compare_takes_batches_made_in_inference_mode():
     fp = _Chain().eval()
     with torch.inference_mode():
         batches = [torch.randn(2, 2, 8, 8) for _ in range(2)]
-    cal = prepare(fp, QConfig(), example_inputs=batches[0])
-    calibrate(cal, batches)
+    cal = _calibrated(fp, batches)
     frame = compare([("float", fp), ("calibrated", cal)], batches).frame
     assert frame["sqnr_db"].notna().all() and (frame["sqnr_db"] > 20).all()
