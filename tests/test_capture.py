@@ -98,7 +98,8 @@ class _Forwards:
 
 
 def _calibrated(fp: nn.Module, batches: list) -> nn.Module:
-    cal = _calibrated(fp, batches)
+    cal = prepare(fp, QConfig(), example_inputs=batches[0])
+    calibrate(cal, batches)
     return cal
 
 

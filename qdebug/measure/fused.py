@@ -92,9 +92,7 @@ def fold(x: torch.Tensor, ys: Sequence[torch.Tensor]) -> list[dict | None]:
     if len(ys) not in (1, 2):
         raise ValueError(f"the kernel folds 1 or 2 outputs at a time, not {len(ys)}")
     n, c, m = x.shape
-    out = torch.zeros(3 * c + len(ys) * (c + 3), dtype=torch.float64)
-    out[c:2 * c] = math.inf
-    out[2 * c:3 * c] = -math.inf
+    out = _fresh(c, len(ys))
     y0, y1 = ys[0], ys[1] if len(ys) == 2 else None
     failed = KERNEL(x.data_ptr(), x.stride(0), x.stride(1), y0.data_ptr(), y0.stride(0), y0.stride(1),
                     y1.data_ptr() if y1 is not None else None, y1.stride(0) if y1 is not None else 0,
@@ -112,7 +110,24 @@ def fold(x: torch.Tensor, ys: Sequence[torch.Tensor]) -> list[dict | None]:
         if not all(map(math.isfinite, (sxx, syy, see, sae))):
             results.append(None)
             continue
-        results.append({"sxx": sxx, "syy": syy, "see": see, "sae": sae, "max": biggest,
-                        "ch_xx": ch_xx.clone(), "ch_ee": ch_ee.clone(),
-                        "ch_min": ch_min.clone(), "ch_max": ch_max.clone()})
+        # ``out`` is this call's own: the first y may keep its views; a second gets copies of the
+        # reference's part, since each y's channel sums are grown in place.
+        shared = (ch_xx, ch_min, ch_max) if t == 0 else (ch_xx.clone(), ch_min.clone(), ch_max.clone())
+        results.append({"sxx": sxx, "syy": syy, "see": see, "sae": sae, "max": biggest, "ch_xx": shared[0],
+                        "ch_ee": ch_ee, "ch_min": shared[1], "ch_max": shared[2]})
     return results
+
+
+_FRESH: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _fresh(c: int, outputs: int) -> torch.Tensor:
+    """``qd_fold``'s starting ``out`` for c channels and 1 or 2 outputs: sums 0, minima +inf,
+    maxima -inf (one copy of a kept template: cheaper than filling it op by op)."""
+    template = _FRESH.get((c, outputs))
+    if template is None:
+        template = torch.zeros(3 * c + outputs * (c + 3), dtype=torch.float64)
+        template[c:2 * c] = math.inf
+        template[2 * c:3 * c] = -math.inf
+        _FRESH[(c, outputs)] = template
+    return template.clone()

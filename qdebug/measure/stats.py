@@ -407,8 +407,8 @@ class ErrorStats:
         self.ch_xx += xx
         self.ch_ee += ee
         if lo is not None:
-            self.ch_min = torch.minimum(self.ch_min, lo)
-            self.ch_max = torch.maximum(self.ch_max, hi)
+            torch.minimum(self.ch_min, lo, out=self.ch_min)
+            torch.maximum(self.ch_max, hi, out=self.ch_max)
 
     def _fold_identical(self, x: torch.Tensor, channels: bool) -> bool:
         """Fold a batch whose y is x itself (an exact match): only sum(x^2) needs a pass
