@@ -278,3 +278,23 @@ def test_the_engine_counts_clipped_codes_with_the_kernel_and_gets_torchs_count(m
     monkeypatch.setattr(fake_quant, "_outside_counter", None)
     out_torch, clipped_torch = fake_quant.fake_quantize_counting(x, scale, zero_point, spec)
     assert clipped == clipped_torch > 0 and torch.equal(out, out_torch)
+
+
+def test_the_help_example_for_qdebug_fused_runs_as_printed():
+    """``qdebug --help`` shows ``QDEBUG_FUSED=0 qdebug compare ...``: run word for word from the
+    repository root, it compares on torch ops and gives the table the kernel gives."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run([sys.executable, "-m", "qdebug", "--help"], capture_output=True, text=True, check=True).stdout
+    example = re.search(r"Example: (QDEBUG_FUSED=0 qdebug compare \S+ \S+ --data \S+)", " ".join(shown.split()))
+    assert example is not None, shown
+    words = example.group(1).split()
+    tables = {}
+    for fused_env in ("0", "1"):
+        env = {**os.environ, "QDEBUG_FUSED": fused_env, "COLUMNS": "80"}
+        done = subprocess.run([sys.executable, "-m", "qdebug", *words[2:]], cwd=root, env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        tables[fused_env] = done.stdout
+    assert tables["0"] == tables["1"]

@@ -40,6 +40,9 @@ app = typer.Typer(
         "--data fixtures/demo/eval.pt\n\n"
         "A command keeps the memory of freed tensors for the next ones (glibc's malloc; QDEBUG_MALLOC=default leaves "
         "it as it is). Example: QDEBUG_MALLOC=default qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt "
+        "--data fixtures/demo/eval.pt\n\n"
+        "compare's statistics run in a C kernel where pip built one (QDEBUG_FUSED=0: on torch ops, same results "
+        "to ~1e-7). Example: QDEBUG_FUSED=0 qdebug compare fixtures/demo/float.pt fixtures/demo/qat.pt "
         "--data fixtures/demo/eval.pt"
     ),
     no_args_is_help=True,

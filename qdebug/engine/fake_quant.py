@@ -387,9 +387,10 @@ def fake_quantize_counting(
 
 def _count_outside_by_torch(t: torch.Tensor, lo: float, hi: float) -> int:
     """How many values of ``t`` lie below ``lo`` or above ``hi`` (NaN is not counted, +-Inf is):
-    usually settled by one min/max pass, counted only when some lie outside."""
+    usually settled by one min/max pass, counted only when some lie outside.  Every comparison
+    is torch's, in ``t``'s dtype."""
     low, high = torch.aminmax(t)  # NaN in either: count (NaN compares false, so is not counted)
-    if float(low) >= lo and float(high) <= hi:
+    if bool(low >= lo) and bool(high <= hi):
         return 0
     return int(torch.count_nonzero(t < lo)) + int(torch.count_nonzero(t > hi))
 

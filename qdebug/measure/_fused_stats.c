@@ -116,6 +116,24 @@ int qd_lanes(void) {
     return kernel_lanes;
 }
 
+static inline double min_(double a, double b) { return a < b ? a : b; }
+static inline double max_(double a, double b) { return a > b ? a : b; }
+
+/* One thread's part folded into out (the layout above): sums added, minima and maxima kept. */
+static void merge(double *out, const double *part, int64_t c, int T) {
+    for (int64_t i = 0; i < c; i++) {
+        out[i] += part[i];
+        out[c + i] = min_(out[c + i], part[c + i]);
+        out[2 * c + i] = max_(out[2 * c + i], part[2 * c + i]);
+    }
+    for (int t = 0; t < T; t++) {
+        double *to = out + 3 * c + t * (c + 3);
+        const double *from = part + 3 * c + t * (c + 3);
+        for (int64_t i = 0; i < c + 2; i++) to[i] += from[i]; /* sum e^2 per channel, sum y^2, sum |e| */
+        to[c + 2] = max_(to[c + 2], from[c + 2]);
+    }
+}
+
 /* Below this many values a call runs on one thread: waking the others costs more. */
 #define SERIAL_BELOW (1 << 16)
 
@@ -133,7 +151,7 @@ int qd_fold(const float *x, int64_t x_sn, int64_t x_sc, const float *y0, int64_t
     const int64_t width = 3 * c + (y1 ? 2 : 1) * (c + 3);
     double *parts = malloc(sizeof(double) * (size_t)(width * threads));
     if (!parts) return -1;
-    for (int t = 0; t < threads; t++) {
+    for (int t = 0; t < threads; t++) {  /* what out starts as: sums 0, minima +inf, maxima -inf */
         double *part = parts + t * width;
         for (int64_t i = 0; i < width; i++) part[i] = 0.0;
         for (int64_t i = c; i < 2 * c; i++) part[i] = __builtin_inf(), part[i + c] = -__builtin_inf();
@@ -154,22 +172,8 @@ int qd_fold(const float *x, int64_t x_sn, int64_t x_sc, const float *y0, int64_t
         }
     }
 #endif
-    if (!failed) {
-        for (int t = 0; t < used; t++) {
-            const double *part = parts + t * width;
-            for (int64_t i = 0; i < width; i++) {
-                const int64_t at = i < 3 * c ? i : (i - 3 * c) % (c + 3);
-                const int is_min = i >= c && i < 2 * c;
-                const int is_max = (i >= 2 * c && i < 3 * c) || (i >= 3 * c && at == c + 2);
-                if (is_min)
-                    out[i] = part[i] < out[i] ? part[i] : out[i];
-                else if (is_max)
-                    out[i] = part[i] > out[i] ? part[i] : out[i];
-                else
-                    out[i] += part[i];
-            }
-        }
-    }
+    if (!failed)
+        for (int t = 0; t < used; t++) merge(out, parts + t * width, c, y1 ? 2 : 1);
     free(parts);
     return failed ? -1 : 0;
 }

@@ -31,6 +31,7 @@ from qdebug.engine import fake_quant
 
 
 def _load():
+    """The kernel's library with its functions' signatures set, or None (not built, or off)."""
     if os.environ.get("QDEBUG_FUSED", "1") == "0":
         return None
     try:
@@ -38,18 +39,17 @@ def _load():
         library = ctypes.CDLL(_fused_stats.__file__)
     except (ImportError, OSError):
         return None
-    function = library.qd_fold
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64, i64, i64, i64, pointer]
-    function.restype = ctypes.c_int
-    function.lanes = library.qd_lanes()  # doubles per vector register of the version this CPU runs
-    function.count_outside = library.qd_count_outside
-    function.count_outside.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_float]
-    function.count_outside.restype = i64
-    return function
+    library.qd_fold.argtypes = [pointer, i64, i64, pointer, i64, i64, pointer, i64, i64, i64, i64, i64, pointer]
+    library.qd_fold.restype = ctypes.c_int
+    library.qd_count_outside.argtypes = [pointer, i64, ctypes.c_float, ctypes.c_float]
+    library.qd_count_outside.restype = i64
+    return library
 
 
-KERNEL = _load()
+_LIBRARY = _load()
+KERNEL = _LIBRARY.qd_fold if _LIBRARY is not None else None
+LANES = _LIBRARY.qd_lanes() if _LIBRARY is not None else 0  # doubles a vector register of the version this CPU runs
 
 
 def count_outside(t: torch.Tensor, lo: float, hi: float) -> int | None:
@@ -58,7 +58,7 @@ def count_outside(t: torch.Tensor, lo: float, hi: float) -> int | None:
     and ``hi`` are a quantizer's integer code limits: exact in float32."""
     if KERNEL is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
         return None
-    return KERNEL.count_outside(t.data_ptr(), t.numel(), lo, hi)
+    return _LIBRARY.qd_count_outside(t.data_ptr(), t.numel(), lo, hi)
 
 
 if KERNEL is not None:  # saturation counts in compare: one pass instead of up to five
@@ -69,7 +69,7 @@ def describe() -> str:
     """How the statistics are reduced here, for benchmark reports."""
     if KERNEL is None:
         return "torch ops (no fused kernel)"
-    return f"the fused kernel ({KERNEL.lanes} float64 lanes)"
+    return f"the fused kernel ({LANES} float64 lanes)"
 
 
 def takes(x: torch.Tensor, ys: Sequence[torch.Tensor]) -> bool:

@@ -48,6 +48,7 @@ from typing import Sequence
 
 import torch
 
+from qdebug.engine.fake_quant import count_outside
 from qdebug.measure import fused
 
 
@@ -163,16 +164,6 @@ def _reference_block(xb: torch.Tensor, channels: bool, ranges: bool) -> list:
     return [xx, lo, hi]
 
 
-def _count_outside(rb: torch.Tensor, clip: tuple[float, float]) -> torch.Tensor:
-    """How many values of a block of raw values lie outside ``clip`` (a 0-d tensor)."""
-    low, high = torch.aminmax(rb)
-    if not (bool(low < clip[0]) or bool(high > clip[1])):
-        return torch.zeros((), dtype=torch.int64)
-    outside = torch.lt(rb, clip[0], out=_scratch(0, rb, torch.bool))
-    outside |= torch.gt(rb, clip[1], out=_scratch(1, rb, torch.bool))
-    return torch.count_nonzero(outside)
-
-
 def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, reference: list, target: _Target,
                 dtype: torch.dtype) -> tuple[torch.Tensor, list | None]:
     """One block's partial results in ``dtype`` (see the positions above) and per-channel parts,
@@ -197,7 +188,7 @@ def _block_sums(xb: torch.Tensor, yb: torch.Tensor, rb: torch.Tensor | None, ref
     zero = xb.new_zeros(())
     kl = _block_kl(xb, e) if target.want_kl else zero
     abs_err = e.abs_()  # e is not needed any more
-    saturated = zero if target.clip is None else _count_outside(rb, target.clip).to(dtype)
+    saturated = zero if target.clip is None else zero + count_outside(rb, *target.clip)
     sums = torch.stack([sxx, syy, see, abs_err.sum(), kl, abs_err.max(), saturated])
     return sums, ch
 
@@ -299,7 +290,7 @@ def _kl_and_saturation(xv: torch.Tensor, target: _Target, blocks: list, dtype: t
                 value = float(_block_kl(x64, yb.to(torch.float64) - x64))
             kl += value
         if target.clip is not None:
-            saturated += int(_count_outside(target.rv[block], target.clip))
+            saturated += count_outside(target.rv[block], *target.clip)
     return kl, saturated
 
 
